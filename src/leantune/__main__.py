@@ -1,0 +1,5 @@
+import sys
+
+from leantune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""The ``leantune`` console script: ``leantune finetune ...`` and ``leantune make-tiny-model DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+COMMANDS = {
+    "finetune": "fine-tune a model (the same flags as python -m leantune.finetuning)",
+    "make-tiny-model": "build the tiny local Llama and its tokenizer in DIR (no download)",
+}
+
+
+def _make_tiny_model(argv: Sequence[str]) -> int:
+    from leantune.models.tiny import TINY_SHAPE, make_tiny_model
+
+    parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=COMMANDS["make-tiny-model"])
+    parser.add_argument("dir", help="output directory (must not exist or be empty)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    for name, default in TINY_SHAPE.items():
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"LlamaConfig.{name}")
+    args = parser.parse_args(argv)
+    shape = {name: getattr(args, name) for name in TINY_SHAPE}
+    try:
+        path = make_tiny_model(args.dir, seed=args.seed, **shape)
+    except (FileExistsError, ValueError) as err:
+        print(f"leantune: error: {err}", file=sys.stderr)
+        return 2
+    print(f"saved a tiny Llama ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) and its "
+          f"tokenizer to {path}; use it with --model_name {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: leantune COMMAND [flags]\n\ncommands:")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<16} {text}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "finetune":
+        from leantune.finetuning import main as finetune_main
+
+        return finetune_main(rest)
+    if command == "make-tiny-model":
+        return _make_tiny_model(rest)
+    print(f"leantune: error: unknown command {command!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

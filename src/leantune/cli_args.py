@@ -1,0 +1,133 @@
+"""Flags and config files → ``RunConfig``.
+
+``transformers.HfArgumentParser`` builds argparse from the config dataclasses. A YAML or JSON file
+given with ``--config`` is turned into flags placed *before* the command line's, so the command
+line overrides it and both go through the same type checks and error messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Sequence
+
+from transformers import HfArgumentParser
+
+from leantune.config import SECTIONS, ConfigError, RunConfig
+
+# llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
+# beats "unknown flag", and silently accepting them would make a run mean something else.
+COOKBOOK_ONLY_FLAGS = {
+    "enable_fsdp": "multi-GPU FSDP through torchrun is on the roadmap; run with --nproc_per_node 1 for now",
+    "low_cpu_fsdp": "FSDP is on the roadmap",
+    "pure_bf16": "use --model_dtype bfloat16",
+    "quantization": "quantized base weights are not supported yet",
+    "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
+    "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",
+    "num_freeze_layers": "layer freezing is not supported",
+    "freeze_LLM_only": "vision models are not supported",
+    "one_gpu": "leantune trains on one device unless launched with FSDP (roadmap)",
+    "use_wandb": "Weights & Biases logging is not supported; use --save_metrics",
+    "use_profiler": "the profiler hook is not supported yet",
+    "flop_counter": "FLOP counting is on the roadmap (MFU report)",
+    "save_optimizer": "optimizer checkpoints are on the roadmap (resume)",
+    "dist_checkpoint_root_folder": "distributed checkpoints are on the roadmap",
+    "dist_checkpoint_folder": "distributed checkpoints are on the roadmap",
+}
+
+
+class _Parser(HfArgumentParser):
+    def error(self, message):  # argparse would print the 40-flag usage and exit
+        raise ConfigError(message)
+
+
+def build_parser(prog: str = "leantune finetune") -> HfArgumentParser:
+    parser = _Parser(SECTIONS, prog=prog, allow_abbrev=False,
+                     description="Fine-tune a Llama-family causal LM (full or LoRA) on one device.")
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag: value pairs; flags override it.")
+    return parser
+
+
+def known_flags(parser: HfArgumentParser) -> list[str]:
+    return sorted(opt[2:] for action in parser._actions for opt in action.option_strings
+                  if opt.startswith("--") and opt != "--help")
+
+
+def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
+    """Parse command-line flags (and an optional ``--config`` file) into a ``RunConfig``.
+
+    Raises ``ConfigError`` naming the flag for unknown flags, invalid values and failed checks.
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    config_path, argv = _take_config_flag(argv)
+    file_args = _config_file_args(Path(config_path), parser) if config_path else []
+    *sections, remaining = parser.parse_args_into_dataclasses(
+        args=file_args + argv, return_remaining_strings=True, look_for_args_file=False)
+    if remaining:
+        raise ConfigError(_unknown_flags_message(remaining, parser))
+    return RunConfig(*sections[:len(SECTIONS)])
+
+
+def _take_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    rest, path = [], None
+    it = iter(argv)
+    for token in it:
+        if token == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config: expected a file path")
+        elif token.startswith("--config="):
+            path = token.split("=", 1)[1]
+        else:
+            rest.append(token)
+    return path, rest
+
+
+def _config_file_args(path: Path, parser: HfArgumentParser) -> list[str]:
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as err:  # yaml and json raise different types; both mean "not parseable"
+        raise ConfigError(f"--config: cannot parse {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    valid = known_flags(parser)
+    args: list[str] = []
+    for key, value in data.items():
+        if key not in valid:
+            raise ConfigError(f"--config: {path}: {_describe_unknown(str(key), valid)}")
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        args += [f"--{key}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
+    return args
+
+
+def _unknown_flags_message(remaining: list[str], parser: HfArgumentParser) -> str:
+    valid = known_flags(parser)
+    flags = [tok for tok in remaining if tok.startswith("-")]
+    if not flags:
+        return f"unexpected argument(s) {remaining}: leantune takes only --flag value pairs"
+    return "; ".join(_describe_unknown(tok.lstrip("-").split("=", 1)[0], valid) for tok in flags)
+
+
+def _describe_unknown(name: str, valid: list[str]) -> str:
+    if name in COOKBOOK_ONLY_FLAGS:
+        return f"--{name} is a llama-cookbook flag leantune does not support: {COOKBOOK_ONLY_FLAGS[name]}"
+    # A truncated flag (--batch_size for --batch_size_training) is the commonest slip; prefer a flag
+    # that starts with what was typed over the closest spelling.
+    close = sorted((f for f in valid if f.startswith(name)), key=len)[:1]
+    close = close or difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    hint = f"; did you mean --{close[0]}?" if close else "; see --help for the flags"
+    return f"unknown flag --{name}{hint}"

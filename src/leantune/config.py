@@ -1,0 +1,166 @@
+"""The typed configuration tree: the single source of every default.
+
+Each section is a dataclass whose fields are command-line flags (names and meanings follow
+llama-cookbook's ``train_config`` where it has them). ``RunConfig`` joins the sections and checks
+what spans several of them. ``leantune.cli_args`` turns flags and config files into a ``RunConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional
+
+from leantune.models.tiny import DEFAULT_MODEL_NAME
+
+
+class ConfigError(ValueError):
+    """An invalid flag value; the message names the flag and what would be valid."""
+
+
+def _help(text: str, **extra) -> dict:
+    return {"help": text, **extra}
+
+
+def _require(condition: bool, flag: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"--{flag}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    model_name: str = field(default=DEFAULT_MODEL_NAME, metadata=_help(
+        f"Local model directory or hub id. '{DEFAULT_MODEL_NAME}' builds a tiny Llama locally (no download)."))
+    tokenizer_name: Optional[str] = field(default=None, metadata=_help(
+        "Tokenizer directory or hub id; defaults to --model_name."))
+    model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
+        "Dtype of the loaded weights. auto: float32, except frozen LoRA base weights in bfloat16 on a "
+        "bfloat16-capable GPU with --mixed_precision."))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
+        "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
+
+    def __post_init__(self):
+        _require(bool(self.model_name.strip()), "model_name", "must not be empty")
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["alpaca_dataset", "custom_dataset"] = field(default="alpaca_dataset", metadata=_help(
+        "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
+        "custom_dataset: {prompt, completion} or {text} records from --data_path."))
+    data_path: Optional[str] = field(default=None, metadata=_help("A JSON or JSONL file of records."))
+    batching_strategy: Literal["packing", "padding"] = field(default="packing", metadata=_help(
+        "packing: fill every row with context_length tokens; padding: one example per row, padded."))
+    context_length: int = field(default=2048, metadata=_help("Tokens per row (packing) or the truncation length."))
+    val_fraction: float = field(default=0.05, metadata=_help("Fraction of records held out for validation."))
+    num_workers_dataloader: int = field(default=1, metadata=_help("DataLoader worker processes (0: in-process)."))
+
+    def __post_init__(self):
+        _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
+        _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
+        _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
+        _require(self.dataset != "custom_dataset" or bool(self.data_path), "data_path",
+                 "custom_dataset needs a file: pass --data_path FILE.jsonl")
+
+
+@dataclass
+class TrainingConfig:
+    batch_size_training: int = field(default=4, metadata=_help("Rows per training batch."))
+    val_batch_size: int = field(default=1, metadata=_help("Rows per validation batch."))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help("Batches per optimizer step."))
+    gradient_clipping: bool = field(default=False, metadata=_help("Clip the gradient norm."))
+    gradient_clipping_threshold: float = field(default=1.0, metadata=_help("Maximum gradient norm when clipping."))
+    num_epochs: int = field(default=3, metadata=_help("Passes over the training data."))
+    max_train_step: int = field(default=0, metadata=_help(
+        "Stop after this many training batches in all (0: no limit), as in llama-cookbook."))
+    max_eval_step: int = field(default=0, metadata=_help("Validation batches per evaluation (0: all)."))
+    lr: float = field(default=1e-4, metadata=_help("AdamW learning rate."))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    gamma: float = field(default=0.85, metadata=_help("Learning-rate decay per epoch (StepLR)."))
+    seed: int = field(default=42, metadata=_help("Seed for initialisation, shuffling and dropout."))
+    use_fp16: bool = field(default=False, metadata=_help("float16 autocast with loss scaling (CUDA only)."))
+    mixed_precision: bool = field(default=True, metadata=_help(
+        "bfloat16 autocast on GPUs that support it; float32 on the CPU."))
+    run_validation: bool = field(default=True, metadata=_help("Validate after each epoch."))
+
+    def __post_init__(self):
+        for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
+            value = getattr(self, name)
+            _require(value >= 1, name, f"must be at least 1 (got {value})")
+        _require(self.max_train_step >= 0, "max_train_step", "must be 0 (no limit) or more")
+        _require(self.max_eval_step >= 0, "max_eval_step", "must be 0 (no limit) or more")
+        _require(self.lr > 0, "lr", f"must be positive (got {self.lr})")
+        _require(self.weight_decay >= 0, "weight_decay", "must be 0 or more")
+        _require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1] (got {self.gamma})")
+        _require(self.gradient_clipping_threshold > 0, "gradient_clipping_threshold", "must be positive")
+
+
+@dataclass
+class PeftSettings:
+    use_peft: bool = field(default=False, metadata=_help("Train a LoRA adapter instead of all weights."))
+    peft_method: Literal["lora"] = field(default="lora", metadata=_help("The adapter kind (LoRA)."))
+    from_peft_checkpoint: str = field(default="", metadata=_help("Adapter directory to resume training from."))
+    lora_r: int = field(default=8, metadata=_help("LoRA rank."))
+    lora_alpha: int = field(default=32, metadata=_help("LoRA scaling numerator (scale = alpha / r)."))
+    lora_dropout: float = field(default=0.05, metadata=_help("Dropout on the LoRA branch's input."))
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=_help(
+        "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj)."))
+
+    def __post_init__(self):
+        self.lora_target_modules = [m for item in self.lora_target_modules for m in item.split(",") if m]
+        _require(self.lora_r >= 1, "lora_r", f"must be at least 1 (got {self.lora_r})")
+        _require(self.lora_alpha > 0, "lora_alpha", "must be positive")
+        _require(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        _require(bool(self.lora_target_modules), "lora_target_modules", "name at least one module")
+        _require(not self.from_peft_checkpoint or self.use_peft, "from_peft_checkpoint", "needs --use_peft")
+
+
+@dataclass
+class CheckpointingConfig:
+    enable_activation_checkpointing: bool = field(default=False, metadata=_help(
+        "Recompute decoder-layer activations in backward instead of keeping them (less memory, more compute)."))
+    activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
+        "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
+
+
+@dataclass
+class MemoryConfig:
+    enable_memory_monitoring: bool = field(default=False, metadata=_help(
+        "Record CPU RSS and accelerator memory per step to memory.jsonl and print a summary."))
+    memory_monitoring_interval: float = field(default=0.05, metadata=_help(
+        "Seconds the sampling thread sleeps between CPU RSS samples."))
+
+    def __post_init__(self):
+        _require(self.memory_monitoring_interval > 0, "memory_monitoring_interval",
+                 f"must be positive seconds (got {self.memory_monitoring_interval})")
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = field(default="out/leantune", metadata=_help("Where the model, metrics and memory log go."))
+    save_model: bool = field(default=True, metadata=_help("Save the adapter (LoRA) or the full model at the end."))
+    save_metrics: bool = field(default=False, metadata=_help("Write per-step metrics to metrics.json."))
+
+
+SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, CheckpointingConfig, MemoryConfig, OutputConfig)
+
+
+@dataclass
+class RunConfig:
+    """Every section of a run; built by ``leantune.cli_args.parse_run_config``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    peft: PeftSettings = field(default_factory=PeftSettings)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
+            raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
+
+    def flat(self) -> dict:
+        """All flags and their values, for logs and the metrics file."""
+        return {f.name: getattr(section, f.name)
+                for section in vars(self).values() for f in fields(section)}

@@ -1,0 +1,36 @@
+"""Datasets: records → token ids → packed or padded batches, split into train and validation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from leantune.config import DataConfig
+from leantune.data.batching import make_dataloader
+from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, format_prompt
+from leantune.data.records import DatasetError, read_records
+from leantune.data.synthetic import ASSET_PATH
+
+ENCODERS = {"alpaca_dataset": encode_alpaca, "custom_dataset": encode_custom}
+
+__all__ = ["DatasetError", "IGNORE_INDEX", "build_datasets", "format_prompt", "make_dataloader", "split_records"]
+
+
+def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded shuffle, then the first ``val_fraction`` (at least one record when > 0) is validation."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_val = 0 if val_fraction == 0 else max(1, round(len(records) * val_fraction))
+    if n_val >= len(records):
+        raise DatasetError(f"{len(records)} record(s) cannot be split with --val_fraction {val_fraction}; "
+                           "add data or lower --val_fraction")
+    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+
+
+def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[list, list]:
+    """Tokenized (train, validation) examples for ``cfg.dataset``."""
+    source = Path(cfg.data_path) if cfg.data_path else ASSET_PATH
+    records = read_records(source)
+    train, val = split_records(records, cfg.val_fraction, seed)
+    encode = ENCODERS[cfg.dataset]
+    return encode(train, tokenizer, source), encode(val, tokenizer, source)

@@ -1,0 +1,120 @@
+"""``python -m leantune.finetuning`` / ``torchrun ... -m leantune.finetuning`` / ``leantune finetune``.
+
+parse config → build → ``train()`` → save; whatever was built is closed in ``finally`` (the
+memory sampler stops and the metrics are written even when training fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from leantune.checkpointing import (CheckpointingError, FullCheckpointing, apply_activation_checkpointing,
+                                    inspect_checkpointing)
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError, RunConfig
+from leantune.data import DatasetError, build_datasets, make_dataloader
+from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
+from leantune.models.loading import (ModelLoadError, attach_lora, choose_dtype, count_parameters, load_model,
+                                     load_tokenizer)
+from leantune.precision import choose_device, choose_precision
+from leantune.train import Trainer
+
+# Errors a user can fix from the message alone: printed without a traceback.
+USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError)
+
+
+def checkpoint_policy(cfg: RunConfig):
+    """The activation checkpointing policy the config asks for, or None."""
+    ac = cfg.checkpointing
+    if not ac.enable_activation_checkpointing:
+        return None
+    return FullCheckpointing(use_reentrant=ac.activation_checkpointing_use_reentrant)
+
+
+def build_model(cfg: RunConfig, device: torch.device, log=print):
+    """Tokenizer and model on ``device``, with LoRA and checkpointing applied as configured."""
+    tokenizer = load_tokenizer(cfg.model)
+    dtype = choose_dtype(cfg.model, cfg.peft.use_peft, device, cfg.training.mixed_precision)
+    model = load_model(cfg.model, dtype)
+    if cfg.peft.use_peft:
+        model = attach_lora(model, cfg.peft)
+    model.to(device)
+    policy = checkpoint_policy(cfg)
+    report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
+    trainable, total = count_parameters(model)
+    log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
+        f"{str(dtype).removeprefix('torch.')} weights) on {device}")
+    log(report.summary_line())
+    return model, tokenizer
+
+
+def build_loaders(cfg: RunConfig, tokenizer, log=print):
+    train_examples, val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed)
+    common = dict(strategy=cfg.data.batching_strategy, context_length=cfg.data.context_length,
+                  pad_id=tokenizer.pad_token_id, seed=cfg.training.seed,
+                  num_workers=cfg.data.num_workers_dataloader)
+    train_loader = make_dataloader(train_examples, batch_size=cfg.training.batch_size_training, shuffle=True,
+                                   **common)
+    val_loader = None
+    if val_examples and cfg.training.run_validation:
+        val_loader = make_dataloader(val_examples, batch_size=cfg.training.val_batch_size, shuffle=False, **common)
+    source = cfg.data.data_path or "bundled instructions"
+    log(f"data: {cfg.data.dataset} from {source}: {len(train_examples)} train / {len(val_examples)} validation "
+        f"examples, {len(train_loader)} batches of {cfg.training.batch_size_training} x {cfg.data.context_length} "
+        f"({cfg.data.batching_strategy}) per epoch")
+    return train_loader, val_loader
+
+
+def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Trainer:
+    torch.manual_seed(cfg.training.seed)
+    device = choose_device(cfg.model)
+    precision = choose_precision(cfg.training, device)
+    model, tokenizer = build_model(cfg, device, log)
+    train_loader, val_loader = build_loaders(cfg, tokenizer, log)
+    if cfg.memory.enable_memory_monitoring:
+        path = Path(cfg.output.output_dir) / "memory.jsonl"
+        monitor = stack.enter_context(MemoryMonitor(path, device, cfg.memory.memory_monitoring_interval))
+        monitor.record(0, phase="setup")  # memory after loading the model, before the first step
+        log(f"memory monitoring: every step to {path}, CPU RSS sampled every {cfg.memory.memory_monitoring_interval} s")
+    else:
+        monitor = CurrentMemoryProbe(device)
+    log(f"precision: {precision.note}")
+    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log)
+
+
+def _check_single_process() -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConfigError(f"launched with {world} processes: multi-GPU (FSDP) training is on the roadmap; "
+                          "use torchrun --nproc_per_node 1 for now")
+
+
+def run(cfg: RunConfig, log=print) -> dict:
+    """Build, train and save; returns the trainer's results."""
+    _check_single_process()
+    with contextlib.ExitStack() as stack:
+        trainer = build_trainer(cfg, stack, log)
+        stack.callback(trainer.close)
+        results = trainer.train()
+        trainer.save()
+        return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse_run_config(argv)
+        run(cfg)
+    except USER_ERRORS as err:
+        print(f"leantune: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

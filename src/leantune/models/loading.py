@@ -1,0 +1,111 @@
+"""Loading the model and tokenizer (local directory or hub id) and attaching LoRA."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from leantune.config import ModelConfig, PeftSettings
+from leantune.models.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer cannot be loaded; the message names what and suggests a fix."""
+
+
+def resolve_model_path(name: str) -> str:
+    """The directory or hub id to load: builds the default tiny model on first use.
+
+    A name that looks like a filesystem path (absolute, ``./``, ``../``, ``~``) must exist: trying it
+    on the hub would only hide the typo behind a network error.
+    """
+    if name == DEFAULT_MODEL_NAME:
+        return str(ensure_default_model())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: pass a directory written by save_pretrained")
+        return str(path)
+    if path.exists():
+        raise ModelLoadError(f"--model_name {name} is a file; pass the model's directory")
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        raise ModelLoadError(f"model directory not found: {name} (check --model_name)")
+    return name  # a hub id such as meta-llama/Llama-3.2-1B
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(cfg.tokenizer_name or cfg.model_name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load the tokenizer from {source!r}: {err}") from None
+    if tokenizer.pad_token_id is None:
+        # Llama tokenizers ship without a pad token; padded positions are masked out of the loss,
+        # so reusing EOS for them changes nothing that is learned.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def choose_dtype(cfg: ModelConfig, use_peft: bool, device: torch.device, mixed_precision: bool) -> torch.dtype:
+    """Weights dtype. ``auto`` stores frozen LoRA base weights in bf16 on GPUs that support it (the
+    adapters stay float32 and the optimizer never sees the base), and float32 everywhere else."""
+    if cfg.model_dtype != "auto":
+        return getattr(torch, cfg.model_dtype)
+    if use_peft and mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    source = resolve_model_path(cfg.model_name)
+    hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "
+            "save_pretrained, or a hub id with network access.") from None
+    model.config.use_cache = False  # training never reads a KV cache; building one wastes memory
+    return model
+
+
+def attach_lora(model, cfg: PeftSettings):
+    """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        # peft still calls transformers' deprecated `is_gradient_checkpointing`; the warning is
+        # about peft's code, not the user's, and is fixed by upgrading peft.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if cfg.from_peft_checkpoint:
+            path = Path(cfg.from_peft_checkpoint)
+            if not (path / "adapter_config.json").is_file():
+                raise ModelLoadError(f"--from_peft_checkpoint {path}: no adapter_config.json there")
+            return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        return _new_lora(model, cfg)
+
+
+def _new_lora(model, cfg: PeftSettings):
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in cfg.lora_target_modules if m not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelLoadError(f"--lora_target_modules: {missing} not found in the model; its linear layers are {linear}")
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,121 @@
+"""A tiny Llama built locally, so the default run, the tests and the benchmarks need no network.
+
+The model is randomly initialised from a ``LlamaConfig`` with a fixed seed and its tokenizer is a
+byte-level BPE trained with the ``tokenizers`` library on the bundled instruction data. Both are
+written with ``save_pretrained``, so loading goes through the same ``from_pretrained`` path a hub
+model uses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_NAME = "leantune-tiny-llama"
+TINY_VERSION = "v1"
+PAD, BOS, EOS = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"
+
+# The default tiny shape: big enough that checkpointing has something to save, small enough that
+# a CPU trains it in minutes. Tests pass smaller overrides.
+TINY_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+TINY_VOCAB_SIZE = 2048
+
+
+def leantune_home() -> Path:
+    """Where leantune keeps what it builds for itself (``$LEANTUNE_HOME``, else ``~/.cache/leantune``)."""
+    return Path(os.environ.get("LEANTUNE_HOME", Path.home() / ".cache" / "leantune"))
+
+
+def default_model_dir() -> Path:
+    return leantune_home() / f"tiny-llama-{TINY_VERSION}"
+
+
+def _tokenizer_corpus() -> list[str]:
+    from leantune.data.formats import format_prompt
+    from leantune.data.synthetic import generate
+
+    return [format_prompt(r["instruction"], r["input"]) + r["output"] for r in generate()]
+
+
+def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
+    """Train a byte-level BPE tokenizer on the bundled instructions (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def build_model(tokenizer, seed: int = 0, **shape_overrides):
+    """A randomly initialised ``LlamaForCausalLM`` whose vocabulary matches ``tokenizer``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {**TINY_SHAPE, **shape_overrides}
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **shape,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def make_tiny_model(output_dir: str | os.PathLike, seed: int = 0, **shape_overrides) -> Path:
+    """Build the tiny model and tokenizer and save them to ``output_dir`` (created atomically).
+
+    The files are written to a temporary sibling first and moved into place in one rename, so a
+    crash or a concurrent caller never leaves a half-written model directory behind.
+    """
+    target = Path(output_dir)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty; choose a new directory for the tiny model")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = build_tokenizer()
+        build_model(tokenizer, seed=seed, **shape_overrides).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def ensure_default_model() -> Path:
+    """The default tiny model's directory, built on first use."""
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        print(f"leantune: building the default tiny Llama in {path} (once; no download)")
+        try:
+            make_tiny_model(path)
+        except OSError:
+            # A concurrent build that finished first makes our rename fail; theirs is complete.
+            if not (path / "config.json").exists():
+                raise
+    return path

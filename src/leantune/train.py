@@ -1,0 +1,267 @@
+"""The training loop: ``train()`` → ``train_epoch()`` → ``train_step()`` → ``loss_step()``.
+
+The trainer receives everything already built (model, loaders, precision, memory monitor) and
+never tests a feature flag: optional behaviour arrives as objects (a null monitor when memory
+monitoring is off, a loss function, a precision policy).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from leantune.checkpointing import unwrap_model
+from leantune.config import RunConfig
+from leantune.io import atomic_write_json, staged_directory
+from leantune.loss import causal_lm_loss_sum, count_targets
+from leantune.precision import Precision
+
+# Memory fields copied from the monitor's record into each step's metrics.
+_MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
+                  "peak_allocated_mib", "peak_active_mib", "device_used_mib")
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss per target token over the accumulation window
+    target_tokens: int
+    input_tokens: int
+    step_time_s: float
+    grad_norm: Optional[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.input_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of the decoder, without the LM head (the loss applies it).
+
+    No attention mask is passed: batches are right-padded and attention is causal, so real tokens
+    never see the padding, and padded positions carry no loss. Skipping the mask keeps SDPA on
+    its fused causal path and avoids building a batch x seq x seq mask.
+    """
+    decoder = unwrap_model(model).get_decoder()
+    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model, tokenizer, train_loader, val_loader, precision: Precision,
+                 monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print):
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.precision, self.monitor, self.loss_fn, self.log = precision, monitor, loss_fn, log
+        self.device = precision.device
+        self.lm_head = unwrap_model(model).get_output_embeddings()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=cfg.training.gamma)
+        self.steps: list[dict] = []
+        self.epochs: list[dict] = []
+        self.batches_seen = 0
+
+    # ----------------------------------------------------------------- loop
+    def train(self) -> dict:
+        tc = self.cfg.training
+        for epoch in range(tc.num_epochs):
+            if self._batch_budget() == 0:
+                break
+            summary = self.train_epoch(epoch)
+            self.scheduler.step()
+            if tc.run_validation and self.val_loader is not None:
+                summary.update(self.evaluate())
+            self.epochs.append(summary)
+            self.log(_epoch_line(summary))
+            self.write_metrics()
+        return self.results()
+
+    def train_epoch(self, epoch: int) -> dict:
+        self.model.train()
+        sampler = self.train_loader.batch_sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # a new, seeded shuffle each epoch
+        total = self._steps_this_epoch()
+        loss_sum, targets, steps, started = 0.0, 0, 0, time.perf_counter()
+        bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{self.cfg.training.num_epochs}", dynamic_ncols=True,
+                   disable=not sys.stderr.isatty(), mininterval=0.5)
+        write = self.log if bar.disable else bar.write  # bar.write keeps a live bar intact
+        with bar:
+            for window in self._windows():
+                result = self.train_step(window)
+                record = self._record_step(epoch, result)
+                loss_sum += result.loss * result.target_tokens
+                targets += result.target_tokens
+                steps += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:,.0f}",
+                                mem=_memory_postfix(record))
+                if steps == 1 or steps % max(1, total // 10) == 0 or steps == total:
+                    write(_step_line(record, steps, total))
+        train_loss = loss_sum / max(targets, 1)
+        return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": _perplexity(train_loss),
+                "steps": steps, "time_s": time.perf_counter() - started}
+
+    def train_step(self, window: list[dict]) -> StepResult:
+        """One optimizer step over an accumulation window of batches."""
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        targets = sum(count_targets(batch["labels"]) for batch in window)
+        loss_total = torch.zeros((), device=self.device)
+        for batch in window:
+            loss_total += self.loss_step(batch, normaliser=max(targets, 1))
+        grad_norm = self._clip_gradients()
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        loss = loss_total.item() / max(targets, 1)  # .item() also waits for the device to finish
+        input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)
+        return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm)
+
+    def loss_step(self, batch: dict, normaliser: int) -> torch.Tensor:
+        """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
+        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        with self.precision.autocast():
+            hidden = forward_hidden(self.model, input_ids)
+            loss_sum = self.loss_fn(hidden, self.lm_head, labels)
+        del hidden  # keep no reference of our own to activations (or logits) during backward
+        loss = loss_sum / normaliser
+        scaler = self.precision.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss_sum.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        loss_sum, targets = 0.0, 0
+        limit = self.cfg.training.max_eval_step
+        for index, batch in enumerate(self.val_loader):
+            if limit and index >= limit:
+                break
+            with self.precision.autocast():
+                hidden = forward_hidden(self.model, batch["input_ids"].to(self.device))
+                loss_sum += float(self.loss_fn(hidden, self.lm_head, batch["labels"].to(self.device)))
+            targets += count_targets(batch["labels"])
+        self.model.train()
+        val_loss = loss_sum / max(targets, 1)
+        return {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}
+
+    # ------------------------------------------------------------- helpers
+    def _windows(self) -> Iterator[list[dict]]:
+        """Accumulation windows of batches, stopping at ``--max_train_step`` batches in all."""
+        window: list[dict] = []
+        for batch in self.train_loader:
+            if self._batch_budget() == 0:
+                break
+            window.append(batch)
+            self.batches_seen += 1
+            if len(window) == self.cfg.training.gradient_accumulation_steps:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def _batch_budget(self) -> Optional[int]:
+        limit = self.cfg.training.max_train_step
+        return None if limit == 0 else max(0, limit - self.batches_seen)
+
+    def _steps_this_epoch(self) -> int:
+        batches = len(self.train_loader)
+        budget = self._batch_budget()
+        if budget is not None:
+            batches = min(batches, budget)
+        return math.ceil(batches / self.cfg.training.gradient_accumulation_steps)
+
+    def _clip_gradients(self) -> Optional[float]:
+        tc = self.cfg.training
+        if not tc.gradient_clipping:
+            return None
+        if self.precision.scaler is not None:
+            self.precision.scaler.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
+
+    def _record_step(self, epoch: int, result: StepResult) -> dict:
+        step = len(self.steps) + 1
+        memory = self.monitor.record(step)
+        record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
+                  "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
+        self.steps.append(record)
+        return record
+
+    # -------------------------------------------------------------- outputs
+    def results(self) -> dict:
+        times = [s["step_time_s"] for s in self.steps[1:]] or [s["step_time_s"] for s in self.steps]
+        return {"steps": len(self.steps), "epochs": self.epochs,
+                "first_loss": self.steps[0]["loss"] if self.steps else None,
+                "last_loss": self.steps[-1]["loss"] if self.steps else None,
+                "median_step_time_s": statistics.median(times) if times else None,
+                "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in self.steps) if self.steps else None}
+
+    def write_metrics(self) -> Optional[Path]:
+        if not self.cfg.output.save_metrics:
+            return None
+        path = Path(self.cfg.output.output_dir) / "metrics.json"
+        atomic_write_json(path, {"config": self.cfg.flat(), "summary": self.results(),
+                                 "train_steps": self.steps, "epochs": self.epochs})
+        return path
+
+    def save(self) -> Optional[Path]:
+        """Save the adapter (LoRA) or the full model, plus the tokenizer, to ``output_dir``."""
+        if not self.cfg.output.save_model:
+            return None
+        out = Path(self.cfg.output.output_dir)
+        to_save = self.model if self.cfg.peft.use_peft else unwrap_model(self.model)
+        with staged_directory(out) as staging:
+            to_save.save_pretrained(staging, safe_serialization=True)
+            self.tokenizer.save_pretrained(staging)
+        kind = "LoRA adapter" if self.cfg.peft.use_peft else "model"
+        self.log(f"saved the {kind} and tokenizer to {out}")
+        return out
+
+    def close(self) -> None:
+        """Write whatever metrics exist (also after a failure) and print the memory summary."""
+        self.write_metrics()
+        for line in self.monitor.summary_lines():
+            self.log(line)
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else float("inf")
+
+
+def _memory_postfix(record: dict) -> str:
+    if record.get("peak_allocated_mib") is not None:
+        return f"{record['peak_allocated_mib']:.0f}MiB"
+    if record.get("cpu_rss_peak_mib") is not None:
+        return f"rss {record['cpu_rss_peak_mib']:.0f}MiB"
+    return "-"
+
+
+def _step_line(record: dict, step_in_epoch: int, total_in_epoch: int) -> str:
+    line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {record['loss']:.4f}, "
+            f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step")
+    if record.get("peak_allocated_mib") is not None:
+        line += f", peak {record['peak_allocated_mib']:.0f} MiB"
+    elif record.get("cpu_rss_peak_mib") is not None:
+        line += f", RSS {record['cpu_rss_peak_mib']:.0f} MiB"
+    return line
+
+
+def _epoch_line(summary: dict) -> str:
+    line = (f"epoch {summary['epoch']}: train loss {summary['train_loss']:.4f} "
+            f"(perplexity {summary['train_perplexity']:.2f}), {summary['steps']} steps in {summary['time_s']:.1f} s")
+    if "val_loss" in summary:
+        line += f"; validation loss {summary['val_loss']:.4f} (perplexity {summary['val_perplexity']:.2f})"
+    return line

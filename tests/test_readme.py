@@ -1,0 +1,30 @@
+"""The README's two set-up commands stay true: CI runs its test command, its flags parse."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from leantune.cli_args import parse_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = _bash_blocks()[2].strip()  # the tests block, after the cookbook example and the quickstart
+    assert test_command.endswith("python -m pytest")
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command.split("&&")[-1].strip() in ci_lines
+
+
+def test_quickstart_flags_parse():
+    quickstart = _bash_blocks()[1].strip()
+    assert "pip install torch==2.13.0" in quickstart
+    finetune = quickstart.split("leantune finetune", 1)[1]
+    cfg = parse_run_config(shlex.split(finetune))
+    assert cfg.checkpointing.enable_activation_checkpointing and cfg.memory.enable_memory_monitoring
