@@ -13,29 +13,7 @@ from leantune.memory.meter import ActivationMeter
 from leantune.models.loading import attach_lora
 from leantune.train import forward_hidden
 
-
-def _batch(vocab: int, batch: int = 2, seq: int = 64, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch, seq), generator=generator)
-    labels = ids.clone()
-    labels[:, : seq // 4] = -100  # a masked prompt, as in real batches
-    return ids, labels
-
-
-def _with_lora(model, seed: int = 0):
-    """LoRA with random B (peft zero-initialises B, which would make every A gradient zero)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "down_proj"],
-                        init_lora_weights=False, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
-
-
-def _gradients(model, ids, labels, seed: int = 123):
-    torch.manual_seed(seed)  # the same dropout masks in both runs
-    causal_lm_loss_sum(forward_hidden(model, ids), model.get_output_embeddings(), labels).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+from helpers import activation_bytes, gradients, make_batch, with_lora
 
 
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full-ft", "lora"])
@@ -43,34 +21,25 @@ def _gradients(model, ids, labels, seed: int = 123):
 def test_gradients_equal_exactly_in_float32(load_tiny, use_lora, reentrant):
     plain, checkpointed = load_tiny(), load_tiny()
     if use_lora:
-        plain, checkpointed = _with_lora(plain), _with_lora(checkpointed)
+        plain, checkpointed = with_lora(plain), with_lora(checkpointed)
     report = apply_activation_checkpointing(checkpointed, FullCheckpointing(use_reentrant=reentrant))
     assert report.checkpointed_layers == report.total_layers == 2
-    ids, labels = _batch(plain.config.vocab_size)
-    expected, actual = _gradients(plain, ids, labels), _gradients(checkpointed, ids, labels)
+    ids, labels = make_batch(plain.config.vocab_size)
+    expected, actual = gradients(plain, ids, labels), gradients(checkpointed, ids, labels)
     assert expected.keys() == actual.keys() and len(expected) > 0
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
     assert any(g.abs().sum() > 0 for g in actual.values())
 
 
-def _decoder_activation_bytes(model, ids) -> int:
-    meter = ActivationMeter.for_model(model)
-    with meter:
-        hidden = forward_hidden(model, ids)
-        live = meter.live_bytes()
-    del hidden
-    return live
-
-
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full-ft", "lora"])
 def test_checkpointing_cuts_activation_memory_by_70_percent(load_tiny, use_lora):
     plain, checkpointed = load_tiny(), load_tiny()
     if use_lora:
-        plain, checkpointed = _with_lora(plain), _with_lora(checkpointed)
+        plain, checkpointed = with_lora(plain), with_lora(checkpointed)
     apply_activation_checkpointing(checkpointed, FullCheckpointing())
-    ids, _ = _batch(plain.config.vocab_size, batch=2, seq=256)
-    without, with_ac = _decoder_activation_bytes(plain, ids), _decoder_activation_bytes(checkpointed, ids)
+    ids, _ = make_batch(plain.config.vocab_size, batch=2, seq=256)
+    (without, _), (with_ac, _) = activation_bytes(plain, ids), activation_bytes(checkpointed, ids)
     assert without > 1_000_000  # the meter really sees the activations
     assert with_ac <= 0.30 * without, (with_ac, without)
 
@@ -126,7 +95,7 @@ def test_reentrant_lora_trains_without_user_setup(load_tiny):
     """Reentrant checkpointing with frozen embeddings needs inputs that require grad; leantune sets it."""
     model = attach_lora(load_tiny(), PeftSettings(use_peft=True, lora_dropout=0.0))
     apply_activation_checkpointing(model, FullCheckpointing(use_reentrant=True))
-    ids, labels = _batch(model.config.vocab_size)
+    ids, labels = make_batch(model.config.vocab_size)
     loss = causal_lm_loss_sum(forward_hidden(model, ids), model.get_output_embeddings(), labels)
     assert loss.grad_fn is not None
     loss.backward()

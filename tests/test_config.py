@@ -56,6 +56,15 @@ def test_every_listed_flag_is_accepted():
     assert flat["lora_target_modules"] == ["q_proj", "k_proj"] and flat["from_peft_checkpoint"] == "ckpt"
 
 
+def test_checkpointing_modes_resolve():
+    assert parse_run_config([]).checkpointing.mode is None
+    assert parse_run_config(["--enable_activation_checkpointing"]).checkpointing.mode == "full"
+    every = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "3"])
+    assert every.checkpointing.mode == "every_n" and every.checkpointing.activation_checkpointing_every_n == 3
+    sel = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"])
+    assert sel.checkpointing.mode == "selective_ops"
+
+
 def test_comma_separated_target_modules():
     assert parse_run_config(["--lora_target_modules", "q_proj,k_proj,v_proj"]).peft.lora_target_modules == [
         "q_proj", "k_proj", "v_proj"]
@@ -99,6 +108,16 @@ def test_unknown_key_in_config_file_is_an_error(tmp_path):
     (["--dataset", "custom_dataset"], r"--data_path: custom_dataset needs a file"),
     (["--from_peft_checkpoint", "x"], r"--from_peft_checkpoint: needs --use_peft"),
     (["stray"], r"unexpected argument"),
+    (["--activation_checkpointing_mode", "offload"], r"offload has no effect without --enable_activation_checkpointing"),
+    (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
+      "--activation_checkpointing_use_reentrant"], r"selective_ops: needs non-reentrant checkpointing"),
+    (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload",
+      "--activation_checkpointing_use_reentrant"], r"offload: needs non-reentrant checkpointing"),
+    (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
+      "--activation_checkpointing_every_n", "3"], r"--activation_checkpointing_every_n: applies to .* every_n, not full"),
+    (["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "0"], r"must be at least 1"),
+    (["--activation_checkpointing_mode", "partial"], r"--activation_checkpointing_mode.*invalid choice"),
+    (["--loss_chunk_size", "-1"], r"--loss_chunk_size: must be 0 \(plain loss\) or a positive"),
 ])
 def test_bad_input_names_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -49,13 +49,18 @@ def test_loss_falls_on_the_bundled_data(tiny_model_dir, tmp_path):
 RECORDED_LOSSES = [7.602627, 7.576185, 7.631183, 7.591463]
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_seeded_run_matches_recorded_losses(tiny_model_dir, tmp_path, checkpointing):
+@pytest.mark.parametrize("flags", [
+    [], ["--enable_activation_checkpointing"],
+    ["--enable_activation_checkpointing", "--activation_checkpointing_use_reentrant", "--loss_chunk_size", "0"],
+    ["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "2"],
+    ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"],
+    ["--loss_chunk_size", "100"],
+], ids=["plain", "full", "full-reentrant-plain-loss", "every_n", "selective_ops", "chunked-loss-only"])
+def test_seeded_run_matches_recorded_losses(tiny_model_dir, tmp_path, flags):
+    """Checkpointing modes and the chunked loss change memory, not the numbers."""
     argv = ["--model_name", str(tiny_model_dir), "--use_peft", "--lora_dropout", "0.1", "--lr", "1e-3",
             "--max_train_step", "8", "--gradient_accumulation_steps", "2", "--save_model", "false",
-            "--save_metrics", "--run_validation", "false", "--output_dir", str(tmp_path), *FAST]
-    if checkpointing:
-        argv.append("--enable_activation_checkpointing")
+            "--save_metrics", "--run_validation", "false", "--output_dir", str(tmp_path), *FAST, *flags]
     _run(argv)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     losses = [s["loss"] for s in metrics["train_steps"]]
@@ -141,6 +146,26 @@ def test_malformed_dataset_line_is_reported_with_file_and_line(tiny_model_dir, t
     code = main(["--model_name", str(tiny_model_dir), "--data_path", str(bad), "--output_dir", str(tmp_path), *FAST])
     assert code == 1
     assert f"{bad}:2: malformed JSON line" in capsys.readouterr().err
+
+
+def test_offload_on_a_cpu_only_machine_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has an accelerator")
+    code = main(["--model_name", str(tiny_model_dir), "--enable_activation_checkpointing",
+                 "--activation_checkpointing_mode", "offload", "--output_dir", str(tmp_path), *FAST])
+    err = capsys.readouterr().err
+    assert code == 1 and "on a CPU-only machine they already live in host memory" in err and "Traceback" not in err
+
+
+def test_the_loss_in_force_is_printed(tiny_model_dir, tmp_path):
+    lines: list[str] = []
+    _run(["--model_name", str(tiny_model_dir), "--enable_activation_checkpointing", "--max_train_step", "1",
+          "--save_model", "false", "--run_validation", "false", "--output_dir", str(tmp_path), *FAST], lines)
+    assert any(line.startswith("loss: chunked cross-entropy") for line in lines)
+    lines.clear()
+    _run(["--model_name", str(tiny_model_dir), "--max_train_step", "1", "--save_model", "false",
+          "--run_validation", "false", "--output_dir", str(tmp_path), *FAST], lines)
+    assert any(line.startswith("loss: plain cross-entropy") for line in lines)
 
 
 def test_unknown_flag_and_zero_batch_exit_with_usage_errors(capsys):

@@ -81,6 +81,9 @@ class TrainingConfig:
     mixed_precision: bool = field(default=True, metadata=_help(
         "bfloat16 autocast on GPUs that support it; float32 on the CPU."))
     run_validation: bool = field(default=True, metadata=_help("Validate after each epoch."))
+    loss_chunk_size: Optional[int] = field(default=None, metadata=_help(
+        "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
+        "0: plain loss; default: chunked (about 128 MiB of logits a chunk) when checkpointing is on, plain otherwise."))
 
     def __post_init__(self):
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
@@ -92,6 +95,8 @@ class TrainingConfig:
         _require(self.weight_decay >= 0, "weight_decay", "must be 0 or more")
         _require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1] (got {self.gamma})")
         _require(self.gradient_clipping_threshold > 0, "gradient_clipping_threshold", "must be positive")
+        _require(self.loss_chunk_size is None or self.loss_chunk_size >= 0, "loss_chunk_size",
+                 f"must be 0 (plain loss) or a positive number of tokens (got {self.loss_chunk_size})")
 
 
 @dataclass
@@ -120,6 +125,36 @@ class CheckpointingConfig:
         "Recompute decoder-layer activations in backward instead of keeping them (less memory, more compute)."))
     activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
         "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
+    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload"]] = field(
+        default=None, metadata=_help(
+            "full (default): recompute every decoder layer; every_n: checkpoint one layer in N; selective_ops: "
+            "save attention and projection outputs, recompute the cheap ops (LoRA-aware); offload: full, with the "
+            "layers' saved inputs in pinned host memory (CUDA)."))
+    activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
+        "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
+
+    def __post_init__(self):
+        mode, every_n = self.activation_checkpointing_mode, self.activation_checkpointing_every_n
+        if mode is None and every_n is not None:
+            mode = self.activation_checkpointing_mode = "every_n"
+        if not self.enable_activation_checkpointing:
+            _require(mode is None, "activation_checkpointing_mode",
+                     f"{mode} has no effect without --enable_activation_checkpointing; add it")
+            return
+        _require(every_n is None or mode == "every_n", "activation_checkpointing_every_n",
+                 f"applies to --activation_checkpointing_mode every_n, not {mode}")
+        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
+                 f"must be at least 1 (got {every_n})")
+        if self.activation_checkpointing_use_reentrant and mode in ("selective_ops", "offload"):
+            raise ConfigError(f"--activation_checkpointing_mode {mode}: needs non-reentrant checkpointing; "
+                              "drop --activation_checkpointing_use_reentrant")
+
+    @property
+    def mode(self) -> Optional[str]:
+        """The mode in force: None when checkpointing is off, ``full`` unless another was chosen."""
+        if not self.enable_activation_checkpointing:
+            return None
+        return self.activation_checkpointing_mode or "full"
 
 
 @dataclass

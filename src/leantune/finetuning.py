@@ -14,11 +14,12 @@ from typing import Sequence
 
 import torch
 
-from leantune.checkpointing import (CheckpointingError, FullCheckpointing, apply_activation_checkpointing,
-                                    inspect_checkpointing)
+from leantune.checkpointing import (CheckpointingError, apply_activation_checkpointing, inspect_checkpointing,
+                                    policy_for_mode, unwrap_model)
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
+from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
 from leantune.models.loading import (ModelLoadError, attach_lora, choose_dtype, count_parameters, load_model,
                                      load_tokenizer)
@@ -32,9 +33,25 @@ USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError)
 def checkpoint_policy(cfg: RunConfig):
     """The activation checkpointing policy the config asks for, or None."""
     ac = cfg.checkpointing
-    if not ac.enable_activation_checkpointing:
+    if ac.mode is None:
         return None
-    return FullCheckpointing(use_reentrant=ac.activation_checkpointing_use_reentrant)
+    return policy_for_mode(ac.mode, every_n=ac.activation_checkpointing_every_n or 2,
+                           use_reentrant=ac.activation_checkpointing_use_reentrant)
+
+
+def loss_function(cfg: RunConfig, vocab_size: int):
+    """Chunked cross-entropy when asked for (by default whenever checkpointing is on), else plain."""
+    chunk = cfg.training.loss_chunk_size
+    if chunk is None:
+        chunk = auto_chunk_size(vocab_size) if cfg.checkpointing.mode else 0
+    return ChunkedCrossEntropy(chunk) if chunk > 0 else causal_lm_loss_sum
+
+
+def describe_loss(loss_fn) -> str:
+    if isinstance(loss_fn, ChunkedCrossEntropy):
+        return (f"loss: chunked cross-entropy, {loss_fn.chunk_size} tokens per chunk "
+                "(logits of at most one chunk exist at a time, none are kept for backward)")
+    return "loss: plain cross-entropy (full-vocabulary float32 logits kept for backward)"
 
 
 def build_model(cfg: RunConfig, device: torch.device, log=print):
@@ -85,7 +102,9 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Tra
     else:
         monitor = CurrentMemoryProbe(device)
     log(f"precision: {precision.note}")
-    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log)
+    loss_fn = loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0])
+    log(describe_loss(loss_fn))
+    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, loss_fn=loss_fn, log=log)
 
 
 def _check_single_process() -> None:

@@ -8,14 +8,19 @@ from leantune.checkpointing.apply import (
     inspect_checkpointing,
     unwrap_model,
 )
-from leantune.checkpointing.policies import CheckpointPolicy, EveryNLayers, FullCheckpointing
+from leantune.checkpointing.policies import (MODES, CheckpointPolicy, EveryNLayers, FullCheckpointing,
+                                             OffloadCheckpointing, SelectiveOps, policy_for_mode)
 
 __all__ = [
+    "MODES",
+    "policy_for_mode",
     "CheckpointPolicy",
     "CheckpointingError",
     "CheckpointingReport",
     "EveryNLayers",
     "FullCheckpointing",
+    "OffloadCheckpointing",
+    "SelectiveOps",
     "apply_activation_checkpointing",
     "decoder_layers",
     "inspect_checkpointing",

@@ -28,6 +28,7 @@ class CheckpointingReport:
     total_layers: int
     use_reentrant: bool | None
     policy: str
+    layer_indices: tuple[int, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -37,7 +38,8 @@ class CheckpointingReport:
         if not self.enabled:
             return f"activation checkpointing: off, 0/{self.total_layers} decoder layers"
         flavour = "reentrant" if self.use_reentrant else "non-reentrant"
-        return (f"activation checkpointing: on, {self.checkpointed_layers}/{self.total_layers} decoder layers, "
+        which = "" if self.checkpointed_layers == self.total_layers else f" ({', '.join(map(str, self.layer_indices))})"
+        return (f"activation checkpointing: on, {self.checkpointed_layers}/{self.total_layers} decoder layers{which}, "
                 f"{flavour}, policy {self.policy}")
 
 
@@ -63,7 +65,8 @@ def _foreign_wrappers(model: torch.nn.Module) -> list[str]:
 def inspect_checkpointing(model: torch.nn.Module) -> CheckpointingReport:
     """Read what is really in force from the layers themselves (flags and checkpoint functions)."""
     layers = decoder_layers(model)
-    active = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False)]
+    indices = tuple(i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False))
+    active = [layers[i] for i in indices]
     use_reentrant = None
     if active:
         func = getattr(active[0], "_gradient_checkpointing_func", None)
@@ -71,7 +74,7 @@ def inspect_checkpointing(model: torch.nn.Module) -> CheckpointingReport:
         use_reentrant = bool(getattr(func, "keywords", {}).get("use_reentrant", True))
     policy = getattr(unwrap_model(model), "_leantune_checkpoint_policy", None)
     name = policy.describe() if policy is not None else ("external" if active else "none")
-    return CheckpointingReport(len(active), len(layers), use_reentrant, name)
+    return CheckpointingReport(len(active), len(layers), use_reentrant, name, indices)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPolicy) -> CheckpointingReport:
@@ -82,6 +85,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     """
     hf_model = unwrap_model(model)
     _check_can_apply(model, hf_model)
+    try:
+        policy = policy.bind(model)
+    except ValueError as err:
+        raise CheckpointingError(str(err)) from None
     kwargs = policy.checkpoint_kwargs()
     if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers 5.x
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -89,6 +96,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     for index, layer in enumerate(decoder_layers(hf_model)):
         layer.gradient_checkpointing = policy.selects_layer(index)
+        if layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = policy.wrap_checkpoint_fn(layer._gradient_checkpointing_func, index)
     if policy.use_reentrant:
         # Reentrant checkpointing only builds a graph when an input requires grad; with LoRA the
         # embeddings are frozen, so make their output require grad (HF does this for input_ids

@@ -7,8 +7,10 @@ and the FSDP paths apply the same policy, and lets the summary line describe exa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -18,9 +20,17 @@ class CheckpointPolicy:
     use_reentrant: bool = False
     name = "full"
 
+    def bind(self, model: torch.nn.Module) -> "CheckpointPolicy":
+        """This policy specialised for ``model`` (sizes read from its config, a device checked)."""
+        return self
+
     def selects_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` (0-based) is checkpointed."""
         return True
+
+    def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
+        """The checkpoint function a selected layer will call (offload wraps it in its hooks)."""
+        return checkpoint_fn
 
     def context_fn(self) -> Optional[Callable]:
         """A ``torch.utils.checkpoint`` ``context_fn`` (selective checkpointing), or None."""
@@ -59,3 +69,82 @@ class EveryNLayers(CheckpointPolicy):
 
     def describe(self) -> str:
         return f"every_n (1 in {self.n})"
+
+
+@dataclass(frozen=True)
+class SelectiveOps(CheckpointPolicy):
+    """Op-level selective checkpointing (LoRA-aware): see ``leantune.checkpointing.selective``.
+
+    ``recompute_reductions`` (filled by ``bind`` from the model) are the matmul reduction sizes
+    whose ops are recomputed: the MLP intermediate size (down_proj) and the LoRA ranks (lora_B).
+    """
+
+    recompute_reductions: frozenset = field(default_factory=frozenset)
+    name = "selective_ops"
+
+    def __post_init__(self):
+        if self.use_reentrant:
+            raise ValueError("selective_ops needs non-reentrant checkpointing: torch's selective checkpointing "
+                             "works only with use_reentrant=False")
+
+    def bind(self, model: torch.nn.Module) -> "SelectiveOps":
+        from leantune.checkpointing.selective import recompute_reductions_for
+
+        return replace(self, recompute_reductions=recompute_reductions_for(model))
+
+    def context_fn(self) -> Optional[Callable]:
+        from leantune.checkpointing.selective import context_fn_for
+
+        return context_fn_for(self.recompute_reductions)
+
+    def describe(self) -> str:
+        return "selective_ops (save attention + projections, recompute down_proj, lora_B and elementwise ops)"
+
+
+@dataclass(frozen=True)
+class OffloadCheckpointing(CheckpointPolicy):
+    """Checkpoint every layer and keep the layers' saved inputs in pinned host memory (CUDA only)."""
+
+    min_bytes: int = 1 << 20
+    simulate: bool = False  # tests: exercise the bookkeeping with host copies on a CPU-only machine
+    offloader: Optional[object] = field(default=None, compare=False)
+    name = "offload"
+
+    def __post_init__(self):
+        if self.use_reentrant:
+            raise ValueError("offload needs non-reentrant checkpointing (its hooks wrap the saved layer inputs); "
+                             "drop --activation_checkpointing_use_reentrant")
+
+    def bind(self, model: torch.nn.Module) -> "OffloadCheckpointing":
+        from leantune.checkpointing.offload import ActivationOffloader
+
+        device = next(model.parameters()).device
+        if device.type != "cuda" and not self.simulate:
+            raise ValueError(
+                f"offload moves activations from an accelerator to host memory, but the model is on {device}: "
+                "on a CPU-only machine they already live in host memory. Use --activation_checkpointing_mode full.")
+        return replace(self, offloader=ActivationOffloader(device, self.min_bytes, simulate=self.simulate))
+
+    def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
+        from leantune.checkpointing.offload import OffloadingCheckpoint
+
+        return OffloadingCheckpoint(checkpoint_fn, self.offloader, layer_index)
+
+    def describe(self) -> str:
+        return f"offload (layer inputs >= {self.min_bytes >> 20} MiB to pinned host memory)"
+
+
+MODES = ("full", "every_n", "selective_ops", "offload")
+
+
+def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False) -> CheckpointPolicy:
+    """The policy object for a ``--activation_checkpointing_mode`` name."""
+    if mode == "full":
+        return FullCheckpointing(use_reentrant=use_reentrant)
+    if mode == "every_n":
+        return EveryNLayers(use_reentrant=use_reentrant, n=every_n)
+    if mode == "selective_ops":
+        return SelectiveOps(use_reentrant=use_reentrant)
+    if mode == "offload":
+        return OffloadCheckpointing(use_reentrant=use_reentrant)
+    raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose from {', '.join(MODES)}")
