@@ -7,6 +7,8 @@ For each setting it runs a short fine-tune through the same code as ``leantune f
 prints: activation memory after one forward (live tensor bytes, counted exactly by
 ``ActivationMeter`` on the CPU, whatever device trains), the peak during forward+backward, the median step time and the final loss.
 Losses are the same with and without checkpointing: it changes memory and time, not the maths.
+Both runs use the plain loss (``--loss_chunk_size 0``) so that only checkpointing differs; by
+default leantune also chunks the loss when checkpointing is on (docs/activation_checkpointing_modes.md).
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ def measure_activations(cfg, checkpointing: bool, batch: int, seq: int) -> tuple
     return after_forward, meter.peak_bytes
 
 
-def main() -> None:
+def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--use_peft", action="store_true", help="LoRA instead of full fine-tuning")
     parser.add_argument("--steps", type=int, default=30, help="training batches per run")
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--context_length", type=int, default=512)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     rows = []
     for checkpointing in (False, True):
@@ -56,7 +58,7 @@ def main() -> None:
             argv = ["--batch_size_training", str(args.batch_size), "--context_length", str(args.context_length),
                     "--max_train_step", str(args.steps), "--num_epochs", "1", "--lr", "1e-3",
                     "--num_workers_dataloader", "0", "--run_validation", "false", "--save_model", "false",
-                    "--output_dir", out]
+                    "--loss_chunk_size", "0", "--output_dir", out]
             argv += ["--use_peft"] if args.use_peft else []
             argv += ["--enable_activation_checkpointing"] if checkpointing else []
             cfg = parse_run_config(argv)
@@ -76,6 +78,7 @@ def main() -> None:
     print(f"checkpointing: activations x{act_on / act_off:.2f}, peak x{peak_on / peak_off:.2f}, "
           f"step time x{res_on['median_step_time_s'] / base_step:.2f}")
     print(f"same final loss with and without: {rows[0][3]['last_loss'] == res_on['last_loss']}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ def test_summary_lines_name_layers_and_policy(load_tiny):
     assert every == "activation checkpointing: on, 1/2 decoder layers (0), non-reentrant, policy every_n (1 in 2)"
     selective = apply_activation_checkpointing(load_tiny(), SelectiveOps()).summary_line()
     assert selective.startswith("activation checkpointing: on, 2/2 decoder layers, non-reentrant, policy selective_ops")
-    assert "recompute down_proj, lora_B" in selective
+    assert "recompute elementwise ops, lora_B, down_proj" in selective  # full fine-tuning
+    lora = apply_activation_checkpointing(with_lora(load_tiny()), SelectiveOps()).summary_line()
+    assert lora.endswith("policy selective_ops (save attention + projections; recompute elementwise ops, lora_B)")
     offload = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(simulate=True)).summary_line()
     assert "policy offload (layer inputs >= 1 MiB to pinned host memory)" in offload
 

@@ -76,10 +76,12 @@ class SelectiveOps(CheckpointPolicy):
     """Op-level selective checkpointing (LoRA-aware): see ``leantune.checkpointing.selective``.
 
     ``recompute_reductions`` (filled by ``bind`` from the model) are the matmul reduction sizes
-    whose ops are recomputed: the MLP intermediate size (down_proj) and the LoRA ranks (lora_B).
+    whose ops are recomputed: the LoRA ranks (lora_B) and, in full fine-tuning, the MLP
+    intermediate size (down_proj).
     """
 
     recompute_reductions: frozenset = field(default_factory=frozenset)
+    recompute_down_proj: bool = False
     name = "selective_ops"
 
     def __post_init__(self):
@@ -90,7 +92,11 @@ class SelectiveOps(CheckpointPolicy):
     def bind(self, model: torch.nn.Module) -> "SelectiveOps":
         from leantune.checkpointing.selective import recompute_reductions_for
 
-        return replace(self, recompute_reductions=recompute_reductions_for(model))
+        from leantune.checkpointing.apply import unwrap_model
+
+        reductions = recompute_reductions_for(model)
+        intermediate = getattr(unwrap_model(model).config, "intermediate_size", None)
+        return replace(self, recompute_reductions=reductions, recompute_down_proj=intermediate in reductions)
 
     def context_fn(self) -> Optional[Callable]:
         from leantune.checkpointing.selective import context_fn_for
@@ -98,7 +104,8 @@ class SelectiveOps(CheckpointPolicy):
         return context_fn_for(self.recompute_reductions)
 
     def describe(self) -> str:
-        return "selective_ops (save attention + projections, recompute down_proj, lora_B and elementwise ops)"
+        recomputed = "elementwise ops, lora_B" + (", down_proj" if self.recompute_down_proj else "")
+        return f"selective_ops (save attention + projections; recompute {recomputed})"
 
 
 @dataclass(frozen=True)
