@@ -19,6 +19,12 @@ class CheckpointPolicy:
 
     use_reentrant: bool = False
     name = "full"
+    supports_reentrant = True  # selective checkpointing and offload hooks need the non-reentrant kind
+
+    def __post_init__(self):
+        if self.use_reentrant and not self.supports_reentrant:
+            raise ValueError(f"{self.name} needs non-reentrant checkpointing (use_reentrant=False): "
+                             "drop --activation_checkpointing_use_reentrant")
 
     def bind(self, model: torch.nn.Module) -> "CheckpointPolicy":
         """This policy specialised for ``model`` (sizes read from its config, a device checked)."""
@@ -61,6 +67,7 @@ class EveryNLayers(CheckpointPolicy):
     name = "every_n"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.n < 1:
             raise ValueError(f"every-N checkpointing needs n >= 1, got {self.n}")
 
@@ -83,16 +90,11 @@ class SelectiveOps(CheckpointPolicy):
     recompute_reductions: frozenset = field(default_factory=frozenset)
     recompute_down_proj: bool = False
     name = "selective_ops"
-
-    def __post_init__(self):
-        if self.use_reentrant:
-            raise ValueError("selective_ops needs non-reentrant checkpointing: torch's selective checkpointing "
-                             "works only with use_reentrant=False")
+    supports_reentrant = False  # torch's selective checkpointing works only with use_reentrant=False
 
     def bind(self, model: torch.nn.Module) -> "SelectiveOps":
-        from leantune.checkpointing.selective import recompute_reductions_for
-
         from leantune.checkpointing.apply import unwrap_model
+        from leantune.checkpointing.selective import recompute_reductions_for
 
         reductions = recompute_reductions_for(model)
         intermediate = getattr(unwrap_model(model).config, "intermediate_size", None)
@@ -116,11 +118,7 @@ class OffloadCheckpointing(CheckpointPolicy):
     simulate: bool = False  # tests: exercise the bookkeeping with host copies on a CPU-only machine
     offloader: Optional[object] = field(default=None, compare=False)
     name = "offload"
-
-    def __post_init__(self):
-        if self.use_reentrant:
-            raise ValueError("offload needs non-reentrant checkpointing (its hooks wrap the saved layer inputs); "
-                             "drop --activation_checkpointing_use_reentrant")
+    supports_reentrant = False  # its hooks wrap what non-reentrant checkpointing saves
 
     def bind(self, model: torch.nn.Module) -> "OffloadCheckpointing":
         from leantune.checkpointing.offload import ActivationOffloader
