@@ -83,7 +83,7 @@ class TrainingConfig:
     run_validation: bool = field(default=True, metadata=_help("Validate after each epoch."))
     loss_chunk_size: Optional[int] = field(default=None, metadata=_help(
         "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
-        "0: plain loss; default: chunked (about 128 MiB of logits a chunk) when checkpointing is on, plain otherwise."))
+        "0: plain loss; default: chunked (about 64 MiB of logits a chunk) when checkpointing is on, plain otherwise."))
 
     def __post_init__(self):
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
@@ -145,9 +145,13 @@ class CheckpointingConfig:
                  f"applies to --activation_checkpointing_mode every_n, not {mode}")
         _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
                  f"must be at least 1 (got {every_n})")
-        if self.activation_checkpointing_use_reentrant and mode in ("selective_ops", "offload"):
-            raise ConfigError(f"--activation_checkpointing_mode {mode}: needs non-reentrant checkpointing; "
-                              "drop --activation_checkpointing_use_reentrant")
+        if self.activation_checkpointing_use_reentrant and mode is not None:
+            from leantune.checkpointing.policies import policy_for_mode
+
+            try:  # the policy classes know which of them work reentrant
+                policy_for_mode(mode, use_reentrant=True)
+            except ValueError as err:
+                raise ConfigError(f"--activation_checkpointing_mode {mode}: {err}") from None
 
     @property
     def mode(self) -> Optional[str]:

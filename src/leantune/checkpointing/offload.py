@@ -100,8 +100,11 @@ class ActivationOffloader:
         finally:
             self._group = previous
 
-    def _keep_on_device(self, tensor: torch.Tensor) -> bool:
-        nbytes = tensor.numel() * tensor.element_size()
+    @staticmethod
+    def _storage_key(tensor: torch.Tensor) -> tuple:
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+
+    def _keep_on_device(self, tensor: torch.Tensor, nbytes: int) -> bool:
         return (nbytes < self.min_bytes or not tensor.is_contiguous() or isinstance(tensor, torch.nn.Parameter)
                 or (not self.simulate and tensor.device.type != "cuda"))
 
@@ -111,19 +114,18 @@ class ActivationOffloader:
         The key holds a device address, which is reused as soon as the original is freed, so a
         match counts only while the original storage is alive.
         """
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-        known = self._by_storage.get(key)
+        known = self._by_storage.get(self._storage_key(tensor))
         if known is not None and not known.source.expired():
             return known
         return None
 
     def pack(self, tensor: torch.Tensor):
-        if self._keep_on_device(tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._keep_on_device(tensor, nbytes):
             return tensor
         known = self._known(tensor)
         if known is not None:
             return known  # the same tensor again: one host copy serves both
-        nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         if self.simulate:
@@ -136,8 +138,7 @@ class ActivationOffloader:
         handle = _Offloaded(host, tensor.device, self._group, StorageWeakRef(tensor.untyped_storage()))
         # When autograd frees the graph, the buffer goes back, tagged with the last copy reading it.
         weakref.finalize(handle, lambda slot=handle.read_event: self.pool.give_back(buffer, slot[0]))
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-        self._by_storage[key] = handle
+        self._by_storage[self._storage_key(tensor)] = handle
         self._groups.setdefault(self._group, []).append(weakref.ref(handle))
         self.offloaded_bytes += nbytes
         return handle

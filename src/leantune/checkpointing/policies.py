@@ -23,7 +23,7 @@ class CheckpointPolicy:
 
     def __post_init__(self):
         if self.use_reentrant and not self.supports_reentrant:
-            raise ValueError(f"{self.name} needs non-reentrant checkpointing (use_reentrant=False): "
+            raise ValueError("needs non-reentrant checkpointing (use_reentrant=False); "
                              "drop --activation_checkpointing_use_reentrant")
 
     def bind(self, model: torch.nn.Module) -> "CheckpointPolicy":
