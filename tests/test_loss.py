@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum, count_targets
+from leantune.labels import count_targets
+from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.meter import ActivationMeter
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from leantune.checkpointing import (CheckpointingError, apply_activation_checkpointing, inspect_checkpointing,
-                                    policy_for_mode, unwrap_model)
+                                    policy_for_mode)
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
@@ -23,6 +23,7 @@ from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_s
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
 from leantune.models.loading import (ModelLoadError, attach_lora, choose_dtype, count_parameters, load_model,
                                      load_tokenizer)
+from leantune.models.structure import unwrap_model
 from leantune.precision import choose_device, choose_precision
 from leantune.train import Trainer
 

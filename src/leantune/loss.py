@@ -20,21 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from leantune.data.formats import IGNORE_INDEX
+from leantune.labels import IGNORE_INDEX, shifted_targets
 
 # Auto chunk size: about this many bytes of float32 logits per chunk.
 _CHUNK_LOGITS_BYTES = 64 << 20
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens that contribute to the loss (after the one-token shift)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """``labels`` moved one left (position t predicts t+1), the last position ignored; same shape."""
-    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
-    return torch.cat([labels[:, 1:], pad], dim=1)
 
 
 def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,11 @@ from typing import Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
-from leantune.checkpointing import unwrap_model
 from leantune.config import RunConfig
 from leantune.io import atomic_write_json, staged_directory
-from leantune.loss import causal_lm_loss_sum, count_targets
+from leantune.labels import count_targets
+from leantune.loss import causal_lm_loss_sum
+from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 
 # Memory fields copied from the monitor's record into each step's metrics.

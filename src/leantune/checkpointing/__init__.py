@@ -4,9 +4,7 @@ from leantune.checkpointing.apply import (
     CheckpointingError,
     CheckpointingReport,
     apply_activation_checkpointing,
-    decoder_layers,
     inspect_checkpointing,
-    unwrap_model,
 )
 from leantune.checkpointing.policies import (MODES, CheckpointPolicy, EveryNLayers, FullCheckpointing,
                                              OffloadCheckpointing, SelectiveOps, policy_for_mode)
@@ -22,7 +20,5 @@ __all__ = [
     "OffloadCheckpointing",
     "SelectiveOps",
     "apply_activation_checkpointing",
-    "decoder_layers",
     "inspect_checkpointing",
-    "unwrap_model",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from leantune.checkpointing.policies import CheckpointPolicy
+from leantune.models.structure import decoder_layers, unwrap_model
 
 
 class CheckpointingError(RuntimeError):
@@ -41,19 +42,6 @@ class CheckpointingReport:
         which = "" if self.checkpointed_layers == self.total_layers else f" ({', '.join(map(str, self.layer_indices))})"
         return (f"activation checkpointing: on, {self.checkpointed_layers}/{self.total_layers} decoder layers{which}, "
                 f"{flavour}, policy {self.policy}")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face ``PreTrainedModel`` inside a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks that Hugging Face can checkpoint, in order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in unwrap_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def _foreign_wrappers(model: torch.nn.Module) -> list[str]:

@@ -93,7 +93,7 @@ class SelectiveOps(CheckpointPolicy):
     supports_reentrant = False  # torch's selective checkpointing works only with use_reentrant=False
 
     def bind(self, model: torch.nn.Module) -> "SelectiveOps":
-        from leantune.checkpointing.apply import unwrap_model
+        from leantune.models.structure import unwrap_model
         from leantune.checkpointing.selective import recompute_reductions_for
 
         reductions = recompute_reductions_for(model)

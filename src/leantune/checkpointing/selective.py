@@ -77,7 +77,7 @@ def context_fn_for(recompute_reductions: Iterable[int]):
 def recompute_reductions_for(model: torch.nn.Module) -> frozenset[int]:
     """Reduction sizes that mark recomputed matmuls: any LoRA rank, and the MLP intermediate size
     (down_proj) when the base weights train (see the module docstring for why only then)."""
-    from leantune.checkpointing.apply import unwrap_model
+    from leantune.models.structure import unwrap_model
 
     hf_model = unwrap_model(model)
     peft_config = getattr(model, "peft_config", None) or {}

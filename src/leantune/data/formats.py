@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from leantune.data.records import DatasetError, require_fields
+from leantune.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 _HEADER_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

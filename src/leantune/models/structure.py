@@ -1,0 +1,23 @@
+"""Facts about a (possibly PEFT-wrapped) Hugging Face causal LM that several packages need.
+
+The trainer, the loader and the checkpointing package all ask the same two questions — "which
+Hugging Face model is inside this wrapper?" and "which are its repeated decoder layers?" — so the
+answers live here, below all of them, and no package imports another just for these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face ``PreTrainedModel`` inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks that Hugging Face can checkpoint, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in unwrap_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
