@@ -12,6 +12,12 @@ each mode it measures:
 * ``step_time_s``: median forward+backward time over ``--steps`` steps after a warm-up. The modes
   take turns step by step, so a slow patch of the machine hits all of them alike.
 
+Each case is set up by leantune's own code, as ``leantune finetune`` would set it up: the
+benchmark's options become leantune flags (``parse_run_config``), ``choose_precision`` picks the
+weights' dtype and the autocast, ``prepare_model`` attaches LoRA and applies the checkpointing
+mode, ``loss_function`` picks the loss, and a step is the trainer's ``forward_backward`` (the meter
+is read in its ``after_forward`` hook). A fix to any of them is measured here with no change.
+
 It prints a table (with ratios to ``none``), writes the records as JSON and a PNG plot of peak
 memory against step time, and prints how the results compare with the targets of issue #3.
 """
@@ -30,12 +36,14 @@ from pathlib import Path
 
 import torch
 
-from leantune.checkpointing import apply_activation_checkpointing, policy_for_mode
-from leantune.config import PeftSettings
-from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError, RunConfig
+from leantune.finetuning import loss_function, prepare_model
+from leantune.loss import auto_chunk_size
 from leantune.memory.meter import ActivationMeter
-from leantune.models.loading import attach_lora
-from leantune.train import forward_hidden
+from leantune.models.structure import unwrap_model
+from leantune.precision import Precision, choose_device, choose_precision
+from leantune.train import forward_backward
 
 PRESETS = {
     "tiny": dict(shape=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -58,53 +66,54 @@ class Case:
     loss: str  # chunked | plain
     model: torch.nn.Module
     loss_fn: object
+    precision: Precision
+    scaler: object = None  # the trainer's GradScaler (float16 only), kept across steps as it keeps it
     layers: str = ""
     times: list = field(default_factory=list)
     record: dict = field(default_factory=dict)
 
 
-def build_model(shape: dict, kind: str, device: torch.device, seed: int):
+def case_config(args, kind: str, mode: str, loss: str) -> RunConfig:
+    """The leantune run config of one case, through the same flag parser as ``leantune finetune``."""
+    vocab = PRESETS[args.preset]["shape"]["vocab_size"]
+    # An explicit chunk size: leantune's default would give the plain loss to the `none` mode.
+    chunk = (args.loss_chunk_size or auto_chunk_size(vocab)) if loss == "chunked" else 0
+    flags = ["--device", args.device, "--loss_chunk_size", str(chunk)]
+    flags += ["--use_peft"] if kind == "lora" else []
+    if mode != "none":
+        flags += ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
+        flags += ["--activation_checkpointing_every_n", str(args.every_n)] if mode == "every_n" else []
+    return parse_run_config(flags)
+
+
+def random_model(shape: dict, dtype: torch.dtype, device: torch.device, seed: int):
+    """A Llama of the preset's shape with random weights in ``dtype`` (nothing is downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{"tie_word_embeddings": False, **shape}, use_cache=False, attn_implementation="sdpa")
-    # LoRA keeps the frozen base in bf16 on a GPU (what leantune does); full FT keeps float32 master weights.
-    dtype = torch.bfloat16 if device.type == "cuda" and kind == "lora" else torch.float32
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    if kind == "lora":
-        model = attach_lora(model, PeftSettings(use_peft=True))
-    return model.train()
+    with torch.device(device):  # initialised where it runs: a 1B model is slow to initialise on a CPU
+        return LlamaForCausalLM(config).to(dtype)
 
 
 def make_case(args, kind: str, mode: str, loss: str, device: torch.device) -> Case:
-    model = build_model(PRESETS[args.preset]["shape"], kind, device, args.seed)
-    layers = "-"
-    if mode != "none":
-        report = apply_activation_checkpointing(model, policy_for_mode(mode, every_n=args.every_n))
-        layers = f"{report.checkpointed_layers}/{report.total_layers}"
-    vocab = PRESETS[args.preset]["shape"]["vocab_size"]
-    loss_fn = ChunkedCrossEntropy(args.loss_chunk_size or auto_chunk_size(vocab)) if loss == "chunked" \
-        else causal_lm_loss_sum
-    return Case(kind, mode, loss, model, loss_fn, layers)
+    """One case, prepared by leantune itself: precision, LoRA, checkpointing policy and loss."""
+    cfg = case_config(args, kind, mode, loss)
+    precision = choose_precision(cfg, device)
+    shape = PRESETS[args.preset]["shape"]
+    model, report = prepare_model(random_model(shape, precision.weight_dtype, device, args.seed), cfg, precision)
+    layers = f"{report.checkpointed_layers}/{report.total_layers}" if mode != "none" else "-"
+    return Case(kind, mode, loss, model, loss_function(cfg, shape["vocab_size"]), precision,
+                precision.make_scaler(), layers)
 
 
-def autocast(device: torch.device):
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
-def step(case: Case, ids: torch.Tensor, device: torch.device, meter: ActivationMeter | None = None) -> int:
-    """One forward+backward; returns the bytes alive after the forward when a meter is given."""
-    lm_head = case.model.get_output_embeddings()
-    after_forward = 0
-    with autocast(device):
-        loss = case.loss_fn(forward_hidden(case.model, ids), lm_head, ids)
-    if meter is not None:
-        after_forward = meter.live_bytes()
-    loss.backward()
-    return after_forward
+def step(case: Case, ids: torch.Tensor, meter: ActivationMeter | None = None) -> int:
+    """The trainer's forward+backward; returns the bytes alive after the forward when a meter is given."""
+    after_forward = []
+    read = (lambda: after_forward.append(meter.live_bytes())) if meter is not None else None
+    forward_backward(case.model, unwrap_model(case.model).get_output_embeddings(), ids, ids, case.loss_fn,
+                     case.precision, scaler=case.scaler, after_forward=read)
+    return after_forward[0] if after_forward else 0
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -119,7 +128,7 @@ def measure_memory(case: Case, ids: torch.Tensor, device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     with meter:
-        activation_bytes = step(case, ids, device, meter)
+        activation_bytes = step(case, ids, meter)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         above = torch.cuda.max_memory_allocated(device) - before
@@ -136,7 +145,7 @@ def time_round_robin(cases: list[Case], ids: torch.Tensor, device: torch.device,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            step(case, ids, device)
+            step(case, ids)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if index >= warmup:
@@ -154,9 +163,12 @@ def run_kind(args, kind: str, modes: list[str], device: torch.device) -> list[di
     records = []
     for case in cases:
         median = statistics.median(case.times)
+        # Every token is real (no padding), so this is the trainer's count: non-padding input tokens
+        # per second, over the timed steps only (the warm-up is left out, as in its summary).
         case.record.update(kind=kind, mode=case.mode, loss=case.loss, layers=case.layers, step_time_s=median,
                            step_times_s=case.times, tokens_per_s=batch * context / median, device=str(device),
-                           preset=args.preset, batch_size=batch, context_length=context)
+                           precision=case.precision.note, preset=args.preset, batch_size=batch,
+                           context_length=context)
         if case.mode == "every_n":
             case.record["every_n"] = args.every_n
         records.append(case.record)
@@ -281,7 +293,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="as leantune's --device: auto picks the GPU when there is one")
     parser.add_argument("--json", type=Path, default=Path("out/activation_checkpointing.json"))
     parser.add_argument("--plot", type=Path, default=None, help="default: the JSON path with .png")
     args = parser.parse_args(argv)
@@ -303,8 +316,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    try:
+        device = choose_device(case_config(args, "full", "none", "plain").model)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     modes = [m for m in args.modes if m != "offload" or device.type == "cuda"]
     if len(modes) < len(args.modes):
         print("offload: skipped (it moves activations off an accelerator; this run is on the CPU)")
@@ -314,6 +330,7 @@ def main(argv=None) -> int:
     records = []
     for kind in kinds:
         records += run_kind(args, kind, modes, device)
+        print(f"{kind}: {records[-1]['precision']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     add_ratios(records)

@@ -5,7 +5,9 @@
 
 For each setting it runs a short fine-tune through the same code as ``leantune finetune`` and
 prints: activation memory after one forward (live tensor bytes, counted exactly by
-``ActivationMeter`` on the CPU, whatever device trains), the peak during forward+backward, the median step time and the final loss.
+``ActivationMeter`` on the CPU, whatever device trains), the peak during forward+backward, the
+median step time (the first, warm-up, step left out) and the final loss. The measured step is the
+trainer's own (``build_model`` and ``forward_backward``, the meter read in its ``after_forward`` hook).
 Losses are the same with and without checkpointing: it changes memory and time, not the maths.
 Both runs use the plain loss (``--loss_chunk_size 0``) so that only checkpointing differs; by
 default leantune also chunks the loss when checkpointing is on (docs/activation_checkpointing_modes.md).
@@ -18,30 +20,31 @@ import tempfile
 
 import torch
 
-from leantune.checkpointing import FullCheckpointing, apply_activation_checkpointing
 from leantune.cli_args import parse_run_config
-from leantune.finetuning import run
-from leantune.loss import causal_lm_loss_sum
+from leantune.finetuning import build_model, loss_function, run
 from leantune.memory.meter import ActivationMeter
-from leantune.models.loading import attach_lora, load_model
-from leantune.train import forward_hidden
+from leantune.models.structure import unwrap_model
+from leantune.precision import choose_precision
+from leantune.train import forward_backward
 
 
-def measure_activations(cfg, checkpointing: bool, batch: int, seq: int) -> tuple[int, int]:
-    """(bytes alive after the forward, peak bytes over forward+backward) for one batch."""
-    model = load_model(cfg.model, torch.float32)
-    if cfg.peft.use_peft:
-        model = attach_lora(model, cfg.peft)
-    model.train()
-    if checkpointing:
-        apply_activation_checkpointing(model, FullCheckpointing())
-    ids = torch.randint(3, model.config.vocab_size, (batch, seq))
+def measure_activations(cfg, batch: int, seq: int) -> tuple[int, int]:
+    """(bytes alive after the forward, peak bytes over forward+backward) for one batch.
+
+    The model, LoRA, checkpointing and loss are built by leantune from ``cfg``, on the CPU (the
+    meter counts tensors, so the bytes are those of any device), and the step is the trainer's.
+    """
+    precision = choose_precision(cfg, torch.device("cpu"))
+    model, _ = build_model(cfg, precision, log=lambda _line: None)
+    lm_head = unwrap_model(model).get_output_embeddings()
+    loss_fn = loss_function(cfg, lm_head.weight.shape[0])
+    ids = torch.randint(3, lm_head.weight.shape[0], (batch, seq))
     meter = ActivationMeter.for_model(model)
+    after_forward = []
     with meter:
-        loss = causal_lm_loss_sum(forward_hidden(model, ids), model.get_output_embeddings(), ids)
-        after_forward = meter.live_bytes()
-        loss.backward()
-    return after_forward, meter.peak_bytes
+        forward_backward(model, lm_head, ids, ids, loss_fn, precision,
+                         after_forward=lambda: after_forward.append(meter.live_bytes()))
+    return after_forward[0], meter.peak_bytes
 
 
 def main(argv=None) -> list:
@@ -63,7 +66,7 @@ def main(argv=None) -> list:
             argv += ["--enable_activation_checkpointing"] if checkpointing else []
             cfg = parse_run_config(argv)
             results = run(cfg, log=lambda _line: None)
-            after_forward, peak = measure_activations(cfg, checkpointing, args.batch_size, args.context_length)
+            after_forward, peak = measure_activations(cfg, args.batch_size, args.context_length)
         rows.append((checkpointing, after_forward, peak, results))
 
     kind = "LoRA" if args.use_peft else "full fine-tuning"

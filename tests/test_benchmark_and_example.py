@@ -1,4 +1,5 @@
-"""The benchmark's interface (flags, JSON records, plot) and the example run, at toy sizes."""
+"""The benchmark's interface (flags, JSON records, plot), that its cases are leantune's own (config,
+precision, model preparation, step), and the example run, at toy sizes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from leantune.loss import ChunkedCrossEntropy, auto_chunk_size
+from leantune.memory.meter import ActivationMeter
+from leantune.precision import Precision, choose_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +51,60 @@ def test_benchmark_rejects_unknown_modes():
     bench = _load("benchmarks/activation_checkpointing.py")
     with pytest.raises(SystemExit):
         bench.parse_args(["--modes", "none,partial"])
+
+
+def test_benchmark_cases_are_configured_by_leantunes_flags():
+    bench = _load("benchmarks/activation_checkpointing.py")
+    args = bench.parse_args(["--preset", "tiny", "--every_n", "3", "--device", "cpu"])
+    lora = bench.case_config(args, "lora", "every_n", "chunked")
+    assert lora.peft.use_peft and lora.checkpointing.mode == "every_n"
+    assert lora.checkpointing.activation_checkpointing_every_n == 3
+    assert lora.training.loss_chunk_size == auto_chunk_size(2048)  # chunked even where leantune's default is plain
+    full = bench.case_config(args, "full", "none", "plain")
+    assert not full.peft.use_peft and full.checkpointing.mode is None and full.training.loss_chunk_size == 0
+    # What choose_precision makes of them on a bf16 GPU (described, never touched): LoRA's frozen
+    # base in bf16, full fine-tuning with float32 master weights, both under bf16 autocast.
+    gpu = torch.device("cuda")
+    assert (choose_precision(lora, gpu, bf16_supported=True).weight_dtype,
+            choose_precision(lora, gpu, bf16_supported=True).compute_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (choose_precision(full, gpu, bf16_supported=True).weight_dtype,
+            choose_precision(full, gpu, bf16_supported=True).compute_dtype) == (torch.float32, torch.bfloat16)
+
+
+def test_benchmark_lora_case_on_the_cpu_is_float32_without_autocast():
+    bench = _load("benchmarks/activation_checkpointing.py")
+    args = bench.parse_args(["--preset", "tiny", "--kind", "lora", "--device", "cpu"])
+    case = bench.make_case(args, "lora", "full", "chunked", torch.device("cpu"))
+    assert case.precision == choose_precision(bench.case_config(args, "lora", "full", "chunked"), torch.device("cpu"))
+    assert case.precision.weight_dtype is torch.float32 and case.precision.compute_dtype is None
+    assert {p.dtype for p in case.model.parameters()} == {torch.float32}
+    assert case.layers == "4/4" and isinstance(case.loss_fn, ChunkedCrossEntropy)
+
+
+def test_benchmark_weights_and_autocast_come_from_choose_precision(monkeypatch):
+    """Whatever choose_precision decides is what the benchmark's model and step use."""
+    bench = _load("benchmarks/activation_checkpointing.py")
+    decided = []
+
+    def bf16_everywhere(cfg, device, bf16_supported=None):
+        decided.append(Precision(device, torch.bfloat16, torch.bfloat16, False, "bf16 for the test"))
+        return decided[-1]
+
+    monkeypatch.setattr(bench, "choose_precision", bf16_everywhere)
+    args = bench.parse_args(["--preset", "tiny", "--kind", "lora", "--device", "cpu"])
+    case = bench.make_case(args, "lora", "none", "chunked", torch.device("cpu"))
+    assert case.precision is decided[-1]
+    base = [p for name, p in case.model.named_parameters() if "lora_" not in name]
+    assert {p.dtype for p in base} == {torch.bfloat16}
+    autocast_seen = []
+    q_proj = next(m for name, m in case.model.named_modules() if name.endswith("q_proj"))
+    q_proj.register_forward_hook(lambda *_: autocast_seen.append(
+        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+    ids = torch.randint(3, 2048, (1, 32))
+    meter = ActivationMeter.for_model(case.model)
+    with meter:
+        assert bench.step(case, ids, meter) > 0  # read in forward_backward's after_forward hook
+    assert autocast_seen and set(autocast_seen) == {(True, torch.bfloat16)}
 
 
 def test_example_runs_and_checkpointing_changes_nothing_but_memory(capsys):

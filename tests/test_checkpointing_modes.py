@@ -7,8 +7,7 @@ import torch
 
 from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, OffloadCheckpointing,
                                     SelectiveOps, apply_activation_checkpointing, policy_for_mode)
-from leantune.checkpointing.offload import ActivationOffloader, PinnedBufferPool
-from leantune.checkpointing.selective import recompute_reductions_for
+from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 
 from helpers import activation_bytes, gradients, make_batch, with_lora
@@ -62,18 +61,19 @@ def test_summary_lines_name_layers_and_policy(load_tiny):
     assert every == "activation checkpointing: on, 1/2 decoder layers (0), non-reentrant, policy every_n (1 in 2)"
     selective = apply_activation_checkpointing(load_tiny(), SelectiveOps()).summary_line()
     assert selective.startswith("activation checkpointing: on, 2/2 decoder layers, non-reentrant, policy selective_ops")
-    assert "recompute elementwise ops, lora_B, down_proj" in selective  # full fine-tuning
+    assert selective.endswith("(save attention + projections; recompute elementwise ops, down_proj)")  # full FT
     lora = apply_activation_checkpointing(with_lora(load_tiny()), SelectiveOps()).summary_line()
     assert lora.endswith("policy selective_ops (save attention + projections; recompute elementwise ops, lora_B)")
     offload = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(simulate=True)).summary_line()
     assert "policy offload (layer inputs >= 1 MiB to pinned host memory)" in offload
 
 
-def test_selective_policy_reads_sizes_from_the_model(load_tiny):
+def test_selective_policy_finds_the_recomputed_modules(load_tiny):
     """Full fine-tuning recomputes down_proj (its backward is costly anyway); LoRA recomputes only lora_B."""
-    model = load_tiny()
-    assert recompute_reductions_for(model) == {model.config.intermediate_size}
-    assert recompute_reductions_for(with_lora(load_tiny())) == {4}
+    assert recomputed_linears(load_tiny()) == {f"model.layers.{i}.mlp.down_proj": "down_proj" for i in range(2)}
+    lora = recomputed_linears(with_lora(load_tiny()))  # q_proj, v_proj and down_proj carry adapters
+    assert set(lora.values()) == {"lora_B"} and len(lora) == 3 * 2
+    assert all(name.endswith(".lora_B.default") for name in lora)
 
 
 def test_offload_is_refused_without_an_accelerator(load_tiny):
@@ -93,54 +93,14 @@ def test_unknown_mode_name():
         policy_for_mode("some")
 
 
-def test_offload_moves_layer_inputs_reuses_buffers_and_frees_them(load_tiny):
-    model = load_tiny()
-    report = apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, simulate=True))
-    offloader = model._leantune_checkpoint_policy.offloader
-    assert report.checkpointed_layers == 2
-    ids, labels = make_batch(model.config.vocab_size, seq=128)
-    gradients(model, ids, labels)
-    hidden_bytes = ids.numel() * model.config.hidden_size * 4
-    assert offloader.offloaded_bytes == 2 * hidden_bytes  # one input per layer, nothing else
-    first_allocations = offloader.pool.allocations
-    gradients(model, ids, labels)
-    assert offloader.pool.allocations == first_allocations  # the second step reuses the buffers
-
-
-def test_offloader_dedupes_by_storage_and_keeps_small_tensors():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, simulate=True)
-    big, small = torch.randn(64, 64), torch.randn(4)
-    assert offloader.pack(small) is small
-    first, again = offloader.pack(big), offloader.pack(big)
-    assert first is again and offloader.offloaded_bytes == big.numel() * 4
-    assert torch.equal(offloader.unpack(first), big)
-    other = torch.randn(64, 64)
-    assert offloader.pack(other) is not first
-
-
-def test_pool_hands_back_buffers_by_size_class():
-    pool = PinnedBufferPool(pin=False)
-    a = pool.take(3 << 20)
-    pool.give_back(a, None)
-    assert pool.take((3 << 20) + 5) is a and pool.allocations == 1
-    assert pool.take(1).numel() == 2 << 20 and pool.allocations == 2
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_offload_on_cuda_gives_the_plain_gradients(load_tiny):
-    plain, offloaded = load_tiny().cuda(), load_tiny().cuda()
-    apply_activation_checkpointing(offloaded, OffloadCheckpointing(min_bytes=0))
-    ids, labels = (t.cuda() for t in make_batch(plain.config.vocab_size, seq=256))
-    expected, actual = gradients(plain, ids, labels), gradients(offloaded, ids, labels)
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name
-
-
 def test_modes_combine_with_the_chunked_loss(load_tiny):
     plain, checkpointed = _pair(load_tiny, use_lora=True)
     apply_activation_checkpointing(checkpointed, SelectiveOps())
     ids, labels = make_batch(plain.config.vocab_size)
     expected = gradients(plain, ids, labels)
     actual = gradients(checkpointed, ids, labels, loss_fn=ChunkedCrossEntropy(37))
+    # Equal within float32 rounding, not exactly: the chunked loss sums in another order. Measured
+    # per tensor, as a relative norm (single entries that cancel to near zero differ more).
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+        error = (actual[name] - expected[name]).norm() / expected[name].norm()
+        assert error < 1e-5, (name, float(error))

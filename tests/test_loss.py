@@ -101,3 +101,109 @@ def test_auto_chunk_size_keeps_a_chunk_near_64_mib():
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         ChunkedCrossEntropy(0)
+
+
+# --- the GPU-default paths, run on the CPU: bf16 autocast, fp16 autocast + GradScaler, no_grad ------------
+
+def _loss_peak(loss_fn, head, h, labels, autocast_dtype=None, grad=True):
+    """Peak bytes of new storages (the head weight and the hidden states excluded) over forward+backward."""
+    h.grad, head.weight.grad = None, None
+    meter = ActivationMeter(exclude=[h, head.weight])
+    with meter, torch.set_grad_enabled(grad):
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss = loss_fn(h, head, labels)
+        if grad:
+            loss.backward()
+        del loss
+    return meter.peak_bytes
+
+
+@pytest.mark.parametrize("head_kind, autocast_dtype", [
+    ("trains-fp32", None), ("trains-fp32", torch.bfloat16), ("frozen-fp32", None), ("frozen-fp32", torch.bfloat16),
+    ("frozen-bf16", torch.bfloat16),  # LoRA on a bf16 GPU: the base (head included) stored in bf16
+], ids=["full-ft-fp32", "full-ft-bf16-autocast", "lora-fp32", "lora-fp32-head-bf16-autocast", "lora-bf16-autocast"])
+def test_chunked_loss_peak_is_at_most_the_plain_loss_and_one_chunk(head_kind, autocast_dtype):
+    """Full fine-tuning trains the head (fp32 master weight); LoRA freezes it, in bf16 on a GPU."""
+    hidden, vocab, tokens, chunk = 1024, 8000, 512, 128
+    head, h, labels = _setup(hidden=hidden, vocab=vocab, batch=2, seq=tokens // 2 + 1)
+    head.weight.requires_grad_(head_kind == "trains-fp32")
+    if head_kind == "frozen-bf16":
+        head.to(torch.bfloat16)
+    plain = _loss_peak(causal_lm_loss_sum, head, h, labels, autocast_dtype)
+    chunked = _loss_peak(ChunkedCrossEntropy(chunk), head, h, labels, autocast_dtype)
+    compute_dtype = autocast_dtype or head.weight.dtype
+    weight_copy = 0 if compute_dtype == head.weight.dtype else vocab * hidden * compute_dtype.itemsize
+    weight_grad = vocab * hidden * 4 if head.weight.requires_grad else 0
+    hidden_grad = h.numel() * 4
+    # one chunk's temporaries: its float32 logits (the softmax is formed in place), under autocast also
+    # their half-precision matmul output or gradient and the chunk's half-precision hidden-state
+    # gradient; plus per-token vectors (64 KiB covers them)
+    half = 0 if compute_dtype == torch.float32 else compute_dtype.itemsize
+    one_chunk = chunk * vocab * (4 + half) + chunk * hidden * half + (64 << 10)
+    assert chunked <= plain, (chunked, plain)
+    assert chunked <= weight_copy + weight_grad + hidden_grad + one_chunk, (chunked / (vocab * hidden * 4))
+
+
+def test_no_grad_builds_no_gradients():
+    hidden, vocab, tokens, chunk = 256, 8000, 512, 128
+    head, h, labels = _setup(hidden=hidden, vocab=vocab, batch=2, seq=tokens // 2 + 1)
+    peak = _loss_peak(ChunkedCrossEntropy(chunk), head, h, labels, grad=False)
+    # no weight gradient (vocab x hidden) and no hidden-state gradient: only one chunk's logits at a time
+    assert peak <= chunk * vocab * 4 * 1.1, peak
+    with torch.no_grad():
+        loss = ChunkedCrossEntropy(chunk)(h, head, labels)
+    assert loss.grad_fn is None and head.weight.grad is None and h.grad is None
+
+
+def _scaled_fp16_grads(loss_fn, head, h, labels, normaliser):
+    """Gradients of loss/normaliser under CPU float16 autocast and a GradScaler, unscaled."""
+    h.grad, head.weight.grad = None, None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_fn(h, head, labels) / normaliser
+    scaler.scale(loss).backward()
+    scaler.unscale_(torch.optim.SGD([h, head.weight], lr=0.0))
+    return h.grad.clone(), head.weight.grad.clone()
+
+
+def test_fp16_autocast_with_grad_scaler_keeps_the_small_gradients():
+    """Under fp16 the loss scale must reach the logits' gradient before it is cast to fp16.
+
+    Half the vocabulary gets probabilities near 1e-10, below float16's smallest subnormal (6e-8):
+    unscaled they flush to zero (their weight rows get no gradient at all); scaled by the
+    GradScaler they survive, as with the plain loss.
+    """
+    torch.manual_seed(0)
+    hidden, vocab = 32, 4000
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    cold = torch.arange(vocab // 2, vocab)
+    with torch.no_grad():
+        head.weight[:, 0] = 0.0
+        head.weight[cold, 0] = -16.0
+    h = torch.randn(2, 64, hidden)
+    h[..., 0] = 1.0
+    h.requires_grad_(True)
+    labels = torch.randint(0, vocab // 2, (2, 64))  # only "warm" rows are ever targets
+    plain_h, plain_w = _scaled_fp16_grads(causal_lm_loss_sum, head, h, labels, normaliser=128)
+    chunked_h, chunked_w = _scaled_fp16_grads(ChunkedCrossEntropy(64), head, h, labels, normaliser=128)
+    assert (chunked_w[cold].abs().sum(dim=1) > 0).all()  # every cold row still learns
+
+    def relative(a, b):
+        return float((a - b).norm() / b.norm())
+
+    # the same fp16 arithmetic as the plain loss, chunk by chunk: equal up to fp16 subnormal rounding
+    assert relative(chunked_w[cold], plain_w[cold]) < 0.1  # unscaled fp16 gradients: 1.0 (all zero)
+    assert relative(chunked_w, plain_w) < 1e-3 and relative(chunked_h, plain_h) < 1e-3
+
+
+def test_bf16_autocast_gradients_match_the_plain_loss():
+    head, h, labels = _setup(hidden=64, vocab=500, batch=2, seq=40)
+    results = []
+    for loss_fn in (causal_lm_loss_sum, ChunkedCrossEntropy(16)):
+        h.grad, head.weight.grad = None, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(h, head, labels)
+        (loss * 0.5).backward()
+        results.append((loss.detach(), h.grad.clone(), head.weight.grad.clone()))
+    for plain, chunked in zip(*results):
+        torch.testing.assert_close(chunked, plain, rtol=2e-2, atol=1e-3)

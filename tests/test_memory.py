@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from leantune.memory.stats import MemoryStats, describe_unavailable, memory_stat
 from leantune.memory.trace import MemoryTrace, RssSampler
 
 MIB = 2**20
+GIB = 2**30
 
 
 def _sampler_threads():
@@ -39,11 +42,25 @@ def test_rss_is_in_mib_and_tracks_an_allocation():
     assert 240 <= after - before <= 290
 
 
+def _thread_cpu_seconds(native_id: int) -> float:
+    """User + system CPU time of one thread of this process (Linux: /proc/self/task)."""
+    for thread in psutil.Process().threads():
+        if thread.id == native_id:
+            return thread.user_time + thread.system_time
+    raise LookupError(f"thread {native_id} is not running")
+
+
 def test_sampler_sleeps_between_samples():
     with RssSampler(interval=0.05) as sampler:
+        (thread,) = _sampler_threads()
         time.sleep(0.5)
-    # A busy-waiting sampler takes tens of thousands of samples in half a second.
-    assert 4 <= sampler.samples <= 15
+        cpu_s = _thread_cpu_seconds(thread.native_id)
+        samples = sampler.samples
+    # A busy-waiting sampler burns the whole 0.5 s of CPU and takes tens of thousands of samples;
+    # a sleeping one wakes ~10 times and uses well under a millisecond per sample. The bounds are
+    # loose on purpose: a loaded machine can delay wake-ups (fewer samples), never add them.
+    assert cpu_s < 0.1, f"the sampler thread used {cpu_s:.3f} s of CPU in 0.5 s"
+    assert 1 <= samples <= 3 * 0.5 / 0.05
     assert not sampler.running and not _sampler_threads()
 
 
@@ -57,19 +74,74 @@ def test_sampler_catches_a_peak_that_is_gone_by_the_end():
     assert peak - baseline >= 190 * MIB
 
 
-def test_memory_trace_in_float_gib_with_cookbook_names():
+# Every attribute llama-cookbook's MemoryTrace sets in __exit__, current and older releases.
+ACCELERATOR_GIB = ["begin", "end", "peak", "max_reserved", "peak_active_gb"]  # >= 0 GiB on an accelerator
+ACCELERATOR_DELTAS = ["used", "peaked"]  # differences from begin (used may be negative)
+ACCELERATOR_COUNTERS = ["malloc_retries", "m_ooms",  # current cookbook
+                        "cuda_malloc_retires", "m_cuda_ooms"]  # older cookbook (sic)
+CPU_GIB = ["cpu_begin", "cpu_end", "cpu_used", "cpu_peak", "cpu_peaked"]
+COOKBOOK_NAMES = ACCELERATOR_GIB + ACCELERATOR_DELTAS + ACCELERATOR_COUNTERS + CPU_GIB
+ALIASES = [("cuda_malloc_retires", "malloc_retries"), ("m_cuda_ooms", "m_ooms")]
+
+
+@pytest.fixture(scope="module")
+def finished_trace():
+    """A MemoryTrace around a block that briefly holds 300 MiB, with psutil's RSS inside the block."""
     with MemoryTrace(interval=0.01) as trace:
         block = _touch(300 * MIB)
+        rss_inside = psutil.Process().memory_info().rss
         time.sleep(0.05)
         del block
-    assert isinstance(trace.cpu_peak, float) and isinstance(trace.cpu_peaked, float)
-    assert 0.27 <= trace.cpu_peaked <= 0.35  # 300 MiB = 0.293 GiB, not rounded to 0 GB
-    assert trace.cpu_begin > 0 and trace.cpu_end > 0 and isinstance(trace.cpu_used, float)
+    return trace, rss_inside
+
+
+@pytest.mark.parametrize("name", COOKBOOK_NAMES)
+def test_memory_trace_sets_every_cookbook_name(finished_trace, name):
+    trace, _ = finished_trace
+    value = getattr(trace, name)  # AttributeError: a cookbook caller breaks
+    if name in CPU_GIB:
+        assert isinstance(value, float)
+        if name != "cpu_used":  # RSS can shrink over a block; the rest cannot be negative
+            assert value >= 0
+    elif not torch.cuda.is_available():
+        assert value is None  # no accelerator: unavailable, never a false 0
+    elif name in ACCELERATOR_COUNTERS:
+        assert isinstance(value, int) and value >= 0
+    elif name in ACCELERATOR_GIB or name == "peaked":  # peaks are reset on entry, so peak >= begin
+        assert isinstance(value, float) and value >= 0
+    else:
+        assert isinstance(value, float)
+
+
+@pytest.mark.parametrize("alias, twin", ALIASES)
+def test_older_cookbook_names_alias_the_current_ones(finished_trace, alias, twin):
+    trace, _ = finished_trace
+    assert getattr(trace, alias) == getattr(trace, twin)
     if not torch.cuda.is_available():
-        assert trace.peak is None and trace.max_reserved is None and trace.peak_active_gb is None
-        assert trace.malloc_retries is None
-        assert any("unavailable" in line for line in trace.stats_lines())
-    assert not trace.sampler_running
+        assert getattr(trace, alias) is None
+    # An alias reads its twin, so the two can never disagree (and it cannot be set on its own).
+    fresh = MemoryTrace()
+    setattr(fresh, twin, 7)
+    assert getattr(fresh, alias) == 7
+    with pytest.raises(AttributeError):
+        setattr(fresh, alias, 8)
+
+
+def test_memory_trace_in_float_gib_and_consistent(finished_trace):
+    trace, rss_inside = finished_trace
+    assert 0.27 <= trace.cpu_peaked <= 0.35  # 300 MiB = 0.293 GiB, not rounded to 0 GB
+    assert trace.cpu_peak == pytest.approx(rss_inside / GIB, abs=16 * MIB / GIB)  # psutil, independently
+    assert trace.cpu_used == pytest.approx(trace.cpu_end - trace.cpu_begin, abs=1e-12)
+    assert trace.cpu_peaked == pytest.approx(trace.cpu_peak - trace.cpu_begin, abs=1e-12)
+    assert trace.cpu_peak >= trace.cpu_end
+    if torch.cuda.is_available():
+        assert trace.used == pytest.approx(trace.end - trace.begin, abs=1e-12)
+        assert trace.peaked == pytest.approx(trace.peak - trace.begin, abs=1e-12)
+        assert trace.peak >= trace.end and trace.max_reserved >= trace.peak
+        assert not any("unavailable" in line for line in trace.stats_lines())
+    else:
+        assert trace.stats_lines()[0] == "accelerator memory: unavailable on cpu (no accelerator)"
+    assert not trace.sampler_running and not _sampler_threads()
 
 
 def test_memory_trace_stops_its_thread_when_the_body_raises():
@@ -77,15 +149,32 @@ def test_memory_trace_stops_its_thread_when_the_body_raises():
         with MemoryTrace(interval=0.01) as trace:
             raise KeyError("boom")
     assert not trace.sampler_running and not _sampler_threads()
-    assert trace.cpu_peak >= trace.cpu_begin
+    # __exit__ ran to the end: every name is set, the RSS ones to real readings.
+    assert all(hasattr(trace, name) for name in COOKBOOK_NAMES)
+    assert trace.cpu_begin > 0.01 and trace.cpu_end > 0.01 and trace.cpu_peak > 0.01  # > 10 MiB
 
 
 def test_print_stats_has_mib_precision(capsys):
-    with MemoryTrace() as trace:
-        pass
+    before = psutil.Process().memory_info().rss
+    with MemoryTrace(interval=0.01) as trace:
+        block = _touch(200 * MIB)
+        inside = psutil.Process().memory_info().rss
+        time.sleep(0.05)
+        del block
     trace.print_stats()
     out = capsys.readouterr().out
-    assert f"{trace.cpu_peak:.3f} GiB" in out
+    match = re.search(r"CPU peak RSS was (\d+\.\d+) GiB \(\+(\d+\.\d+) GiB during the block\)", out)
+    assert match, out
+    peak, delta = match.groups()
+    assert len(peak.split(".")[1]) == 3 and len(delta.split(".")[1]) == 3  # MiB precision, not whole GB
+    # Compared with psutil's readings, not with the trace's own numbers.
+    assert float(peak) == pytest.approx(inside / GIB, abs=16 * MIB / GIB)
+    assert float(delta) == pytest.approx((inside - before) / GIB, abs=16 * MIB / GIB)
+    assert 0.18 <= float(delta) <= 0.23  # 200 MiB = 0.195 GiB
+    if torch.cuda.is_available():
+        assert re.search(r"Max CUDA memory allocated was \d+\.\d{3} GiB", out)
+    else:
+        assert "accelerator memory: unavailable on cpu (no accelerator)" in out
 
 
 def test_monitor_writes_one_line_per_step_and_summarises(tmp_path):
@@ -97,14 +186,18 @@ def test_monitor_writes_one_line_per_step_and_summarises(tmp_path):
         monitor.record(1)
         del block
         monitor.record(2)
-        lines = monitor.summary_lines()
+        lines, summary = monitor.summary_lines(), monitor.summary()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["phase"] == "setup"
     assert {"cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "peak_allocated_mib", "time_s"} <= rows[0].keys()
     assert rows[1]["cpu_rss_peak_mib"] - rows[0]["cpu_rss_mib"] >= 90
-    assert rows[1]["peak_allocated_mib"] is None or torch.cuda.is_available()
-    assert lines[0].startswith("memory summary (3 records")
-    assert any("only CPU RSS is measured" in line for line in lines) or torch.cuda.is_available()
+    # The monitor watches the CPU device here (also on a CUDA machine): no allocator counters.
+    assert all(r["peak_allocated_mib"] is None and r["allocated_mib"] is None for r in rows)
+    assert summary["cpu_rss_peak_mib"] == max(r["cpu_rss_peak_mib"] for r in rows)
+    assert summary["peak_allocated_mib"] is None and summary["num_alloc_retries"] is None
+    assert lines[0] == f"memory summary (3 records in {path}):"
+    assert lines[1] == f"  CPU RSS peak        {summary['cpu_rss_peak_mib']:10.1f} MiB"
+    assert lines[-1] == "  (no accelerator: only CPU RSS is measured (allocator and device counters are unavailable))"
     assert not _sampler_threads()
 
 

@@ -33,8 +33,8 @@ class ModelConfig:
     tokenizer_name: Optional[str] = field(default=None, metadata=_help(
         "Tokenizer directory or hub id; defaults to --model_name."))
     model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
-        "Dtype of the loaded weights. auto: float32, except frozen LoRA base weights in bfloat16 on a "
-        "bfloat16-capable GPU with --mixed_precision."))
+        "Dtype of the loaded weights. auto: float32, except that on a GPU the frozen LoRA base weights take "
+        "the autocast dtype (bfloat16 with --mixed_precision on a bf16-capable GPU, float16 with --use_fp16)."))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
 
@@ -132,15 +132,25 @@ class CheckpointingConfig:
             "layers' saved inputs in pinned host memory (CUDA)."))
     activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
         "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
+    activation_offload_max_pinned_gb: Optional[float] = field(default=None, metadata=_help(
+        "offload mode: cap in GiB on the pinned host memory its buffer pool holds; layer inputs that would "
+        "exceed it stay on the accelerator. Default: a quarter of host RAM, shared by the processes on the host."))
 
     def __post_init__(self):
         mode, every_n = self.activation_checkpointing_mode, self.activation_checkpointing_every_n
+        max_pinned = self.activation_offload_max_pinned_gb
         if mode is None and every_n is not None:
             mode = self.activation_checkpointing_mode = "every_n"
         if not self.enable_activation_checkpointing:
             _require(mode is None, "activation_checkpointing_mode",
                      f"{mode} has no effect without --enable_activation_checkpointing; add it")
+            _require(max_pinned is None, "activation_offload_max_pinned_gb",
+                     "applies to --activation_checkpointing_mode offload; add --enable_activation_checkpointing")
             return
+        _require(max_pinned is None or mode == "offload", "activation_offload_max_pinned_gb",
+                 f"applies to --activation_checkpointing_mode offload, not {mode or 'full'}")
+        _require(max_pinned is None or 0 < max_pinned < float("inf"), "activation_offload_max_pinned_gb",
+                 f"must be a positive number of GiB (got {max_pinned})")
         _require(every_n is None or mode == "every_n", "activation_checkpointing_every_n",
                  f"applies to --activation_checkpointing_mode every_n, not {mode}")
         _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",

@@ -14,17 +14,17 @@ from typing import Sequence
 
 import torch
 
-from leantune.checkpointing import (CheckpointingError, apply_activation_checkpointing, inspect_checkpointing,
-                                    policy_for_mode)
+from leantune.checkpointing import (CheckpointingError, CheckpointingReport, apply_activation_checkpointing,
+                                    inspect_checkpointing, policy_for_mode)
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
 from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
-from leantune.models.loading import (ModelLoadError, attach_lora, choose_dtype, count_parameters, load_model,
+from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, load_model,
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
-from leantune.precision import choose_device, choose_precision
+from leantune.precision import Precision, choose_device, choose_precision
 from leantune.train import Trainer
 
 # Errors a user can fix from the message alone: printed without a traceback.
@@ -37,7 +37,8 @@ def checkpoint_policy(cfg: RunConfig):
     if ac.mode is None:
         return None
     return policy_for_mode(ac.mode, every_n=ac.activation_checkpointing_every_n or 2,
-                           use_reentrant=ac.activation_checkpointing_use_reentrant)
+                           use_reentrant=ac.activation_checkpointing_use_reentrant,
+                           offload_max_pinned_gb=ac.activation_offload_max_pinned_gb)
 
 
 def loss_function(cfg: RunConfig, vocab_size: int):
@@ -55,19 +56,30 @@ def describe_loss(loss_fn) -> str:
     return "loss: plain cross-entropy (full-vocabulary float32 logits kept for backward)"
 
 
-def build_model(cfg: RunConfig, device: torch.device, log=print):
-    """Tokenizer and model on ``device``, with LoRA and checkpointing applied as configured."""
-    tokenizer = load_tokenizer(cfg.model)
-    dtype = choose_dtype(cfg.model, cfg.peft.use_peft, device, cfg.training.mixed_precision)
-    model = load_model(cfg.model, dtype)
+def prepare_model(model: torch.nn.Module, cfg: RunConfig,
+                  precision: Precision) -> tuple[torch.nn.Module, CheckpointingReport]:
+    """Make a Hugging Face causal LM, already in the precision's weight dtype, ready to train as ``cfg`` says.
+
+    LoRA attached (with ``--use_peft``), moved to the precision's device, activation checkpointing
+    applied (``checkpoint_policy``), in train mode. Returns the model to train (the PEFT wrapper
+    with LoRA) and what inspection of its layers finds. ``build_model`` calls it on a loaded
+    model; the benchmark on one with random weights, so both train the same thing.
+    """
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
-    model.to(device)
+    model.to(precision.device)
     policy = checkpoint_policy(cfg)
     report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
+    return model.train(), report
+
+
+def build_model(cfg: RunConfig, precision: Precision, log=print):
+    """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured."""
+    tokenizer = load_tokenizer(cfg.model)
+    model, report = prepare_model(load_model(cfg.model, precision.weight_dtype), cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
-        f"{str(dtype).removeprefix('torch.')} weights) on {device}")
+        f"{str(precision.weight_dtype).removeprefix('torch.')} weights) on {precision.device}")
     log(report.summary_line())
     return model, tokenizer
 
@@ -92,8 +104,8 @@ def build_loaders(cfg: RunConfig, tokenizer, log=print):
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Trainer:
     torch.manual_seed(cfg.training.seed)
     device = choose_device(cfg.model)
-    precision = choose_precision(cfg.training, device)
-    model, tokenizer = build_model(cfg, device, log)
+    precision = choose_precision(cfg, device)
+    model, tokenizer = build_model(cfg, precision, log)
     train_loader, val_loader = build_loaders(cfg, tokenizer, log)
     if cfg.memory.enable_memory_monitoring:
         path = Path(cfg.output.output_dir) / "memory.jsonl"

@@ -10,9 +10,17 @@ Two implementations with the same result:
   the largest thing in memory once the layers are checkpointed (Llama-3.2-1B, batch 16, context
   2048: 16.8 GB for the logits alone).
 * ``ChunkedCrossEntropy``: walks the tokens in chunks and computes each chunk's loss *and its
-  gradient* in the forward (softmax minus one-hot, times the LM head), keeping only the gradient
-  with respect to the hidden states (``tokens x hidden``) for backward. At most one chunk of logits
-  exists at a time, and nothing is computed twice.
+  gradients* in the forward (softmax minus one-hot, times the LM head). At most one chunk of
+  logits exists at a time and nothing is computed twice. Kept for backward: the gradient with
+  respect to the hidden states (``tokens x hidden``) and, when the head trains (full
+  fine-tuning), its float32 weight gradient, from the loss forward on. The plain loss creates
+  that gradient at the start of backward, so the head's gradient lives through the decoder's
+  backward either way; the fused loss only brings it forward by the loss's own backward.
+  Under autocast the head is cast to the compute dtype once per call (as autocast does for the
+  plain loss); every other temporary is one chunk's size, and backward scales the kept gradients
+  in place. Under float16 (``--use_fp16``) gradients formed in forward would miss the loss scale
+  and underflow, so each chunk is recomputed in backward instead (checkpointed chunks), where the
+  GradScaler's scale reaches it.
 """
 
 from __future__ import annotations
@@ -39,53 +47,100 @@ def auto_chunk_size(vocab_size: int) -> int:
     return max(128, (_CHUNK_LOGITS_BYTES // (4 * vocab_size)) // 128 * 128)
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
-    """grad_weight += grad_logits.T @ h, in place when the dtypes allow (no vocab x hidden temporary)."""
-    if not torch.is_autocast_enabled(h.device.type) and grad_logits.dtype == h.dtype == grad_weight.dtype:
+def compute_dtype(device_type: str, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's when it is on, else the weight's own."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ h with no vocab x hidden temporary.
+
+    In float32 that is one in-place ``addmm_``. In half precision the product comes out in half
+    precision and must be added to the float32 buffer, so it is formed one block of vocabulary
+    rows at a time: the temporaries stay the size of a chunk, not of the head.
+    """
+    if grad_logits.dtype == h.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), h)
-    else:  # under autocast: a half-precision product, then the float32 accumulation
-        grad_weight += (grad_logits.t() @ h).float()
+        return
+    # Blocks of vocabulary rows whose half-precision product is no bigger than the chunk's float32 logits.
+    step = max(1, grad_logits.numel() * 4 // (h.shape[1] * h.element_size()))
+    for start in range(0, grad_weight.shape[0], step):
+        grad_weight[start:start + step] += grad_logits[:, start:start + step].t() @ h
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """sum(CE(hidden @ weight.T, targets)) with its gradients computed chunk by chunk in forward."""
+    """sum(CE(hidden @ weight.T, targets)) with its gradients computed chunk by chunk in forward.
+
+    Runs with autocast off and explicit dtypes: the matmuls in ``dtype`` (autocast's, or the
+    weight's), the softmax in float32. The weight is cast to ``dtype`` once per call (the plain
+    loss's autocast does the same), and the gradients are kept in ``ctx`` and scaled in place in
+    backward, so no second copy of the head or its gradient is ever made.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
-        want_hidden_grad, want_weight_grad = hidden.requires_grad, weight.requires_grad
-        grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            logits = (h @ weight.t()).float()
-            valid = t != IGNORE_INDEX
-            safe_t = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
-            total += torch.where(valid, lse - target_logit, 0.0).sum()
-            if not (want_hidden_grad or want_weight_grad):
-                continue
-            # d(sum CE)/d(logits) = softmax - one_hot, zero on ignored rows; reuse the logits buffer.
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(len(t), device=t.device), safe_t] -= 1.0
-            probs.mul_(valid[:, None])
-            grad_logits = probs.to(h.dtype)
-            del logits, probs
-            if want_hidden_grad:
-                grad_hidden[start:start + chunk_size] = grad_logits @ weight.to(h.dtype)
-            if want_weight_grad:
-                _accumulate_weight_grad(grad_weight, grad_logits, h)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+    def forward(ctx, hidden, weight, targets, chunk_size, dtype, want_grads):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight if weight.dtype == dtype else weight.to(dtype)
+            want_hidden_grad = want_grads and hidden.requires_grad
+            want_weight_grad = want_grads and weight.requires_grad
+            grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight_grad else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_size):
+                h = hidden[start:start + chunk_size].to(dtype)
+                grad_logits = _chunk_loss(h, w, targets[start:start + chunk_size], total,
+                                          want_hidden_grad or want_weight_grad)
+                if grad_logits is None:
+                    continue
+                if want_hidden_grad:
+                    rows = grad_hidden[start:start + chunk_size]
+                    if rows.dtype == grad_logits.dtype:
+                        torch.mm(grad_logits, w, out=rows)  # straight into place, no temporary
+                    else:
+                        rows.copy_(grad_logits @ w)
+                if want_weight_grad:
+                    _add_weight_grad(grad_weight, grad_logits, h)
+                del grad_logits  # before the next chunk's logits exist, not after
+        ctx.grads = (grad_hidden, grad_weight)  # not save_for_backward: scaled in place, used once
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors  # gradients of the sum, scaled here by d(out)/d(sum)
-        return (None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
-                None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype),
-                None, None)
+        grad_hidden, grad_weight = ctx.grads  # gradients of the sum; d(out)/d(sum) scales them in place
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _chunk_loss(h, w, t, total, want_grads):
+    """Add one chunk's summed CE to ``total``; return d(sum CE)/d(logits) in ``h.dtype`` if wanted.
+
+    The softmax is formed in place in the chunk's float32 logits buffer (``logsumexp`` would
+    allocate a second buffer of the same size), so a chunk costs one float32 logits buffer, plus
+    the half-precision matmul output and gradient under autocast.
+    """
+    logits = (h @ w.t()).float()
+    valid = t != IGNORE_INDEX
+    safe_t = torch.where(valid, t, 0)
+    target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()  # unnormalised, in the logits' buffer
+    sum_exp = probs.sum(dim=-1, keepdim=True)
+    lse = (row_max + sum_exp.log()).squeeze(1)
+    total += torch.where(valid, lse - target_logit, 0.0).sum()
+    if not want_grads:
+        return None
+    # softmax - one_hot, zero on ignored rows
+    probs.div_(sum_exp)
+    probs[torch.arange(len(t), device=t.device), safe_t] -= 1.0
+    probs.mul_(valid[:, None])
+    return probs.to(h.dtype)
 
 
 class ChunkedCrossEntropy:
@@ -105,7 +160,12 @@ class ChunkedCrossEntropy:
         targets = shifted_targets(labels.to(hidden.device)).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if type(lm_head) is torch.nn.Linear and lm_head.bias is None:
-            return _FusedLinearCrossEntropy.apply(flat, lm_head.weight, targets, self.chunk_size)
+            dtype = compute_dtype(hidden.device.type, lm_head.weight)
+            # float16 gradients formed in forward would miss the GradScaler's scale (which only
+            # reaches backward) and underflow; the recomputing path gets the scaled gradient.
+            if dtype != torch.float16:
+                return _FusedLinearCrossEntropy.apply(flat, lm_head.weight, targets, self.chunk_size, dtype,
+                                                      torch.is_grad_enabled())
         return self._checkpointed_chunks(flat, lm_head, targets)
 
     def _checkpointed_chunks(self, flat, lm_head, targets) -> torch.Tensor:
@@ -114,10 +174,13 @@ class ChunkedCrossEntropy:
         def chunk_loss(h, t):
             return F.cross_entropy(lm_head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
 
+        # Without grad mode (validation) there is nothing to recompute: plain chunks.
+        run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if torch.is_grad_enabled() else (
+            lambda f, *a: f(*a))
         total = flat.new_zeros((), dtype=torch.float32)
         for start in range(0, flat.shape[0], self.chunk_size):
             end = start + self.chunk_size
-            total = total + checkpoint(chunk_loss, flat[start:end], targets[start:end], use_reentrant=False)
+            total = total + run(chunk_loss, flat[start:end], targets[start:end])
         return total
 
     def __repr__(self) -> str:

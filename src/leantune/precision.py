@@ -1,4 +1,10 @@
-"""Choosing the device and the autocast/loss-scaling setup from the config."""
+"""Choosing the device, and one precision decision that fixes the weights' dtype, autocast and loss scaling.
+
+The three are decided together, in ``choose_precision``, so they cannot disagree: frozen LoRA base
+weights are stored in the dtype autocast computes in (bfloat16 under bf16 autocast, float16 under
+``--use_fp16``), never bf16 weights under an fp16 autocast. The device's bf16 capability is an
+argument, so every combination is testable without a GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from leantune.config import ModelConfig, TrainingConfig
+from leantune.config import ConfigError, ModelConfig, RunConfig
 
 
 def choose_device(cfg: ModelConfig) -> torch.device:
@@ -17,35 +23,76 @@ def choose_device(cfg: ModelConfig) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available here; use --device auto or cpu")
+        raise ConfigError("--device cuda: no CUDA device is available here; use --device auto or cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     return device
 
 
-@dataclass
+@dataclass(frozen=True)
 class Precision:
-    """How the forward runs: ``dtype`` is the autocast type (None: no autocast, full float32)."""
+    """How a run computes.
+
+    ``weight_dtype``: the dtype the model's weights are loaded in. ``compute_dtype``: the autocast
+    dtype (None: no autocast). ``loss_scaling``: float16 needs a GradScaler so that small
+    gradients do not underflow.
+    """
 
     device: torch.device
-    dtype: Optional[torch.dtype]
-    scaler: Optional[torch.amp.GradScaler]
+    weight_dtype: torch.dtype
+    compute_dtype: Optional[torch.dtype]
+    loss_scaling: bool
     note: str
 
     def autocast(self):
-        if self.dtype is None:
+        if self.compute_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def make_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """A fresh GradScaler for a run with loss scaling, else None."""
+        return torch.amp.GradScaler(self.device.type) if self.loss_scaling else None
 
 
-def choose_precision(cfg: TrainingConfig, device: torch.device) -> Precision:
+def _bf16_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optional[bool] = None) -> Precision:
+    """The precision a run uses on ``device``; ``bf16_supported`` defaults to asking the device.
+
+    * CPU: float32 throughout (autocast on the CPU is slower than float32 here), unless an explicit
+      ``--model_dtype`` asks for half-precision weights.
+    * GPU, ``--use_fp16`` (or ``--model_dtype float16``): float16 autocast with loss scaling.
+    * GPU, ``--mixed_precision`` and bf16 support: bfloat16 autocast.
+    * Otherwise float32.
+
+    With ``--model_dtype auto``, LoRA's frozen base weights take the autocast dtype (the adapters
+    stay float32, as peft makes them), and full fine-tuning keeps float32 master weights.
+    """
+    mc, tc = cfg.model, cfg.training
+    if bf16_supported is None:
+        bf16_supported = _bf16_supported(device)
+    explicit = None if mc.model_dtype == "auto" else getattr(torch, mc.model_dtype)
     if device.type != "cuda":
-        note = "float32 on the CPU"
-        if cfg.use_fp16:
+        note = "float32 on the CPU" if explicit in (None, torch.float32) else f"{mc.model_dtype} weights on the CPU"
+        if tc.use_fp16:
             note += " (--use_fp16 needs a CUDA GPU; ignored)"
-        return Precision(device, None, None, note)
-    if cfg.use_fp16:
-        return Precision(device, torch.float16, torch.amp.GradScaler("cuda"), "float16 autocast with loss scaling")
-    if cfg.mixed_precision and torch.cuda.is_bf16_supported():
-        return Precision(device, torch.bfloat16, None, "bfloat16 autocast")
-    return Precision(device, None, None, "float32 (mixed precision off or bfloat16 unsupported)")
+        return Precision(device, explicit or torch.float32, None, False, note)
+    if tc.use_fp16 or explicit is torch.float16:
+        compute, note, scaling = torch.float16, "float16 autocast with loss scaling", True
+    elif explicit is torch.bfloat16 or (tc.mixed_precision and bf16_supported):
+        if not bf16_supported:
+            raise ConfigError("--model_dtype bfloat16: this GPU does not support bfloat16; use --use_fp16 instead")
+        compute, note, scaling = torch.bfloat16, "bfloat16 autocast", False
+    else:
+        reason = "mixed precision off" if not tc.mixed_precision else "this GPU has no bfloat16; --use_fp16 halves it"
+        return Precision(device, explicit or torch.float32, None, False, f"float32 ({reason})")
+    if explicit is not None:
+        weights = explicit
+    else:
+        weights = compute if cfg.peft.use_peft else torch.float32
+    if weights is torch.float16 and not cfg.peft.use_peft:
+        raise ConfigError("--model_dtype float16 with full fine-tuning: float16 weights that train cannot be "
+                          "loss-scaled (GradScaler refuses float16 gradients); use --model_dtype auto with --use_fp16")
+    return Precision(device, weights, compute, scaling, f"{note}, {str(weights).removeprefix('torch.')} weights")

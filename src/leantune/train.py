@@ -54,6 +54,30 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
+def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids: torch.Tensor,
+                     labels: torch.Tensor, loss_fn: Callable, precision: Precision,
+                     scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
+                     after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """The training step's forward and backward of one batch; returns its summed loss, detached.
+
+    Under the precision's autocast: the decoder's hidden states, then ``loss_fn`` (which applies
+    ``lm_head``). The loss is divided by ``normaliser`` (the accumulation window's target tokens)
+    and, with a GradScaler, scaled before backward. ``after_forward`` is called once the loss
+    exists and before backward, when what is alive is exactly what backward will need: the
+    benchmark and the example read their activation meter there, so they measure this step and
+    not a copy of it.
+    """
+    with precision.autocast():
+        hidden = forward_hidden(model, input_ids)
+        loss_sum = loss_fn(hidden, lm_head, labels)
+    del hidden  # keep no reference of our own to activations (or logits) during backward
+    if after_forward is not None:
+        after_forward()
+    loss = loss_sum / normaliser
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return loss_sum.detach()
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, model, tokenizer, train_loader, val_loader, precision: Precision,
                  monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print):
@@ -61,6 +85,7 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.precision, self.monitor, self.loss_fn, self.log = precision, monitor, loss_fn, log
         self.device = precision.device
+        self.scaler = precision.make_scaler()
         self.lm_head = unwrap_model(model).get_output_embeddings()
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
@@ -119,7 +144,7 @@ class Trainer:
         for batch in window:
             loss_total += self.loss_step(batch, normaliser=max(targets, 1))
         grad_norm = self._clip_gradients()
-        scaler = self.precision.scaler
+        scaler = self.scaler
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
@@ -133,14 +158,8 @@ class Trainer:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
         input_ids = batch["input_ids"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
-        with self.precision.autocast():
-            hidden = forward_hidden(self.model, input_ids)
-            loss_sum = self.loss_fn(hidden, self.lm_head, labels)
-        del hidden  # keep no reference of our own to activations (or logits) during backward
-        loss = loss_sum / normaliser
-        scaler = self.precision.scaler
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        return loss_sum.detach()
+        return forward_backward(self.model, self.lm_head, input_ids, labels, self.loss_fn, self.precision,
+                                scaler=self.scaler, normaliser=normaliser)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -188,8 +207,8 @@ class Trainer:
         tc = self.cfg.training
         if not tc.gradient_clipping:
             return None
-        if self.precision.scaler is not None:
-            self.precision.scaler.unscale_(self.optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
 
@@ -203,12 +222,21 @@ class Trainer:
 
     # -------------------------------------------------------------- outputs
     def results(self) -> dict:
-        times = [s["step_time_s"] for s in self.steps[1:]] or [s["step_time_s"] for s in self.steps]
+        """The run's summary.
+
+        ``median_step_time_s`` and ``median_tokens_per_s`` are medians over the same steps, of the
+        same per-step records the step lines print (tokens/s: non-padding input tokens of the
+        step's batches over its wall time). The first step is left out of both when there is more
+        than one — it pays for one-off warm-up (allocator growth, kernel selection, lazy init) —
+        and ``timed_steps`` says how many steps the medians cover.
+        """
+        timed = self.steps[1:] if len(self.steps) > 1 else self.steps
         return {"steps": len(self.steps), "epochs": self.epochs,
                 "first_loss": self.steps[0]["loss"] if self.steps else None,
                 "last_loss": self.steps[-1]["loss"] if self.steps else None,
-                "median_step_time_s": statistics.median(times) if times else None,
-                "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in self.steps) if self.steps else None}
+                "timed_steps": len(timed),
+                "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
+                "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None}
 
     def write_metrics(self) -> Optional[Path]:
         if not self.cfg.output.save_metrics:

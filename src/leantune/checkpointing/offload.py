@@ -3,27 +3,36 @@
 With every layer checkpointed, what stays on the device through the step is each layer's input
 (``batch x seq x hidden`` per layer). ``ActivationOffloader`` moves those to host memory:
 
-* **Pinned buffers reused across steps**: a pool keyed by rounded size, so a step allocates no
-  pinned memory after the first (no per-tensor ``cudaHostAlloc``, which is slow and serialising).
-* **Side stream**: device→host copies run on their own stream after waiting for the compute
-  stream, so they overlap the next layer's forward; ``record_stream`` keeps the allocator from
-  reusing a tensor's memory before its copy has finished.
-* **Prefetch**: when backward reaches layer *k*, the copy back of layer *k-1*'s input starts, so
-  it overlaps layer *k*'s recompute and backward; the compute stream waits on that copy's event
-  before it touches the tensor.
-* **Deduplication by storage**: a tensor saved twice (or two views of one storage) is copied once.
+* **A bounded pool of pinned buffers**, reused across steps (``cudaHostAlloc`` is slow and
+  serialising). Buffers come in power-of-two sizes — what torch's host allocator pins anyway — and
+  a request takes the smallest free buffer of its size or the next (at most 2x its rounded size).
+  The bytes the pool holds (in use + free) stay under a cap: to stay under it the pool first
+  reuses any bigger free buffer, then releases idle buffers (least recently returned first), and
+  if that is not enough the tensor stays on the device (counted in ``fallbacks``).
+* **Side stream**: device→host copies run on their own stream after it waits for the compute
+  stream; ``record_stream`` keeps the allocator from reusing a tensor's memory before its copy
+  is done. Copy-back tensors are allocated on the compute stream (so their blocks return to the
+  pool compute allocates from), the side stream waits for compute before writing them, and
+  compute waits on the copy's event before reading them.
+* **Prefetch**: the first tensor that backward unpacks in layer *k* starts the copies back of all
+  of layer *k*'s tensors and of layer *k-1*'s, so they overlap layer *k*'s recompute and backward.
+* **Deduplication by storage**: a tensor whose bytes lie inside a host copy already made of the
+  same storage (the same tensor saved again, or another view of it, unmodified since) reuses that
+  copy and comes back as a view with its own offset, strides and shape.
 * **Small tensors stay**: below ``min_bytes`` (1 MiB) the copy costs more than it frees.
 
-Host buffers go back to the pool when autograd frees the graph that holds them, and only once
-the copy reading them has completed (an event), so a buffer is never overwritten while in use.
-Without CUDA the offloader can still run in ``simulate`` mode (plain host copies, no streams),
-which tests use to check the bookkeeping and the gradients; training refuses ``offload`` on a
-machine without an accelerator, where activations already live in host memory.
+A host buffer goes back to the pool when autograd frees the graph that holds its copy, tagged
+with the last copy reading it, and is handed out again only once that copy is done. Without CUDA
+the offloader runs in ``simulate`` mode: the same code with stand-ins for streams and events and
+plain host copies, so CPU tests cover the pool, prefetch and dedup bookkeeping and the gradients.
+Training refuses ``offload`` on a machine without an accelerator.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -31,63 +40,194 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 MIN_OFFLOAD_BYTES = 1 << 20
-_ROUND_BYTES = 2 << 20  # pool size classes: multiples of 2 MiB
+_MIN_BUFFER = 4096  # a page: the host allocator's granularity
+_MAX_FIT = 2  # a request may take a free buffer up to this many times its rounded size
+
+
+def default_max_pinned_bytes() -> int:
+    """A quarter of host RAM, shared among the processes on this host.
+
+    Pinned pages cannot be swapped, and the rest of host memory is needed for loading weights,
+    data workers and the OS; a quarter is still far above what offloading a step needs.
+    """
+    import psutil
+
+    local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return psutil.virtual_memory().total // 4 // local_processes
 
 
 class PinnedBufferPool:
-    """Host buffers (pinned when ``pin``) reused by size class; a returned buffer carries the event
-    of the last copy that reads it and is handed out again only once that copy is done."""
+    """Host buffers (pinned when ``pin``), best fit, at most ``max_bytes`` held (None: no cap).
 
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._free: dict[int, list[tuple[torch.Tensor, Optional[object]]]] = {}
-        self.allocations = 0  # buffers created over the pool's life (tests: reuse means this stops growing)
+    A returned buffer carries the event of the last copy reading it and is handed out again only
+    once that copy is done.
+    """
+
+    def __init__(self, pin: bool, max_bytes: Optional[int] = None):
+        self.pin, self.max_bytes = pin, max_bytes
+        self._free: list[tuple[torch.Tensor, Optional[object]]] = []  # oldest returned first
+        self.held_bytes = 0  # in use + free
+        self.peak_held_bytes = 0
+        self.allocations = 0  # buffers created over the pool's life (reuse: this stops growing)
+        self.releases = 0  # buffers dropped to stay under the cap
+        self.refusals = 0  # requests that got no buffer (the caller keeps the tensor on the device)
 
     @staticmethod
     def size_class(nbytes: int) -> int:
-        return -(-nbytes // _ROUND_BYTES) * _ROUND_BYTES
+        return max(_MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    @property
+    def free_bytes(self) -> int:
+        return sum(buffer.numel() for buffer, _ in self._free)
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A buffer of at least ``nbytes``, or None when the cap leaves no room for one."""
         size = self.size_class(nbytes)
-        bucket = self._free.get(size)
-        if bucket:
-            buffer, event = bucket.pop()
-            if event is not None:
-                event.synchronize()  # the last host->device copy from this buffer has finished
-            return buffer
-        self.allocations += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        buffer = self._pop_fit(size, _MAX_FIT * size)
+        if buffer is None and self._fits(size):
+            buffer = self._allocate(size)
+        if buffer is None:  # at the cap: any bigger idle buffer beats releasing and pinning again
+            buffer = self._pop_fit(size, None)
+        if buffer is None and self._release_room_for(size):
+            buffer = self._allocate(size)
+        if buffer is None:
+            self.refusals += 1
+        return buffer
 
     def give_back(self, buffer: torch.Tensor, event: Optional[object]) -> None:
-        self._free.setdefault(buffer.numel(), []).append((buffer, event))
+        self._free.append((buffer, event))
+
+    def _pop_fit(self, size: int, limit: Optional[int]) -> Optional[torch.Tensor]:
+        best = None
+        for i, (buffer, _) in enumerate(self._free):
+            n = buffer.numel()
+            # <=: among equal sizes the latest returned, so the oldest age towards release
+            if n >= size and (limit is None or n <= limit) and (best is None or n <= self._free[best][0].numel()):
+                best = i
+        if best is None:
+            return None
+        buffer, event = self._free.pop(best)
+        if event is not None:
+            event.synchronize()  # the last host->device copy from this buffer has finished
+        return buffer
+
+    def _fits(self, size: int) -> bool:
+        return self.max_bytes is None or self.held_bytes + size <= self.max_bytes
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocations += 1
+        self.held_bytes += size
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        return buffer
+
+    def _release_room_for(self, size: int) -> bool:
+        """Drop idle buffers, oldest first, until ``size`` more fits; drop none if that cannot work."""
+        if self.max_bytes is None or self.held_bytes - self.free_bytes + size > self.max_bytes:
+            return False  # even an empty free list would not make room: keep the buffers for later
+        while not self._fits(size):
+            buffer, event = self._free.pop(0)
+            if event is not None:
+                event.synchronize()
+            self.held_bytes -= buffer.numel()
+            self.releases += 1
+            del buffer  # the last reference: the pinned pages go back to torch's host allocator
+        if self.pin and hasattr(torch, "accelerator") and hasattr(torch.accelerator, "empty_host_cache"):
+            torch.accelerator.empty_host_cache()  # ... which would otherwise keep them cached
+        return True
 
 
-class _Offloaded:
-    """What autograd holds instead of a device tensor: a host copy and how to bring it back."""
+class _SimulatedStream:
+    """Simulate mode's side and compute stream: every copy is done when issued, so waits are no-ops."""
 
-    __slots__ = ("host", "device", "group", "source", "prefetched", "read_event", "__weakref__")
+    def wait_stream(self, other) -> None:
+        pass
 
-    def __init__(self, host: torch.Tensor, device: torch.device, group: int, source: StorageWeakRef):
-        self.host, self.device, self.group, self.source = host, device, group, source
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _SimulatedEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostCopy:
+    """One device→host copy of a byte range of a storage, shared by the saved tensors inside it."""
+
+    __slots__ = ("host", "device", "start", "nbytes", "group", "source", "version", "unpacks_left",
+                 "prefetched", "on_device", "read_event", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, tensor: torch.Tensor, group: int):
+        self.host, self.device, self.group = host, tensor.device, group
+        self.start = tensor.storage_offset() * tensor.element_size()
+        self.nbytes = host.numel()
+        self.source = StorageWeakRef(tensor.untyped_storage())
+        self.version = tensor._version  # shared by views: an in-place change anywhere in them bumps it
+        self.unpacks_left = 0  # saved tensors not yet unpacked; the device copy is kept until then
         self.prefetched: Optional[tuple[torch.Tensor, object]] = None
-        self.read_event: list = [None]  # shared with the finaliser: the last copy reading the buffer
+        self.on_device: Optional[torch.Tensor] = None
+        self.read_event: list = [None]  # shared with the finaliser: the last copy reading ``host``
+
+    def holds(self, tensor: torch.Tensor) -> Optional[int]:
+        """``tensor``'s element offset in this copy, if its bytes lie inside it unchanged; else None."""
+        size = tensor.element_size()
+        first = tensor.storage_offset() * size - self.start
+        extent = (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * size
+        if (self.source.expired() or tensor._version != self.version or first < 0
+                or first + extent > self.nbytes or first % size or self.nbytes % size):
+            return None
+        return first // size
+
+
+class _Saved:
+    """What autograd holds instead of a device tensor: its host copy and its place in it."""
+
+    __slots__ = ("copy", "group", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, copy: _HostCopy, tensor: torch.Tensor, group: int, offset: int):
+        self.copy, self.group, self.offset = copy, group, offset
+        self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
 
 
 class ActivationOffloader:
     """Saved-tensor hooks that offload big activations; one instance per model, shared by its layers."""
 
-    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, simulate: bool = False):
+    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, simulate: bool = False,
+                 max_pinned_bytes: Optional[int] = None):
         self.device = torch.device(device)
         self.simulate = simulate
         if not simulate and self.device.type != "cuda":
             raise ValueError(f"activation offload needs a CUDA device, got {self.device}")
         self.min_bytes = min_bytes
-        self.pool = PinnedBufferPool(pin=not simulate)
-        self.stream = None if simulate else torch.cuda.Stream(device=self.device)
-        self._by_storage: "weakref.WeakValueDictionary[tuple, _Offloaded]" = weakref.WeakValueDictionary()
+        cap = default_max_pinned_bytes() if max_pinned_bytes is None else max_pinned_bytes
+        self.pool = PinnedBufferPool(pin=not simulate, max_bytes=cap)
+        self.stream = _SimulatedStream() if simulate else torch.cuda.Stream(device=self.device)
+        self._by_storage: dict[tuple, list[weakref.ref]] = {}
         self._groups: dict[int, list[weakref.ref]] = {}
         self._group = 0
         self.offloaded_bytes = 0  # bytes copied to host since the step began (diagnostics, tests)
+        self.copies_back = 0  # host->device copies started (tests: one per host copy)
+        self.prefetch_hits = 0  # unpacks that found their copy already started
+        self.fallbacks = 0  # tensors kept on the device because the pool was at its cap
+        self._warned = False
+
+    # ------------------------------------------------ the same code, with or without CUDA
+    def _compute_stream(self):
+        return _SimulatedStream() if self.simulate else torch.cuda.current_stream(self.device)
+
+    def _on_side_stream(self):
+        return contextlib.nullcontext() if self.simulate else torch.cuda.stream(self.stream)
+
+    def _event(self):
+        return _SimulatedEvent() if self.simulate else torch.cuda.Event()
+
+    def _used_on_side_stream(self, tensor: torch.Tensor) -> None:
+        if not self.simulate:
+            tensor.record_stream(self.stream)  # its block is not reused before the side stream is done
 
     # ------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -102,89 +242,127 @@ class ActivationOffloader:
 
     @staticmethod
     def _storage_key(tensor: torch.Tensor) -> tuple:
-        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        return tensor.device, tensor.untyped_storage().data_ptr()
 
     def _keep_on_device(self, tensor: torch.Tensor, nbytes: int) -> bool:
-        return (nbytes < self.min_bytes or not tensor.is_contiguous() or isinstance(tensor, torch.nn.Parameter)
+        return (nbytes < self.min_bytes or tensor.numel() == 0 or isinstance(tensor, torch.nn.Parameter)
                 or (not self.simulate and tensor.device.type != "cuda"))
 
-    def _known(self, tensor: torch.Tensor) -> Optional[_Offloaded]:
-        """The handle of this very tensor if it was packed before and is still alive.
+    def _find_copy(self, tensor: torch.Tensor) -> Optional[tuple[_HostCopy, int]]:
+        """A live host copy of the same storage that holds ``tensor``'s bytes, and its offset there.
 
-        The key holds a device address, which is reused as soon as the original is freed, so a
-        match counts only while the original storage is alive.
+        The key holds a device address, which is reused as soon as the storage is freed, so a
+        copy counts only while its source storage is alive (``holds`` checks).
         """
-        known = self._by_storage.get(self._storage_key(tensor))
-        if known is not None and not known.source.expired():
-            return known
+        for ref in self._by_storage.get(self._storage_key(tensor), ()):
+            copy = ref()
+            offset = copy.holds(tensor) if copy is not None else None
+            if offset is not None:
+                return copy, offset
         return None
 
     def pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
         if self._keep_on_device(tensor, nbytes):
             return tensor
-        known = self._known(tensor)
-        if known is not None:
-            return known  # the same tensor again: one host copy serves both
+        found = self._find_copy(tensor)
+        if found is None:
+            if not tensor.is_contiguous():
+                return tensor  # its bytes may be spread over a much larger storage
+            found = self._copy_to_host(tensor, nbytes), 0
+            if found[0] is None:
+                return tensor
+        copy, offset = found
+        copy.unpacks_left += 1
+        return _Saved(copy, tensor, self._group, offset)
+
+    def _copy_to_host(self, tensor: torch.Tensor, nbytes: int) -> Optional[_HostCopy]:
         buffer = self.pool.take(nbytes)
-        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
-        if self.simulate:
-            host.copy_(tensor)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # copy once it is computed
-            with torch.cuda.stream(self.stream):
-                host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.stream)  # its memory is not reused before the copy is done
-        handle = _Offloaded(host, tensor.device, self._group, StorageWeakRef(tensor.untyped_storage()))
+        if buffer is None:
+            self._note_fallback(nbytes)
+            return None
+        host = buffer[:nbytes]
+        self.stream.wait_stream(self._compute_stream())  # copy once it is computed
+        with self._on_side_stream():
+            host.view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
+        self._used_on_side_stream(tensor)
+        copy = _HostCopy(host, tensor, self._group)
         # When autograd frees the graph, the buffer goes back, tagged with the last copy reading it.
-        weakref.finalize(handle, lambda slot=handle.read_event: self.pool.give_back(buffer, slot[0]))
-        self._by_storage[self._storage_key(tensor)] = handle
-        self._groups.setdefault(self._group, []).append(weakref.ref(handle))
+        weakref.finalize(copy, lambda slot=copy.read_event: self.pool.give_back(buffer, slot[0]))
+        self._by_storage.setdefault(self._storage_key(tensor), []).append(weakref.ref(copy))
+        self._groups.setdefault(self._group, []).append(weakref.ref(copy))
         self.offloaded_bytes += nbytes
-        return handle
+        return copy
+
+    def _note_fallback(self, nbytes: int) -> None:
+        self.fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            cap = self.pool.max_bytes / 2**30
+            warnings.warn(f"activation offload: the pinned pool is at its cap ({cap:.2f} GiB); a "
+                          f"{nbytes / 2**20:.1f} MiB layer input stays on the device (raise "
+                          "--activation_offload_max_pinned_gb to offload it)", RuntimeWarning, stacklevel=3)
 
     # ----------------------------------------------------------- backward
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        tensor = self._bring_back(packed)
+        self._prefetch(packed.group)  # the first unpack of a layer starts all of its copies at once
+        region = self._bring_back(packed.copy)
         self._prefetch(packed.group - 1)
+        return region.view(packed.dtype).as_strided(packed.shape, packed.stride, packed.offset)
+
+    def _bring_back(self, copy: _HostCopy) -> torch.Tensor:
+        """The device copy of ``copy``'s bytes; one copy back serves every tensor saved from it."""
+        copy.unpacks_left -= 1
+        tensor = copy.on_device
+        if tensor is None:
+            if copy.prefetched is None:
+                self._start_copy_back(copy)
+            else:
+                self.prefetch_hits += 1
+            tensor, ready = copy.prefetched
+            copy.prefetched = None
+            self._compute_stream().wait_event(ready)  # the data has arrived before compute reads it
+        # Kept for the tensors of this copy still to come; dropped after the last, so it is freed
+        # with the recompute that uses it.
+        copy.on_device = tensor if copy.unpacks_left > 0 else None
         return tensor
 
-    def _bring_back(self, handle: _Offloaded) -> torch.Tensor:
-        if self.simulate:
-            return handle.host.clone()
-        if handle.prefetched is None:
-            self._start_copy_back(handle)
-        tensor, ready = handle.prefetched
-        handle.prefetched = None
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(ready)  # the data has arrived before compute reads it
-        tensor.record_stream(compute)  # allocated on the side stream, used and freed on compute
-        return tensor
-
-    def _start_copy_back(self, handle: _Offloaded) -> None:
-        with torch.cuda.stream(self.stream):
-            tensor = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
-            tensor.copy_(handle.host, non_blocking=True)
-            ready = torch.cuda.Event()
+    def _start_copy_back(self, copy: _HostCopy) -> None:
+        # Allocated on the compute stream, which reads and frees it: its block stays in the pool
+        # compute allocates from (a block allocated inside the side stream would return to that
+        # stream's pool, which compute never reuses).
+        tensor = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+        self.stream.wait_stream(self._compute_stream())  # the block's previous users on compute are done
+        with self._on_side_stream():
+            tensor.copy_(copy.host, non_blocking=True)
+            ready = self._event()
             ready.record(self.stream)
-        handle.prefetched = (tensor, ready)
-        handle.read_event[0] = ready
+        self._used_on_side_stream(tensor)  # freed unread (graph dropped), it must outlive the copy
+        copy.prefetched = (tensor, ready)
+        copy.read_event[0] = ready
+        self.copies_back += 1
 
     def _prefetch(self, group: int) -> None:
-        refs = self._groups.pop(group, None)
-        if self.simulate or not refs:
-            return
-        for ref in refs:
-            handle = ref()
-            if handle is not None and handle.prefetched is None:
-                self._start_copy_back(handle)
+        for ref in self._groups.pop(group, ()):
+            copy = ref()
+            if copy is not None and copy.prefetched is None and copy.on_device is None:
+                self._start_copy_back(copy)
 
     def new_step(self) -> None:
         """Forget per-step bookkeeping (the pool and its buffers stay)."""
         self._groups.clear()
+        self._by_storage.clear()
         self.offloaded_bytes = 0
+
+    def stats(self) -> dict:
+        """Counters for diagnostics: pool bytes held and their peak, allocations, fallbacks."""
+        pool = self.pool
+        return dict(held_bytes=pool.held_bytes, peak_held_bytes=pool.peak_held_bytes, free_bytes=pool.free_bytes,
+                    max_bytes=pool.max_bytes, allocations=pool.allocations, releases=pool.releases,
+                    fallbacks=self.fallbacks, offloaded_bytes=self.offloaded_bytes,
+                    copies_back=self.copies_back, prefetch_hits=self.prefetch_hits)
 
 
 class OffloadingCheckpoint:

@@ -82,31 +82,29 @@ class EveryNLayers(CheckpointPolicy):
 class SelectiveOps(CheckpointPolicy):
     """Op-level selective checkpointing (LoRA-aware): see ``leantune.checkpointing.selective``.
 
-    ``recompute_reductions`` (filled by ``bind`` from the model) are the matmul reduction sizes
-    whose ops are recomputed: the LoRA ranks (lora_B) and, in full fine-tuning, the MLP
-    intermediate size (down_proj).
+    ``roles`` (made by ``bind``) hooks the Linears whose matmuls are recomputed — LoRA's lora_B
+    and each down_proj whose weight trains — so the policy knows which module runs each op.
     """
 
-    recompute_reductions: frozenset = field(default_factory=frozenset)
-    recompute_down_proj: bool = False
+    roles: Optional[object] = field(default=None, compare=False)  # a selective.MatmulRoles
     name = "selective_ops"
     supports_reentrant = False  # torch's selective checkpointing works only with use_reentrant=False
 
     def bind(self, model: torch.nn.Module) -> "SelectiveOps":
-        from leantune.models.structure import unwrap_model
-        from leantune.checkpointing.selective import recompute_reductions_for
+        from leantune.checkpointing.selective import MatmulRoles
 
-        reductions = recompute_reductions_for(model)
-        intermediate = getattr(unwrap_model(model).config, "intermediate_size", None)
-        return replace(self, recompute_reductions=reductions, recompute_down_proj=intermediate in reductions)
+        return replace(self, roles=MatmulRoles.attach(model))
 
     def context_fn(self) -> Optional[Callable]:
-        from leantune.checkpointing.selective import context_fn_for
-
-        return context_fn_for(self.recompute_reductions)
+        if self.roles is None:
+            raise ValueError("selective_ops decides by module, so it must be bound to the model first "
+                             "(apply_activation_checkpointing does this)")
+        return self.roles.contexts
 
     def describe(self) -> str:
-        recomputed = "elementwise ops, lora_B" + (", down_proj" if self.recompute_down_proj else "")
+        # Bound, name only the recomputed matmuls the model really has (no lora_B in full FT).
+        found = ("lora_B", "trained down_proj") if self.roles is None else self.roles.recomputed_roles()
+        recomputed = ", ".join(("elementwise ops", *found))
         return f"selective_ops (save attention + projections; recompute {recomputed})"
 
 
@@ -116,19 +114,27 @@ class OffloadCheckpointing(CheckpointPolicy):
 
     min_bytes: int = 1 << 20
     simulate: bool = False  # tests: exercise the bookkeeping with host copies on a CPU-only machine
+    max_pinned_bytes: Optional[int] = None  # cap on the pinned pool; None: a quarter of host RAM (set by bind)
     offloader: Optional[object] = field(default=None, compare=False)
     name = "offload"
     supports_reentrant = False  # its hooks wrap what non-reentrant checkpointing saves
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
+            raise ValueError(f"the pinned pool's cap must be 0 or more bytes, got {self.max_pinned_bytes}")
+
     def bind(self, model: torch.nn.Module) -> "OffloadCheckpointing":
-        from leantune.checkpointing.offload import ActivationOffloader
+        from leantune.checkpointing.offload import ActivationOffloader, default_max_pinned_bytes
 
         device = next(model.parameters()).device
         if device.type != "cuda" and not self.simulate:
             raise ValueError(
                 f"offload moves activations from an accelerator to host memory, but the model is on {device}: "
                 "on a CPU-only machine they already live in host memory. Use --activation_checkpointing_mode full.")
-        return replace(self, offloader=ActivationOffloader(device, self.min_bytes, simulate=self.simulate))
+        cap = default_max_pinned_bytes() if self.max_pinned_bytes is None else self.max_pinned_bytes
+        offloader = ActivationOffloader(device, self.min_bytes, simulate=self.simulate, max_pinned_bytes=cap)
+        return replace(self, max_pinned_bytes=cap, offloader=offloader)
 
     def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
         from leantune.checkpointing.offload import OffloadingCheckpoint
@@ -136,14 +142,18 @@ class OffloadCheckpointing(CheckpointPolicy):
         return OffloadingCheckpoint(checkpoint_fn, self.offloader, layer_index)
 
     def describe(self) -> str:
-        return f"offload (layer inputs >= {self.min_bytes >> 20} MiB to pinned host memory)"
+        text = f"offload (layer inputs >= {self.min_bytes >> 20} MiB to pinned host memory)"
+        if self.max_pinned_bytes is not None:
+            text += f", at most {self.max_pinned_bytes / 2**30:.1f} GiB pinned"
+        return text
 
 
 MODES = ("full", "every_n", "selective_ops", "offload")
 
 
-def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False) -> CheckpointPolicy:
-    """The policy object for a ``--activation_checkpointing_mode`` name."""
+def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False,
+                    offload_max_pinned_gb: Optional[float] = None) -> CheckpointPolicy:
+    """The policy object for a ``--activation_checkpointing_mode`` name (the pinned cap in GiB: offload only)."""
     if mode == "full":
         return FullCheckpointing(use_reentrant=use_reentrant)
     if mode == "every_n":
@@ -151,5 +161,6 @@ def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False)
     if mode == "selective_ops":
         return SelectiveOps(use_reentrant=use_reentrant)
     if mode == "offload":
-        return OffloadCheckpointing(use_reentrant=use_reentrant)
+        cap = None if offload_max_pinned_gb is None else int(offload_max_pinned_gb * 2**30)
+        return OffloadCheckpointing(use_reentrant=use_reentrant, max_pinned_bytes=cap)
     raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose from {', '.join(MODES)}")

@@ -8,34 +8,44 @@ needs only its weight, so its output was never what filled memory.
 
 The rule here looks at what backward needs instead:
 
-* **Saved**: attention (SDPA) outputs, and the outputs of the q/k/v/o and gate/up projections.
-  Attention is the one op whose cost grows with the context, and the projections feed the
-  elementwise ops (RoPE, SiLU, the gated product, RMSNorm) whose backward needs their inputs.
+* **Saved**: attention outputs (the SDPA ops, and with eager attention its two matmuls, QK^T and
+  probabilities x V), and the outputs of the q/k/v/o and gate/up projections. Attention is the
+  one op whose cost grows with the context, and the projections feed the elementwise ops (RoPE,
+  SiLU, the gated product, RMSNorm) whose backward needs their inputs.
 * **Recomputed**: everything elementwise (norms, RoPE, SiLU, products, residual adds, dropout —
   its mask is replayed from the saved RNG state) and LoRA's up-projection ``lora_B``, a rank-r
   matmul whose output only feeds an add whose backward needs nothing.
-* **down_proj** (its output also only feeds an add) is recomputed in full fine-tuning and saved
-  with LoRA. A full fine-tuning step runs every matmul three times (forward, input gradient,
-  weight gradient), so one more forward of down_proj is cheap relative to the step; a LoRA step
-  runs it twice, and recomputing it measured +27% step time on ``small`` (CPU), over budget.
+* **down_proj** (its output also only feeds an add) is recomputed where its weight trains (full
+  fine-tuning) and saved where it is frozen (LoRA). A full fine-tuning step runs every matmul
+  three times (forward, input gradient, weight gradient), so one more forward of down_proj is
+  cheap relative to the step; a LoRA step runs it twice, and recomputing it measured +27% step
+  time on ``small`` (CPU), over budget.
 
 Measured on ``small`` (CPU): 0.57 of the no-checkpointing activations for full fine-tuning and
-0.68 for LoRA, at about the step time of no checkpointing. The matmuls are identified by their
-reduction size, which the model gives, so the rule depends neither on op order, nor on which
-modules LoRA targets, nor on autocast.
+0.68 for LoRA, at about the step time of no checkpointing (no size collides there, and the
+earlier size-based rule made the same decision for every op).
+
+A matmul is told apart by the module that runs it, never by a size (sizes collide: a LoRA rank
+can equal the hidden size or the head size, an intermediate size the hidden size) nor by its
+weight's storage (autocast multiplies a fresh low-precision copy of a frozen weight). At bind
+time ``MatmulRoles`` finds the ``lora_B`` Linears and the trained ``down_proj`` Linears (also as
+a PEFT ``base_layer``) and hooks them, so the policy can ask whether the op running now is inside
+one of them; a matmul inside no such module — a projection, ``lora_A``, or eager attention — is
+saved. The hooks run again when the layer is recomputed, so forward and recompute walk the same
+modules and make the same decisions.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
 
-_MATMULS = {aten.mm.default: 1, aten.addmm.default: 2, aten.bmm.default: 1}  # op -> index of the right operand
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 _ATTENTION = {
     getattr(aten, name).default
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -44,48 +54,107 @@ _ATTENTION = {
     if hasattr(aten, name)
 }
 
+LORA_B, DOWN_PROJ = "lora_B", "down_proj"
+_ROLE_ORDER = (LORA_B, DOWN_PROJ)  # the order describe() lists them in
 
-def reduction_size(op, args) -> int | None:
-    """The inner (reduced) dimension of a matmul op, or None for any other op."""
-    index = _MATMULS.get(op)
-    if index is None:
+
+def _recompute_role(name: str, module: torch.nn.Module) -> Optional[str]:
+    """The role of a Linear whose matmul is recomputed, or None for one whose output is saved."""
+    if not isinstance(module, torch.nn.Linear):
         return None
-    right = args[index]
-    return right.shape[-2]
+    parts = name.split(".")
+    if LORA_B in parts:  # PEFT: <target>.lora_B.<adapter>
+        return LORA_B
+    # The MLP's down projection, plain or as the frozen-or-not base of a PEFT lora.Linear.
+    is_down_proj = parts[-1] == DOWN_PROJ or parts[-2:] == [DOWN_PROJ, "base_layer"]
+    if is_down_proj and module.weight.requires_grad:
+        return DOWN_PROJ
+    return None
 
 
-def make_policy_fn(recompute_reductions: Iterable[int]):
-    """A ``create_selective_checkpoint_contexts`` policy: see the module docstring."""
-    recompute = frozenset(recompute_reductions)
+def recomputed_linears(model: torch.nn.Module) -> dict[str, str]:
+    """Name -> role of the Linears inside decoder layers whose matmuls are recomputed.
 
-    def policy(ctx, op, *args, **kwargs):
+    Read when checkpointing is applied: freezing or unfreezing down_proj afterwards does not
+    change the decision.
+    """
+    return {name: role for name, role, _ in _find_recomputed(model)}
+
+
+def _find_recomputed(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Module]]:
+    from leantune.models.structure import decoder_layers
+
+    # Only modules under checkpointing matter: the policy never sees ops outside decoder layers.
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    found = []
+    for name, module in model.named_modules():
+        role = _recompute_role(name, module) if id(module) in inside else None
+        if role is not None:
+            found.append((name, role, module))
+    return found
+
+
+class MatmulRoles:
+    """Knows, while a checkpointed layer runs, whether the current op is inside a recomputed Linear.
+
+    A forward pre-hook on each such Linear pushes its role and a forward hook pops it; the hook
+    is ``always_call`` because non-reentrant checkpointing stops a recompute early by raising
+    from inside the layer, and a missed pop would misclassify the next layer's ops.
+    """
+
+    _ATTRIBUTE = "_leantune_matmul_roles"  # on the HF model: the helper whose hooks are in force
+
+    def __init__(self, found: list[tuple[str, str, torch.nn.Module]]):
+        self._stack: list[str] = []
+        self.modules: dict[str, str] = {name: role for name, role, _ in found}
+        self._handles = []
+        for _, role, module in found:
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, role)))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module) -> "MatmulRoles":
+        """Hook ``model``'s recomputed Linears, replacing the hooks of an earlier ``attach``."""
+        from leantune.models.structure import unwrap_model
+
+        hf_model = unwrap_model(model)
+        previous = getattr(hf_model, cls._ATTRIBUTE, None)
+        if previous is not None:
+            previous.remove()
+        roles = cls(_find_recomputed(model))
+        setattr(hf_model, cls._ATTRIBUTE, roles)
+        return roles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter(self, role: str, module, args) -> None:
+        self._stack.append(role)
+
+    def _leave(self, module, args, output) -> None:
+        self._stack.pop()
+
+    def current(self) -> Optional[str]:
+        """The role of the innermost recomputed Linear running now, or None."""
+        return self._stack[-1] if self._stack else None
+
+    def recomputed_roles(self) -> tuple[str, ...]:
+        found = set(self.modules.values())
+        return tuple(role for role in _ROLE_ORDER if role in found)
+
+    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        """The ``create_selective_checkpoint_contexts`` policy: see the module docstring."""
         if op in _ATTENTION:
             return CheckpointPolicy.MUST_SAVE
-        size = reduction_size(op, args)
-        if size is not None and size not in recompute:
+        if op in MATMULS and self.current() is None:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return policy
-
-
-def context_fn_for(recompute_reductions: Iterable[int]):
-    """The ``context_fn`` to pass to ``torch.utils.checkpoint.checkpoint``."""
-    return functools.partial(create_selective_checkpoint_contexts, make_policy_fn(recompute_reductions))
-
-
-def recompute_reductions_for(model: torch.nn.Module) -> frozenset[int]:
-    """Reduction sizes that mark recomputed matmuls: any LoRA rank, and the MLP intermediate size
-    (down_proj) when the base weights train (see the module docstring for why only then)."""
-    from leantune.models.structure import unwrap_model
-
-    hf_model = unwrap_model(model)
-    peft_config = getattr(model, "peft_config", None) or {}
-    sizes = {getattr(c, "r", None) for c in peft_config.values()}
-    for c in peft_config.values():
-        sizes |= set((getattr(c, "rank_pattern", None) or {}).values())
-    down_proj_trains = any(p.requires_grad for name, p in hf_model.named_parameters()
-                           if "down_proj" in name and "lora_" not in name)
-    if down_proj_trains:
-        sizes.add(getattr(hf_model.config, "intermediate_size", None))
-    return frozenset(s for s in sizes if isinstance(s, int))
+    def contexts(self):
+        """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``, called once per layer."""
+        # A checkpointed region is a whole decoder layer, which starts outside every hooked
+        # Linear; clearing makes that hold even after an exception escaped a hook-less path.
+        self._stack.clear()
+        return create_selective_checkpoint_contexts(self.policy)

@@ -73,10 +73,20 @@ class RssSampler:
 class MemoryTrace:
     """Memory used inside a ``with`` block, in float GiB (never rounded to whole GB).
 
-    ``with MemoryTrace() as m: ...; m.print_stats()``. Attribute names follow llama-cookbook:
-    ``begin``, ``end``, ``peak``, ``peaked``, ``used``, ``max_reserved``, ``peak_active_gb``,
-    ``malloc_retries``, ``m_cuda_ooms`` (accelerator; ``None`` without one) and ``cpu_begin``,
-    ``cpu_end``, ``cpu_peak``, ``cpu_used``, ``cpu_peaked`` (process RSS). The sampling thread is
+    ``with MemoryTrace() as m: ...; m.print_stats()``. After the block every attribute that
+    llama-cookbook's ``MemoryTrace`` sets, in its current or its older releases, exists:
+
+    * accelerator (``None`` when ``device`` is not an available accelerator, e.g. on a CPU-only
+      machine): ``begin``, ``end``, ``peak`` (allocated, GiB), ``peaked`` (``peak - begin``),
+      ``used`` (``end - begin``), ``max_reserved``, ``peak_active_gb``, and the allocator counters
+      ``malloc_retries`` and ``m_ooms`` (ints);
+    * older cookbook spellings, read-only aliases of the above so they cannot disagree:
+      ``cuda_malloc_retires`` (sic) is ``malloc_retries`` and ``m_cuda_ooms`` is ``m_ooms``;
+    * process RSS, always floats: ``cpu_begin``, ``cpu_end``, ``cpu_peak``, ``cpu_used``
+      (``cpu_end - cpu_begin``), ``cpu_peaked`` (``cpu_peak - cpu_begin``).
+
+    Unlike the cookbook (whose ``cpu_begin``/``cpu_end``/``cpu_peak`` are raw bytes and whose
+    differences are whole GB), every memory figure here is float GiB. The sampling thread is
     stopped when the block exits, also when it raises.
     """
 
@@ -110,13 +120,23 @@ class MemoryTrace:
         self.max_reserved = _gib(end.peak_reserved_mib)
         self.peak_active_gb = _gib(end.peak_active_mib)
         self.malloc_retries = end.num_alloc_retries
-        self.m_cuda_ooms = end.num_ooms
+        self.m_ooms = end.num_ooms
         self.used = None if self.end is None else self.end - self.begin
         self.peaked = None if self.peak is None else self.peak - self.begin
         self.cpu_end = end.cpu_rss_mib / 1024
         self.cpu_peak = max(cpu_peak_bytes / GIB, self.cpu_end)
         self.cpu_used = self.cpu_end - self.cpu_begin
         self.cpu_peaked = self.cpu_peak - self.cpu_begin
+
+    @property
+    def cuda_malloc_retires(self) -> Optional[int]:
+        """llama-cookbook's older (misspelt) name for ``malloc_retries``."""
+        return self.malloc_retries
+
+    @property
+    def m_cuda_ooms(self) -> Optional[int]:
+        """llama-cookbook's older name for ``m_ooms``."""
+        return self.m_ooms
 
     @property
     def sampler_running(self) -> bool:
@@ -131,7 +151,7 @@ class MemoryTrace:
                 f"Max {self.device.type.upper()} memory allocated was {self.peak:.3f} GiB",
                 f"Max {self.device.type.upper()} memory reserved was {self.max_reserved:.3f} GiB",
                 f"Peak active {self.device.type.upper()} memory was {self.peak_active_gb:.3f} GiB",
-                f"{self.device.type.upper()} malloc retries: {self.malloc_retries}, OOMs: {self.m_cuda_ooms}",
+                f"{self.device.type.upper()} malloc retries: {self.malloc_retries}, OOMs: {self.m_ooms}",
             ]
         lines.append(f"CPU peak RSS was {self.cpu_peak:.3f} GiB ({self.cpu_peaked:+.3f} GiB during the block)")
         return lines

@@ -50,16 +50,6 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def choose_dtype(cfg: ModelConfig, use_peft: bool, device: torch.device, mixed_precision: bool) -> torch.dtype:
-    """Weights dtype. ``auto`` stores frozen LoRA base weights in bf16 on GPUs that support it (the
-    adapters stay float32 and the optimizer never sees the base), and float32 everywhere else."""
-    if cfg.model_dtype != "auto":
-        return getattr(torch, cfg.model_dtype)
-    if use_peft and mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 def load_model(cfg: ModelConfig, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

@@ -1,0 +1,264 @@
+"""The activation offloader: a bounded best-fit pinned pool, prefetch bookkeeping, dedup by storage, the flag.
+
+The CPU tests run the offloader in simulate mode: the same pack/prefetch/copy-back code, with
+no-op stand-ins for streams and events and plain host copies.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from leantune.checkpointing import OffloadCheckpointing, apply_activation_checkpointing
+from leantune.checkpointing.offload import ActivationOffloader, PinnedBufferPool, _Saved, default_max_pinned_bytes
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+
+from conftest import TEST_SHAPE
+from helpers import gradients, make_batch
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _offloaded(model, cap=64 * MiB):
+    apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, simulate=True, max_pinned_bytes=cap))
+    return model._leantune_checkpoint_policy.offloader
+
+
+def _assert_equal_grads(expected, actual):
+    assert expected.keys() == actual.keys() and expected
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+# ------------------------------------------------------------------ the pool
+def test_size_classes_are_powers_of_two_from_a_page():
+    # torch's host allocator pins power-of-two blocks, so these are the bytes really pinned
+    assert [PinnedBufferPool.size_class(n) for n in (1, 4096, 4097, 3 * MiB, 4 * MiB)] == [
+        4096, 4096, 8192, 4 * MiB, 4 * MiB]
+
+
+def test_pool_takes_the_smallest_free_buffer_at_most_one_class_up():
+    pool = PinnedBufferPool(pin=False)
+    a, b, c = pool.take(64 * KiB), pool.take(128 * KiB), pool.take(256 * KiB)
+    for buffer in (c, b, a):
+        pool.give_back(buffer, None)
+    assert pool.take(40 * KiB) is a  # the smallest that holds it
+    assert pool.take(40 * KiB) is b  # one class up (2x its 64 KiB class) is still a fit
+    d = pool.take(40 * KiB)  # 256 KiB would pin 4x: a new 64 KiB buffer instead
+    assert d.numel() == 64 * KiB and pool.allocations == 4 and pool.free_bytes == 256 * KiB
+
+
+def test_pool_reuses_buffers_across_nearby_sizes():
+    """Padded batches: each step asks for a slightly different size for every layer. An exact
+    size-class pool (the old one: 2 MiB classes) pinned a new set per class: 12 buffers, 72 MiB here."""
+    pool = PinnedBufferPool(pin=False)
+    for size in (5 * MiB, 6 * MiB, 7 * MiB, 8 * MiB, 5 * MiB + 1234, 3 * MiB):
+        taken = [pool.take(size) for _layer in range(4)]
+        assert all(buffer.numel() >= size for buffer in taken)
+        for buffer in taken:
+            pool.give_back(buffer, None)
+    assert pool.allocations == 4 and pool.held_bytes == pool.peak_held_bytes == 32 * MiB
+
+
+def test_pool_at_its_cap_reuses_a_bigger_buffer_then_refuses():
+    pool = PinnedBufferPool(pin=False, max_bytes=1 * MiB)
+    pool.give_back(pool.take(512 * KiB), None)
+    small = [pool.take(100 * KiB) for _ in range(4)]  # 4 x 128 KiB: exactly at the cap
+    assert pool.held_bytes == 1 * MiB and all(b.numel() == 128 * KiB for b in small)
+    assert pool.take(100 * KiB).numel() == 512 * KiB  # at the cap: the idle 512 KiB buffer serves it
+    assert pool.take(100 * KiB) is None and pool.refusals == 1  # nothing idle to release
+    assert pool.held_bytes == pool.peak_held_bytes == 1 * MiB and pool.releases == 0
+
+
+def test_pool_releases_idle_buffers_oldest_first_to_stay_under_its_cap():
+    pool = PinnedBufferPool(pin=False, max_bytes=1 * MiB)
+    a, b, c, d = (pool.take(256 * KiB) for _ in range(4))
+    for buffer in (a, b, c):
+        pool.give_back(buffer, None)
+    gone = [weakref.ref(a), weakref.ref(b)]
+    del a, b
+    big = pool.take(300 * KiB)  # a 512 KiB class: a and b (the oldest idle ones) make room
+    assert big.numel() == 512 * KiB and pool.releases == 2 and pool.held_bytes == 1 * MiB
+    assert all(ref() is None for ref in gone)  # really released: the pool kept no reference
+    assert pool.take(200 * KiB) is c
+
+
+# ------------------------------------------------------- the pool in training
+def test_offload_moves_layer_inputs_reuses_buffers_and_frees_them(load_tiny):
+    model = load_tiny()
+    offloader = _offloaded(model)
+    ids, labels = make_batch(model.config.vocab_size, seq=128)
+    gradients(model, ids, labels)
+    hidden_bytes = ids.numel() * model.config.hidden_size * 4
+    assert offloader.offloaded_bytes == 2 * hidden_bytes  # one input per layer, nothing else
+    assert offloader.pool.free_bytes == offloader.pool.held_bytes == 2 * hidden_bytes  # all back in the pool
+    first_allocations = offloader.pool.allocations
+    gradients(model, ids, labels)
+    assert offloader.pool.allocations == first_allocations  # the second step reuses the buffers
+
+
+def test_varying_batch_shapes_keep_the_pool_bounded_and_the_gradients_exact(load_tiny):
+    plain, model = load_tiny(), load_tiny()
+    cap = 1 * MiB
+    offloader = _offloaded(model, cap)
+    allocations = []
+    for _round in range(2):
+        for seq in (64, 96, 128, 80, 160):  # what --batching_strategy padding feeds the layers
+            ids, labels = make_batch(model.config.vocab_size, seq=seq, seed=seq)
+            _assert_equal_grads(gradients(plain, ids, labels), gradients(model, ids, labels))
+            assert offloader.pool.free_bytes == offloader.pool.held_bytes  # every buffer returned
+        allocations.append(offloader.pool.allocations)
+    # 32 KiB (seq 64), 64 KiB (80..128) and 128 KiB (160) per layer, for 2 layers
+    assert allocations == [6, 6] and offloader.pool.held_bytes == 2 * (32 + 64 + 128) * KiB
+    assert offloader.pool.peak_held_bytes <= cap and offloader.fallbacks == 0
+
+
+def test_a_full_pool_keeps_tensors_on_the_device_with_exact_gradients(load_tiny):
+    plain, model = load_tiny(), load_tiny()
+    cap = 100 * KiB  # room for one 64 KiB layer input, not two
+    offloader = _offloaded(model, cap)
+    ids, labels = make_batch(model.config.vocab_size, seq=128)
+    with pytest.warns(RuntimeWarning, match=r"pinned pool is at its cap \(0.00 GiB\); a 0.1 MiB layer input stays"):
+        actual = gradients(model, ids, labels)
+    _assert_equal_grads(gradients(plain, ids, labels), actual)
+    assert offloader.fallbacks == 1 and offloader.offloaded_bytes == 64 * KiB
+    for seq in (64, 160, 96):  # other shapes under the same tight cap
+        ids, labels = make_batch(model.config.vocab_size, seq=seq)
+        _assert_equal_grads(gradients(plain, ids, labels), gradients(model, ids, labels))
+    assert offloader.pool.peak_held_bytes <= cap and offloader.fallbacks > 1
+
+
+# ------------------------------------------------------------------ prefetch
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    from leantune.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-4", seed=0,
+                           **{**TEST_SHAPE, "num_hidden_layers": 4})
+
+
+def test_simulate_mode_prefetches_the_layer_below_once_per_copy(four_layer_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(four_layer_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    offloader = _offloaded(model.train())
+    trace = []
+    start_copy_back, unpack = offloader._start_copy_back, offloader.unpack
+
+    def traced_start(copy):
+        trace.append(("copy back", copy.group))
+        start_copy_back(copy)
+
+    def traced_unpack(packed):
+        if isinstance(packed, _Saved):
+            trace.append(("unpack", packed.group))
+        return unpack(packed)
+
+    monkeypatch.setattr(offloader, "_start_copy_back", traced_start)
+    monkeypatch.setattr(offloader, "unpack", traced_unpack)
+    ids, labels = make_batch(model.config.vocab_size, seq=96)
+    gradients(model, ids, labels)
+    # Backward reaches layer 3 first: its copy starts on demand, layer 2's is prefetched with it,
+    # and every later layer's copy was started one layer ahead.
+    assert trace == [("unpack", 3), ("copy back", 3), ("copy back", 2), ("unpack", 2), ("copy back", 1),
+                     ("unpack", 1), ("copy back", 0), ("unpack", 0)]
+    assert offloader.copies_back == 4 and offloader.prefetch_hits == 4  # each copy brought back once
+    assert offloader._groups == {}  # the group bookkeeping is used up
+    assert offloader.pool.free_bytes == offloader.pool.held_bytes > 0  # the freed graph gave the buffers back
+
+
+# --------------------------------------------------------- dedup by storage
+def test_views_of_one_storage_share_one_host_copy():
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, simulate=True, max_pinned_bytes=64 * MiB)
+    base, small = torch.randn(64, 64), torch.randn(4)
+    assert offloader.pack(small) is small  # under min_bytes: stays
+    views = [base, base, base[8:40], base.t(), base[:, 3:7]]  # the last two are not contiguous
+    packed = [offloader.pack(view) for view in views]
+    assert all(isinstance(p, _Saved) for p in packed) and len({id(p.copy) for p in packed}) == 1
+    assert offloader.offloaded_bytes == base.numel() * 4 and offloader.pool.allocations == 1
+    unpacked = [offloader.unpack(p) for p in packed]
+    for view, back in zip(views, unpacked):
+        assert torch.equal(back, view) and back.stride() == view.stride()
+    assert offloader.copies_back == 1  # one copy back serves all five
+
+
+def test_views_outside_the_copy_or_changed_since_get_their_own():
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=64 * MiB)
+    base = torch.randn(64, 64)
+    top, inside, bottom = (offloader.pack(v) for v in (base[:32], base[4:20], base[40:]))
+    assert inside.copy is top.copy and bottom.copy is not top.copy
+    assert offloader.offloaded_bytes == (32 + 24) * 64 * 4
+    other = torch.randn(64, 64)
+    assert offloader.pack(other).copy is not top.copy  # another storage
+    before = base[2:10].clone()
+    base.add_(1)  # in place after the copy: the host copy is stale for what is saved from now on
+    later = offloader.pack(base[2:10])
+    assert later.copy is not top.copy
+    assert torch.equal(offloader.unpack(later), base[2:10]) and torch.equal(offloader.unpack(top)[2:10], before)
+
+
+# ------------------------------------------------------------- the flag
+OFFLOAD = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload"]
+
+
+def test_the_cap_flag_reaches_the_policy():
+    from leantune.finetuning import checkpoint_policy
+
+    cfg = parse_run_config(OFFLOAD + ["--activation_offload_max_pinned_gb", "2.5"])
+    assert cfg.checkpointing.activation_offload_max_pinned_gb == 2.5
+    assert checkpoint_policy(cfg).max_pinned_bytes == int(2.5 * 2**30)
+    assert checkpoint_policy(parse_run_config(OFFLOAD)).max_pinned_bytes is None  # the default, set by bind
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--activation_offload_max_pinned_gb", "4"],
+     r"--activation_offload_max_pinned_gb: applies to --activation_checkpointing_mode offload; add --enable_activ"),
+    (["--enable_activation_checkpointing", "--activation_offload_max_pinned_gb", "4"],
+     r"--activation_offload_max_pinned_gb: applies to --activation_checkpointing_mode offload, not full"),
+    (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
+      "--activation_offload_max_pinned_gb", "4"], r"offload, not selective_ops"),
+    (OFFLOAD + ["--activation_offload_max_pinned_gb", "0"], r"--activation_offload_max_pinned_gb: must be a positive"),
+    (OFFLOAD + ["--activation_offload_max_pinned_gb", "-1"], r"must be a positive number of GiB \(got -1.0\)"),
+    (OFFLOAD + ["--activation_offload_max_pinned_gb", "inf"], r"must be a positive number of GiB"),
+    (OFFLOAD + ["--activation_offload_max_pinned_gb", "nan"], r"must be a positive number of GiB"),
+])
+def test_bad_cap_flags_name_the_flag(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(argv)
+
+
+def test_the_default_cap_is_a_quarter_of_host_ram_per_local_process(load_tiny, monkeypatch):
+    import psutil
+
+    quarter = psutil.virtual_memory().total // 4
+    assert default_max_pinned_bytes() == quarter
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_max_pinned_bytes() == quarter // 4
+    report = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(simulate=True))
+    assert report.summary_line().endswith(f"to pinned host memory), at most {quarter / 4 / 2**30:.1f} GiB pinned")
+
+
+def test_a_negative_cap_is_refused():
+    with pytest.raises(ValueError, match="cap must be 0 or more bytes"):
+        OffloadCheckpointing(max_pinned_bytes=-1)
+
+
+# ------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:activation offload")
+@pytest.mark.parametrize("cap", [64 * MiB, 200 * KiB], ids=["roomy", "tight"])
+def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
+    plain, offloaded = load_tiny().cuda(), load_tiny().cuda()
+    apply_activation_checkpointing(offloaded, OffloadCheckpointing(min_bytes=0, max_pinned_bytes=cap))
+    offloader = offloaded._leantune_checkpoint_policy.offloader
+    for seq in (256, 96, 160, 256):  # 128 KiB per layer input at 256: the tight cap holds one
+        ids, labels = (t.cuda() for t in make_batch(plain.config.vocab_size, seq=seq, seed=seq))
+        _assert_equal_grads(gradients(plain, ids, labels), gradients(offloaded, ids, labels))
+        torch.cuda.synchronize()
+        assert offloader.pool.free_bytes == offloader.pool.held_bytes  # every buffer back after the step
+    assert offloader.pool.peak_held_bytes <= cap and (offloader.fallbacks > 0) == (cap < MiB)
+    assert offloader.copies_back == offloader.prefetch_hits > 0  # every copy back was started ahead

@@ -1,0 +1,87 @@
+"""The precision decision over device kind x bf16 support x precision flags x LoRA, without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.precision import choose_precision
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# (device, bf16 supported, flags, LoRA) -> (weights dtype, autocast dtype, loss scaling)
+TABLE = [
+    # the CPU: float32 whatever the precision flags say
+    (CPU, False, [], False, (F32, None, False)),
+    (CPU, False, [], True, (F32, None, False)),
+    (CPU, False, ["--use_fp16"], True, (F32, None, False)),
+    (CPU, False, ["--mixed_precision", "false"], True, (F32, None, False)),
+    (CPU, False, ["--model_dtype", "bfloat16"], True, (BF16, None, False)),
+    # a bf16 GPU, defaults: bf16 autocast; LoRA's frozen base in bf16, full fine-tuning keeps fp32 masters
+    (CUDA, True, [], False, (F32, BF16, False)),
+    (CUDA, True, [], True, (BF16, BF16, False)),
+    # --use_fp16 on a bf16 GPU: fp16 autocast, and the LoRA base in fp16 too (not bf16 under fp16 autocast)
+    (CUDA, True, ["--use_fp16"], False, (F32, F16, True)),
+    (CUDA, True, ["--use_fp16"], True, (F16, F16, True)),
+    (CUDA, True, ["--mixed_precision", "false"], False, (F32, None, False)),
+    (CUDA, True, ["--mixed_precision", "false"], True, (F32, None, False)),
+    # a GPU without bf16 (V100, T4): float32 unless --use_fp16
+    (CUDA, False, [], False, (F32, None, False)),
+    (CUDA, False, [], True, (F32, None, False)),
+    (CUDA, False, ["--use_fp16"], False, (F32, F16, True)),
+    (CUDA, False, ["--use_fp16"], True, (F16, F16, True)),
+    # explicit weight dtypes: autocast follows them
+    (CUDA, True, ["--model_dtype", "bfloat16"], False, (BF16, BF16, False)),
+    (CUDA, True, ["--model_dtype", "float32"], True, (F32, BF16, False)),
+    (CUDA, True, ["--model_dtype", "float16"], True, (F16, F16, True)),
+    (CUDA, False, ["--model_dtype", "float32", "--use_fp16"], True, (F32, F16, True)),
+]
+
+
+def _cfg(flags, lora):
+    return parse_run_config([*flags, *(["--use_peft"] if lora else [])])
+
+
+@pytest.mark.parametrize("device, bf16, flags, lora, expected", TABLE,
+                         ids=[f"{d.type}-bf16{b}-{'_'.join(f) or 'default'}-{'lora' if l else 'full'}"
+                              for d, b, f, l, _ in TABLE])
+def test_precision_table(device, bf16, flags, lora, expected):
+    precision = choose_precision(_cfg(flags, lora), device, bf16_supported=bf16)
+    assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == expected
+    if precision.compute_dtype is F16:
+        assert precision.weight_dtype in (F16, F32)  # never bf16 weights under an fp16 autocast
+    if lora and precision.compute_dtype is not None and "--model_dtype" not in flags:
+        assert precision.weight_dtype == precision.compute_dtype  # frozen base stored as it is computed
+
+
+@pytest.mark.parametrize("device, bf16, flags, lora, message", [
+    (CUDA, False, ["--model_dtype", "bfloat16"], True, "does not support bfloat16; use --use_fp16"),
+    (CUDA, True, ["--model_dtype", "float16"], False, "float16 weights that train cannot be loss-scaled"),
+])
+def test_impossible_combinations_are_errors_naming_the_flag(device, bf16, flags, lora, message):
+    with pytest.raises(ConfigError, match=message):
+        choose_precision(_cfg(flags, lora), device, bf16_supported=bf16)
+
+
+def test_notes_say_what_is_in_force():
+    assert choose_precision(_cfg([], True), CPU).note == "float32 on the CPU"
+    assert choose_precision(_cfg(["--use_fp16"], True), CPU).note.endswith("(--use_fp16 needs a CUDA GPU; ignored)")
+    assert choose_precision(_cfg([], True), CUDA, bf16_supported=True).note == "bfloat16 autocast, bfloat16 weights"
+    note = choose_precision(_cfg(["--use_fp16"], False), CUDA, bf16_supported=True).note
+    assert note == "float16 autocast with loss scaling, float32 weights"
+
+
+def test_the_scaler_and_autocast_follow_the_decision():
+    cpu = choose_precision(_cfg([], False), CPU)
+    assert cpu.make_scaler() is None
+    with cpu.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    from leantune.precision import Precision
+
+    fp16_cpu = Precision(CPU, F32, F16, True, "test stand-in")  # CPU stand-in for the GPU's fp16 path
+    assert isinstance(fp16_cpu.make_scaler(), torch.amp.GradScaler)
+    with fp16_cpu.autocast():
+        assert torch.get_autocast_dtype("cpu") is F16 and torch.is_autocast_enabled("cpu")
