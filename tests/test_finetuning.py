@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import psutil
 import pytest
 import torch
 
@@ -29,42 +31,79 @@ def test_cookbook_command_trains_with_checkpointing_and_monitoring(tiny_model_di
     assert "activation checkpointing: on, 2/2 decoder layers, non-reentrant, policy full" in lines
     rows = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7))  # setup + 6 steps
-    assert all(r["cpu_rss_mib"] > 0 and r["cpu_rss_peak_mib"] >= r["cpu_rss_mib"] * 0.5 for r in rows)
-    assert any(line.startswith("memory summary (7 records") for line in lines)
+    assert [r["phase"] for r in rows] == ["setup"] + ["train"] * 6
+    total_mib = psutil.virtual_memory().total / 2**20
+    for r in rows:
+        # A process that has imported torch holds well over 100 MiB; MiB, not bytes, so below RAM.
+        assert 100 < r["cpu_rss_mib"] < total_mib and 100 < r["cpu_rss_peak_mib"] < total_mib, r
+        # record() reads the RSS, then closes the peak window with one more sample: the window's
+        # peak is at least that last sample, taken microseconds after cpu_rss_mib (4 MiB of slack
+        # for a tensor freed in between).
+        assert r["cpu_rss_peak_mib"] >= r["cpu_rss_mib"] - 4, r
+        if torch.cuda.is_available():
+            assert r["peak_allocated_mib"] >= r["allocated_mib"] >= 0, r
+        else:
+            assert r["peak_allocated_mib"] is None and r["allocated_mib"] is None, r
+    summary = next(line for line in lines if line.startswith("memory summary"))
+    assert summary == f"memory summary (7 records in {out / 'memory.jsonl'}):"
+    (rss_line,) = [line for line in lines if line.startswith("  CPU RSS peak")]
+    assert float(rss_line.split()[-2]) == pytest.approx(max(r["cpu_rss_peak_mib"] for r in rows), abs=0.051)
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
     assert (out / "tokenizer.json").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".saving-")]
 
 
-def test_loss_falls_on_the_bundled_data(tiny_model_dir, tmp_path):
+def test_loss_falls_on_the_bundled_data(tiny_model_dir, tokenizer, tmp_path):
     argv = ["--model_name", str(tiny_model_dir), "--lr", "3e-3", "--max_train_step", "40", "--save_model", "false",
-            "--run_validation", "false", "--output_dir", str(tmp_path), *FAST]
+            "--max_eval_step", "5", "--output_dir", str(tmp_path), *FAST]
     results = _run(argv)
-    assert results["first_loss"] > 7.0
+    # The untrained tiny model is close to uniform over its vocabulary: loss ln(2048) = 7.62.
+    assert results["first_loss"] == pytest.approx(math.log(len(tokenizer)), abs=0.15)
     assert results["last_loss"] < results["first_loss"] - 2.0, results
+    # Not just the last batch: the held-out validation split (never trained on) improved as much.
+    assert results["epochs"][0]["val_loss"] < results["first_loss"] - 2.0, results
 
 
-# Recorded from this configuration on CPU, float32 (2 threads). A change in data order, loss
-# normalisation, initialisation or optimizer shows up here first.
-RECORDED_LOSSES = [7.602627, 7.576185, 7.631183, 7.591463]
+# Recorded from this configuration (full fine-tuning, lr 3e-3, 12 optimizer steps of 2 batches) on
+# CPU, float32, 2 threads, from the plain run. The loss falls clearly (7.60 -> 5.97), so a change in
+# data order, loss normalisation, initialisation or optimizer shows up here first.
+RECORDED_LOSSES = [7.602627, 7.395796, 7.22809, 7.151184, 7.015286, 6.921575,
+                   6.760586, 6.791876, 6.596211, 6.459106, 6.151296, 5.970889]
+# Reproducing float32 on another machine (BLAS kernels, thread count: 1 thread moves the last
+# digit by up to 2e-6 here) gets 2e-5.
+MACHINE_TOL = 2e-5
+# The chunked cross-entropy (the default loss once checkpointing is on) equals the plain loss only
+# within float32 rounding; over these 12 steps its losses stay within 1.3e-6 of the plain run
+# (measured max deviation: full, every_n, selective_ops 1.22e-6; chunked-loss-only 0.94e-6).
+# 5e-6 budgets that rounding drift on top of MACHINE_TOL.
+CHUNKED_ROUNDING = 5e-6
+
+GOLDEN_CASES = {
+    # Plain loss, and the same arithmetic recomputed: losses equal to the last digit here.
+    "plain": ([], MACHINE_TOL),
+    "full-reentrant-plain-loss": (["--enable_activation_checkpointing", "--activation_checkpointing_use_reentrant",
+                                   "--loss_chunk_size", "0"], MACHINE_TOL),
+    # The chunked loss: equal within float32 rounding.
+    "full": (["--enable_activation_checkpointing"], MACHINE_TOL + CHUNKED_ROUNDING),
+    "every_n": (["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "2"],
+                MACHINE_TOL + CHUNKED_ROUNDING),
+    "selective_ops": (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"],
+                      MACHINE_TOL + CHUNKED_ROUNDING),
+    "chunked-loss-only": (["--loss_chunk_size", "100"], MACHINE_TOL + CHUNKED_ROUNDING),
+}
 
 
-@pytest.mark.parametrize("flags", [
-    [], ["--enable_activation_checkpointing"],
-    ["--enable_activation_checkpointing", "--activation_checkpointing_use_reentrant", "--loss_chunk_size", "0"],
-    ["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "2"],
-    ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"],
-    ["--loss_chunk_size", "100"],
-], ids=["plain", "full", "full-reentrant-plain-loss", "every_n", "selective_ops", "chunked-loss-only"])
-def test_seeded_run_matches_recorded_losses(tiny_model_dir, tmp_path, flags):
+@pytest.mark.parametrize("flags, tolerance", GOLDEN_CASES.values(), ids=GOLDEN_CASES.keys())
+def test_seeded_run_matches_recorded_losses(tiny_model_dir, tmp_path, flags, tolerance):
     """Checkpointing modes and the chunked loss change memory, not the numbers."""
-    argv = ["--model_name", str(tiny_model_dir), "--use_peft", "--lora_dropout", "0.1", "--lr", "1e-3",
-            "--max_train_step", "8", "--gradient_accumulation_steps", "2", "--save_model", "false",
-            "--save_metrics", "--run_validation", "false", "--output_dir", str(tmp_path), *FAST, *flags]
+    argv = ["--model_name", str(tiny_model_dir), "--lr", "3e-3", "--max_train_step", "24",
+            "--gradient_accumulation_steps", "2", "--save_model", "false", "--save_metrics",
+            "--run_validation", "false", "--output_dir", str(tmp_path), *FAST, *flags]
     _run(argv)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     losses = [s["loss"] for s in metrics["train_steps"]]
-    assert losses == pytest.approx(RECORDED_LOSSES, abs=2e-5)
+    assert losses == pytest.approx(RECORDED_LOSSES, abs=tolerance)
+    assert losses[0] - losses[-1] > 1.5  # it really trains
     step = metrics["train_steps"][0]
     assert {"loss", "step_time_s", "tokens_per_s", "cpu_rss_mib", "lr", "target_tokens"} <= step.keys()
     assert step["input_tokens"] == 2 * 4 * 128  # two batches of 4 x 128 per optimizer step
