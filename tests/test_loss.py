@@ -207,3 +207,11 @@ def test_bf16_autocast_gradients_match_the_plain_loss():
         results.append((loss.detach(), h.grad.clone(), head.weight.grad.clone()))
     for plain, chunked in zip(*results):
         torch.testing.assert_close(chunked, plain, rtol=2e-2, atol=1e-3)
+
+
+def test_a_second_backward_is_a_clear_error():
+    head, h, labels = _setup()
+    loss = ChunkedCrossEntropy(16)(h, head, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated once"):
+        loss.backward()

@@ -23,16 +23,17 @@ TABLE = [
     # a bf16 GPU, defaults: bf16 autocast; LoRA's frozen base in bf16, full fine-tuning keeps fp32 masters
     (CUDA, True, [], False, (F32, BF16, False)),
     (CUDA, True, [], True, (BF16, BF16, False)),
-    # --use_fp16 on a bf16 GPU: fp16 autocast, and the LoRA base in fp16 too (not bf16 under fp16 autocast)
+    # --use_fp16 on a bf16 GPU: fp16 autocast over float32 weights (not bf16, and not an fp16 base,
+    # whose residual stream would run in fp16 outside autocast)
     (CUDA, True, ["--use_fp16"], False, (F32, F16, True)),
-    (CUDA, True, ["--use_fp16"], True, (F16, F16, True)),
+    (CUDA, True, ["--use_fp16"], True, (F32, F16, True)),
     (CUDA, True, ["--mixed_precision", "false"], False, (F32, None, False)),
     (CUDA, True, ["--mixed_precision", "false"], True, (F32, None, False)),
     # a GPU without bf16 (V100, T4): float32 unless --use_fp16
     (CUDA, False, [], False, (F32, None, False)),
     (CUDA, False, [], True, (F32, None, False)),
     (CUDA, False, ["--use_fp16"], False, (F32, F16, True)),
-    (CUDA, False, ["--use_fp16"], True, (F16, F16, True)),
+    (CUDA, False, ["--use_fp16"], True, (F32, F16, True)),
     # explicit weight dtypes: autocast follows them
     (CUDA, True, ["--model_dtype", "bfloat16"], False, (BF16, BF16, False)),
     (CUDA, True, ["--model_dtype", "float32"], True, (F32, BF16, False)),
@@ -53,8 +54,8 @@ def test_precision_table(device, bf16, flags, lora, expected):
     assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == expected
     if precision.compute_dtype is F16:
         assert precision.weight_dtype in (F16, F32)  # never bf16 weights under an fp16 autocast
-    if lora and precision.compute_dtype is not None and "--model_dtype" not in flags:
-        assert precision.weight_dtype == precision.compute_dtype  # frozen base stored as it is computed
+    if lora and precision.compute_dtype is BF16 and "--model_dtype" not in flags:
+        assert precision.weight_dtype == BF16  # frozen base stored as it is computed
 
 
 @pytest.mark.parametrize("device, bf16, flags, lora, message", [

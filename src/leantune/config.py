@@ -34,7 +34,7 @@ class ModelConfig:
         "Tokenizer directory or hub id; defaults to --model_name."))
     model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
         "Dtype of the loaded weights. auto: float32, except that on a GPU the frozen LoRA base weights take "
-        "the autocast dtype (bfloat16 with --mixed_precision on a bf16-capable GPU, float16 with --use_fp16)."))
+        "bfloat16 with --mixed_precision on a bf16-capable GPU (float32 under --use_fp16)."))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
 

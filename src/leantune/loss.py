@@ -109,6 +109,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked cross-entropy's graph can be backpropagated once (its gradients were "
+                               "computed in forward and scaled in place); use --loss_chunk_size 0 for the plain loss")
         grad_hidden, grad_weight = ctx.grads  # gradients of the sum; d(out)/d(sum) scales them in place
         ctx.grads = None
         if grad_hidden is not None:

@@ -1,8 +1,8 @@
 """Choosing the device, and one precision decision that fixes the weights' dtype, autocast and loss scaling.
 
 The three are decided together, in ``choose_precision``, so they cannot disagree: frozen LoRA base
-weights are stored in the dtype autocast computes in (bfloat16 under bf16 autocast, float16 under
-``--use_fp16``), never bf16 weights under an fp16 autocast. The device's bf16 capability is an
+weights are stored in bfloat16 under bf16 autocast and stay float32 under ``--use_fp16`` (an fp16
+base would overflow in the residual stream), never bf16 weights under an fp16 autocast. The device's bf16 capability is an
 argument, so every combination is testable without a GPU.
 """
 
@@ -67,8 +67,8 @@ def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optio
     * GPU, ``--mixed_precision`` and bf16 support: bfloat16 autocast.
     * Otherwise float32.
 
-    With ``--model_dtype auto``, LoRA's frozen base weights take the autocast dtype (the adapters
-    stay float32, as peft makes them), and full fine-tuning keeps float32 master weights.
+    With ``--model_dtype auto``, LoRA's frozen base weights are bfloat16 under bf16 autocast (the
+    adapters stay float32, as peft makes them); otherwise, and for full fine-tuning, float32.
     """
     mc, tc = cfg.model, cfg.training
     if bf16_supported is None:
@@ -91,7 +91,9 @@ def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optio
     if explicit is not None:
         weights = explicit
     else:
-        weights = compute if cfg.peft.use_peft else torch.float32
+        # bf16 keeps fp32's range, so a frozen base can live in it; an fp16 base would run the
+        # embeddings, residual adds and norms in fp16 outside autocast, where Llama overflows.
+        weights = torch.bfloat16 if cfg.peft.use_peft and compute is torch.bfloat16 else torch.float32
     if weights is torch.float16 and not cfg.peft.use_peft:
         raise ConfigError("--model_dtype float16 with full fine-tuning: float16 weights that train cannot be "
                           "loss-scaled (GradScaler refuses float16 gradients); use --model_dtype auto with --use_fp16")
