@@ -8,6 +8,7 @@ from typing import Sequence
 
 COMMANDS = {
     "finetune": "fine-tune a model (the same flags as python -m leantune.finetuning)",
+    "plan": "predict a run's peak memory per checkpointing mode, without allocating it (same flags as finetune)",
     "make-tiny-model": "build the tiny local Llama and its tokenizer in DIR (no download)",
 }
 
@@ -44,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from leantune.finetuning import main as finetune_main
 
         return finetune_main(rest)
+    if command == "plan":
+        from leantune.planning.cli import main as plan_main
+
+        return plan_main(rest)
     if command == "make-tiny-model":
         return _make_tiny_model(rest)
     print(f"leantune: error: unknown command {command!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)

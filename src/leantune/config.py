@@ -125,11 +125,12 @@ class CheckpointingConfig:
         "Recompute decoder-layer activations in backward instead of keeping them (less memory, more compute)."))
     activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
         "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
-    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload"]] = field(
+    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload", "auto"]] = field(
         default=None, metadata=_help(
             "full (default): recompute every decoder layer; every_n: checkpoint one layer in N; selective_ops: "
             "save attention and projection outputs, recompute the cheap ops (LoRA-aware); offload: full, with the "
-            "layers' saved inputs in pinned host memory (CUDA)."))
+            "layers' saved inputs in pinned host memory (CUDA); auto: the mode (or none) with the least recompute "
+            "whose predicted peak fits --memory_budget_gb, chosen before the weights load."))
     activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
         "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
     activation_offload_max_pinned_gb: Optional[float] = field(default=None, metadata=_help(
@@ -155,6 +156,9 @@ class CheckpointingConfig:
                  f"applies to --activation_checkpointing_mode every_n, not {mode}")
         _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
                  f"must be at least 1 (got {every_n})")
+        if self.activation_checkpointing_use_reentrant and mode == "auto":
+            raise ConfigError("--activation_checkpointing_mode auto: chooses among non-reentrant modes; "
+                              "drop --activation_checkpointing_use_reentrant")
         if self.activation_checkpointing_use_reentrant and mode is not None:
             from leantune.checkpointing.policies import policy_for_mode
 
@@ -177,10 +181,22 @@ class MemoryConfig:
         "Record CPU RSS and accelerator memory per step to memory.jsonl and print a summary."))
     memory_monitoring_interval: float = field(default=0.05, metadata=_help(
         "Seconds the sampling thread sleeps between CPU RSS samples."))
+    memory_budget_gb: Optional[float] = field(default=None, metadata=_help(
+        "Memory the run may use, in GiB (2**30 bytes), for --activation_checkpointing_mode auto, "
+        "--auto_batch_size and leantune plan. Default on a GPU: its free memory less 5%%; on the CPU it must be given."))
+    auto_batch_size: bool = field(default=False, metadata=_help(
+        "Train with the largest batch whose predicted peak fits the budget (confirmed by one real step first)."))
+    target_global_batch_size: Optional[int] = field(default=None, metadata=_help(
+        "Rows per optimizer step to keep whatever the batch size: sets --gradient_accumulation_steps to "
+        "this divided by the batch size (with --auto_batch_size, the batch is a divisor of it)."))
 
     def __post_init__(self):
         _require(self.memory_monitoring_interval > 0, "memory_monitoring_interval",
                  f"must be positive seconds (got {self.memory_monitoring_interval})")
+        _require(self.memory_budget_gb is None or 0 < self.memory_budget_gb < float("inf"), "memory_budget_gb",
+                 f"must be a positive number of GiB (got {self.memory_budget_gb})")
+        _require(self.target_global_batch_size is None or self.target_global_batch_size >= 1,
+                 "target_global_batch_size", f"must be at least 1 (got {self.target_global_batch_size})")
 
 
 @dataclass
@@ -208,6 +224,14 @@ class RunConfig:
     def __post_init__(self):
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
+        target = self.memory.target_global_batch_size
+        if target is not None and not self.memory.auto_batch_size:
+            batch = self.training.batch_size_training
+            _require(target % batch == 0, "target_global_batch_size",
+                     f"{target} is not a multiple of --batch_size_training {batch}; pick a multiple or add --auto_batch_size")
+            _require(self.training.gradient_accumulation_steps in (1, target // batch), "gradient_accumulation_steps",
+                     f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); drop one")
+            self.training.gradient_accumulation_steps = target // batch
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""

@@ -56,18 +56,23 @@ def describe_loss(loss_fn) -> str:
     return "loss: plain cross-entropy (full-vocabulary float32 logits kept for backward)"
 
 
-def prepare_model(model: torch.nn.Module, cfg: RunConfig,
-                  precision: Precision) -> tuple[torch.nn.Module, CheckpointingReport]:
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
+                  place=None) -> tuple[torch.nn.Module, CheckpointingReport]:
     """Make a Hugging Face causal LM, already in the precision's weight dtype, ready to train as ``cfg`` says.
 
-    LoRA attached (with ``--use_peft``), moved to the precision's device, activation checkpointing
+    LoRA attached (with ``--use_peft``), moved to the precision's device (or placed by ``place``:
+    the planner turns a meta-device model into fake tensors there), activation checkpointing
     applied (``checkpoint_policy``), in train mode. Returns the model to train (the PEFT wrapper
     with LoRA) and what inspection of its layers finds. ``build_model`` calls it on a loaded
-    model; the benchmark on one with random weights, so both train the same thing.
+    model, the benchmark on one with random weights and the planner on a fake one, so all three
+    train the same thing.
     """
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
-    model.to(precision.device)
+    if place is None:
+        model.to(precision.device)
+    else:
+        place(model)
     policy = checkpoint_policy(cfg)
     report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
     return model.train(), report

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from tqdm.auto import tqdm
 
 from leantune.config import RunConfig
@@ -76,6 +77,11 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
     loss = loss_sum / normaliser
     (scaler.scale(loss) if scaler is not None else loss).backward()
     return loss_sum.detach()
+
+
+def host_float(value: torch.Tensor) -> float:
+    """A scalar tensor's value; NaN for a fake tensor (the planner runs this loop on shapes, not data)."""
+    return float("nan") if is_fake(value) else float(value)
 
 
 class Trainer:
@@ -150,7 +156,7 @@ class Trainer:
             scaler.update()
         else:
             self.optimizer.step()
-        loss = loss_total.item() / max(targets, 1)  # .item() also waits for the device to finish
+        loss = host_float(loss_total) / max(targets, 1)  # reading it also waits for the device to finish
         input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)
         return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm)
 
@@ -210,7 +216,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
+        return host_float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
         step = len(self.steps) + 1

@@ -1,0 +1,75 @@
+"""Model shapes without weights: built-in presets of the public Llama shapes, and ``config.json`` lookup.
+
+Planning needs only a model's shape (``LlamaConfig``), never its weights. The presets copy the
+shape fields of Meta's published ``config.json`` files (sizes, heads, vocabulary, tying, RoPE),
+so ``leantune plan --model_name meta-llama/Llama-3.1-8B-Instruct`` works with no download; the
+Instruct and base models share a shape. ``tiny`` and ``small`` are leantune's own test shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192, rope_theta=500000.0)
+_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+               num_key_value_heads=8, bos_token_id=128000, eos_token_id=128001)
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048, tie_word_embeddings=False),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False),
+    "Llama-3.2-1B": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, head_dim=64, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE),
+    "Llama-3.2-3B": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, head_dim=128, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE),
+    "Llama-3.1-8B": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, head_dim=128, tie_word_embeddings=False,
+                         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
+    "Llama-3.1-70B": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, head_dim=128, tie_word_embeddings=False,
+                          rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
+}
+
+# Hub ids whose config.json has a preset's shape (base and Instruct, old and new names).
+HUB_IDS = {
+    f"meta-llama/{prefix}{name}{suffix}": name
+    for name in ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B", "Llama-3.1-70B")
+    for prefix in ("", "Meta-") if not (prefix and name.startswith("Llama-3.2"))
+    for suffix in ("", "-Instruct")
+}
+
+
+class ModelShapeError(ValueError):
+    """The model's shape cannot be found; the message lists the presets and what else works."""
+
+
+def preset_name(name: str) -> str | None:
+    """The preset a ``--model_name`` means (preset name in any case, or a known hub id), or None."""
+    lowered = {key.lower(): key for key in PRESETS}
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    return HUB_IDS.get(name) or HUB_IDS.get(name.removeprefix("Meta-"))
+
+
+def model_config(name: str):
+    """The ``PretrainedConfig`` of ``--model_name``: a preset, a local directory, or a hub id (network or cache)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    preset = preset_name(name)
+    if preset is not None:
+        return LlamaConfig(**PRESETS[preset], use_cache=False)
+    from leantune.models.loading import ModelLoadError, resolve_model_path
+
+    try:
+        source = resolve_model_path(name)
+    except ModelLoadError as err:
+        raise ModelShapeError(f"{err}; or use a preset: {', '.join(PRESETS)}") from None
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        where = "local directory" if Path(source).is_dir() else "hub id"
+        raise ModelShapeError(
+            f"--model_name {name}: no model shape found ({where}: {str(err).splitlines()[0]}). Use a preset "
+            f"({', '.join(PRESETS)}), a known Llama hub id, or a directory with a config.json") from None

@@ -1,0 +1,244 @@
+"""One training step of a configured run, traced on fake tensors: its peak bytes by category and its FLOPs.
+
+Nothing here is a formula. The model is built on the ``meta`` device from its config (no weights
+are read), LoRA is attached there, and every parameter and buffer becomes a fake CPU tensor
+(shape, dtype, no data). Then leantune's own code runs as in training: ``prepare_model`` applies
+the checkpointing policy, ``loss_function`` picks the loss, a ``Trainer`` builds the optimizer and
+its ``train_step`` does forward, loss, backward and the optimizer step — on fakes, counted by a
+``StorageTracker`` that also counts FLOPs.
+
+The step traced is a second step: the optimizer state exists (made by one optimizer step on zero
+gradients first, so no forward is spent on it). With gradient accumulation two micro-batches are
+run, since from the second on the gradients of the earlier ones are alive during the forward.
+
+Fake CUDA tensors are impossible on a CPU-only build of PyTorch, so a GPU target is traced on fake
+CPU tensors with the GPU's precision (its weight dtype, bf16 or fp16 autocast, foreach AdamW) and
+the allocator's 512-byte rounding; what only a GPU adds is stated separately (``gpu_extras``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+from leantune.config import RunConfig
+from leantune.memory.tracker import StorageTracker
+from leantune.models.structure import decoder_layers, unwrap_model
+
+CPU = torch.device("cpu")
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to this
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """What one traced step held at its peak (bytes per tracker category) and computed (FLOPs)."""
+
+    peak_bytes: int
+    breakdown: dict
+    flops: int
+    layer_input_bytes: int  # one decoder layer's input (what full checkpointing keeps per layer)
+    num_layers: int
+    checkpointing: str  # the policy as the run would describe it
+
+
+def run_config_for_mode(cfg: RunConfig, mode: str | None) -> RunConfig:
+    """``cfg`` with activation checkpointing set to ``mode`` (None or "none": off)."""
+    off = mode in (None, "none")
+    every_n = cfg.checkpointing.activation_checkpointing_every_n if mode == "every_n" else None
+    checkpointing = dataclasses.replace(
+        cfg.checkpointing, enable_activation_checkpointing=not off, activation_checkpointing_mode=None if off else mode,
+        activation_checkpointing_every_n=every_n,
+        activation_offload_max_pinned_gb=cfg.checkpointing.activation_offload_max_pinned_gb if mode == "offload" else None)
+    return dataclasses.replace(cfg, checkpointing=checkpointing)
+
+
+def target_precision(cfg: RunConfig, target: torch.device):
+    """The precision a run would use on ``target``; a GPU target is taken to support bf16 (Ampere or later)."""
+    from leantune.precision import choose_precision
+
+    return choose_precision(cfg, target, bf16_supported=True if target.type == "cuda" else None)
+
+
+def meta_model(config, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (SDPA attention, no KV cache)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The same model with random weights on the CPU (for measuring what ``meta_model`` predicts)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def fake_placer(mode: FakeTensorMode):
+    """``prepare_model``'s ``place``: swap every meta parameter and buffer for a fake CPU tensor, in place.
+
+    ``.to()`` cannot run under fake mode, so the modules' tensors are replaced directly; a tied
+    parameter (Llama 3.2's embeddings and LM head) stays one parameter.
+    """
+    def place(model: torch.nn.Module) -> None:
+        convert = mode.fake_tensor_converter.from_meta_and_device
+        done: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    if id(param) not in done:
+                        done[id(param)] = torch.nn.Parameter(convert(mode, param, CPU), requires_grad=param.requires_grad)
+                    module._parameters[name] = done[id(param)]
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = done.setdefault(id(buffer), convert(mode, buffer, CPU))
+    return place
+
+
+def _warm_optimizer(trainer) -> None:
+    """Create the optimizer state with one step on zero gradients (the traced step is then a second step)."""
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+class _PhaseLoss:
+    """The run's loss function, telling the tracker when the loss starts and when backward follows it."""
+
+    def __init__(self, loss_fn, tracker: StorageTracker):
+        self.loss_fn, self.tracker = loss_fn, tracker
+
+    def __call__(self, hidden, lm_head, labels):
+        self.tracker.phase = "loss"
+        try:
+            return self.loss_fn(hidden, lm_head, labels)
+        finally:
+            self.tracker.phase = "temporary"  # what follows the loss is backward, then the optimizer step
+
+
+@dataclass
+class PreparedStep:
+    """A run's trainer and batches, ready for the step that is traced (or measured)."""
+
+    trainer: object
+    window: list
+    total_layers: int
+    checkpointing: str
+
+
+def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> PreparedStep:
+    """Build what ``cfg`` would train with ``mode``, for ``target``, on fake (or real, random) tensors.
+
+    The optimizer state exists already, so the next ``train_step`` is a second step.
+    """
+    from leantune.finetuning import checkpoint_policy, loss_function, prepare_model
+    from leantune.memory.monitor import CurrentMemoryProbe
+    from leantune.train import Trainer
+
+    run_cfg = run_config_for_mode(cfg, mode)
+    precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU)
+    if fake:
+        model, place = meta_model(config, precision.weight_dtype), fake_placer(FakeTensorMode(allow_non_fake_inputs=True))
+    else:
+        model, place = real_model(config, precision.weight_dtype), None
+    model, report = prepare_model(model, run_cfg, precision, place=place)
+    vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
+    trainer = Trainer(run_cfg, model, None, None, None, precision, CurrentMemoryProbe(CPU),
+                      loss_fn=loss_function(run_cfg, vocab), log=lambda *_: None)
+    if target.type == "cuda":  # AdamW's default on CUDA tensors: the multi-tensor path and its temporaries
+        for group in trainer.optimizer.param_groups:
+            group["foreach"] = True
+    _warm_optimizer(trainer)
+    window = [_full_batch(run_cfg, vocab) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
+    policy = checkpoint_policy(run_cfg)
+    return PreparedStep(trainer, window, report.total_layers, policy.describe() if policy else "none")
+
+
+def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
+    """Trace one step of ``cfg`` with checkpointing ``mode`` for ``target`` (cpu or cuda) on fake tensors.
+
+    ``fake=False`` runs the very same step on real tensors (random weights, on the CPU): the
+    measurement that a prediction is checked against.
+    """
+    step = prepare_step(cfg, config, target, mode, fake)
+    trainer, model = step.trainer, step.trainer.model
+    tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if target.type == "cuda" else 1)
+    trainer.loss_fn = _PhaseLoss(trainer.loss_fn, tracker)
+    layer_input = []
+    hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "phase", "activation")),
+             decoder_layers(model)[0].register_forward_pre_hook(
+                 lambda _, args: layer_input.append(args[0].untyped_storage().nbytes()) if args else None)]
+    tracker.register_model(model)
+    tracker.register_optimizer(trainer.optimizer)
+    tracker.register((t for batch in step.window for t in batch.values()), "input")
+    tracker.watch_gradients(model.parameters())
+    try:
+        with tracker:
+            trainer.train_step(step.window)
+    finally:
+        tracker.close()
+        for hook in hooks:
+            hook.remove()
+    return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
+                     layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing)
+
+
+def _full_batch(cfg: RunConfig, vocab: int) -> dict:
+    """A batch of full rows (packing; also padding's longest batch), every position a target."""
+    shape = (cfg.training.batch_size_training, cfg.data.context_length)
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(shape, dtype=torch.long)}
+
+
+class FlopCountingTracker(StorageTracker):
+    """A ``StorageTracker`` that also adds up each op's FLOPs with torch's formulas (recompute included).
+
+    Not ``FlopCounterMode``: its per-module accounting registers backward hooks whose closures
+    form reference cycles with autograd nodes, which keeps freed activations alive until Python's
+    garbage collector runs, and so changes the very peak being measured.
+    """
+
+    def __init__(self, round_to: int = 1):
+        super().__init__(round_to)
+        self.flops = 0
+        self._formulas = {**flop_registry, **_cpu_attention_flops()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        formula = self._formulas.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+def _cpu_attention_flops() -> dict:
+    """FLOP formulas for the CPU SDPA kernel, which torch's table only knows under its CUDA names."""
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return {}
+
+    # shape_wrapper hands the formulas shapes (torch.Size), as torch's own table gets them.
+    @shape_wrapper
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)
+
+    @shape_wrapper
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}

@@ -1,0 +1,177 @@
+"""Predicted peak memory of a run, per checkpointing mode, and the choices made from it.
+
+``plan_modes`` traces the configured step once per mode (``fake_step.trace_step``) and adds, for a
+GPU target, what only a GPU holds (``gpu_extras``). ``choose_mode`` picks the mode with the least
+compute that fits a budget, ``largest_batch`` the largest batch that does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from leantune.config import ConfigError, RunConfig
+from leantune.planning.fake_step import StepTrace, trace_step
+
+GIB = 2**30
+MIB = 2**20
+PLANNED_MODES = ("none", "full", "every_n", "selective_ops", "offload")
+
+# What a GPU adds to the traced step, each with where the number comes from. Until a GPU run has
+# measured them for leantune (docs/planning.md), these are stated assumptions, not measurements.
+CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels, outside PyTorch's allocator; nvidia-smi counts it
+CUBLAS_WORKSPACE_BYTES = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper (8 MiB before), through its allocator
+FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
+_TRANSIENT = ("activation", "loss", "temporary")
+EXTRA_SOURCES = {
+    "cuda_context_bytes": "CUDA context: 512 MiB assumed (driver-dependent, 300-600 MiB typical); outside "
+                          "torch.cuda.max_memory_reserved, inside nvidia-smi's number",
+    "cublas_workspace_bytes": "cuBLAS workspace: 32 MiB (PyTorch's default on Hopper GPUs; CUBLAS_WORKSPACE_CONFIG "
+                              "changes it), allocated through the caching allocator",
+    "fragmentation_bytes": "allocator fragmentation: 10% of the step's activations, loss and temporaries (assumed; "
+                           "allocations are already rounded to the allocator's 512-byte blocks in the trace)",
+}
+
+
+@dataclass
+class ModePlan:
+    """The predicted peak of one step with one checkpointing mode; bytes at the moment of the peak."""
+
+    mode: str
+    checkpointing: str
+    target: str
+    batch_size: int
+    context_length: int
+    peak_bytes: int  # what the budget is compared with: the trace plus, on a GPU, the extras
+    traced_peak_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    loss_bytes: int
+    temporary_bytes: int
+    other_bytes: int  # buffers and the batch itself
+    cuda_context_bytes: int = 0
+    cublas_workspace_bytes: int = 0
+    fragmentation_bytes: int = 0
+    flops: int = 0  # of the whole step, recompute included
+    recompute_flops: int = 0  # flops beyond the same step without checkpointing
+    fits: Optional[bool] = None
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.device) -> ModePlan:
+    b = trace.breakdown
+    plan = ModePlan(mode, trace.checkpointing, target.type, cfg.training.batch_size_training, cfg.data.context_length,
+                    trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
+                    b["activation"], b["loss"], b["temporary"], b["buffer"] + b["input"], flops=trace.flops)
+    if target.type == "cuda":
+        plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
+        plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
+        plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT))
+        plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
+    return plan
+
+
+def offload_trace(full: StepTrace) -> StepTrace:
+    """Offload's step, derived from ``full``'s trace: the saved layer inputs live in host memory instead.
+
+    Offload keeps on the device only the layers being recomputed (the current one and the one
+    prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved. Derived,
+    not traced: offload's copies need CUDA streams, which fake CPU tensors do not have.
+    """
+    from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES
+
+    moved = 0
+    if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
+        moved = min(full.breakdown["activation"], max(0, full.num_layers - 2) * full.layer_input_bytes)
+    breakdown = dict(full.breakdown, activation=full.breakdown["activation"] - moved)
+    return dataclasses.replace(full, peak_bytes=full.peak_bytes - moved, breakdown=breakdown,
+                               checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
+                                             "in pinned host memory)")
+
+
+def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> None:
+    """Refuse what cannot be planned, naming the flag: a context beyond the model's, a negative budget."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.data.context_length > limit:
+        raise ConfigError(f"--context_length {cfg.data.context_length}: the model handles at most {limit} positions "
+                          f"(max_position_embeddings); use --context_length {limit} or less")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ConfigError("--memory_budget_gb: must be a positive number of GiB")
+
+
+def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str],
+               budget_bytes: Optional[int] = None) -> list[ModePlan]:
+    """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given."""
+    check_plan_inputs(cfg, config, budget_bytes)
+    if "offload" in modes and target.type != "cuda":
+        raise ConfigError("--activation_checkpointing_mode offload: moves activations off a GPU; plan it for one "
+                          "with --device cuda")
+    traces: dict[str, StepTrace] = {}
+    for mode in modes:
+        if mode != "offload":
+            traces[mode] = trace_step(cfg, config, target, mode)
+    if "offload" in modes:
+        traces["offload"] = offload_trace(traces.get("full") or trace_step(cfg, config, target, "full"))
+    plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in traces.items()}
+    baseline = plans["none"].flops if "none" in plans else None
+    ordered = [plans[m] for m in modes if m in plans]
+    for plan in ordered:
+        if baseline is not None:
+            plan.recompute_flops = max(0, plan.flops - baseline)
+        if budget_bytes is not None:
+            plan.fits = plan.peak_bytes <= budget_bytes
+    _check_budget_above_parameters(ordered, budget_bytes)
+    return ordered
+
+
+def _check_budget_above_parameters(plans: list[ModePlan], budget_bytes: Optional[int]) -> None:
+    if budget_bytes is None or not plans:
+        return
+    floor = min(p.parameter_bytes + p.optimizer_state_bytes + p.cuda_context_bytes for p in plans)
+    if budget_bytes < floor:
+        raise ConfigError(
+            f"--memory_budget_gb {budget_bytes / GIB:.2f}: below what the weights and optimizer state alone take "
+            f"({floor / GIB:.2f} GiB); no checkpointing mode or batch size can fit. Use LoRA (--use_peft), "
+            "bfloat16 weights, a smaller model, or a budget of at least that")
+
+
+def choose_mode(plans: list[ModePlan]) -> Optional[ModePlan]:
+    """The plan that fits with the least compute (recompute included); None when none fits."""
+    fitting = [p for p in plans if p.fits]
+    return min(fitting, key=lambda p: (p.flops, p.peak_bytes)) if fitting else None
+
+
+def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,
+                  limit: int = 1024) -> tuple[int, Optional[ModePlan]]:
+    """The largest batch size whose predicted peak fits ``budget_bytes`` (0 and None when not even 1 fits).
+
+    Doubling finds a batch that does not fit, bisection the boundary: about 2·log2(batch) traces.
+    """
+    def plan_at(batch: int) -> ModePlan:
+        at = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, batch_size_training=batch))
+        return plan_modes(at, config, target, [mode], budget_bytes)[0]
+
+    good, good_plan, bad = 0, None, None
+    batch = 1
+    while bad is None and batch <= limit:
+        plan = plan_at(batch)
+        if plan.fits:
+            good, good_plan, batch = batch, plan, batch * 2
+        else:
+            bad = batch
+    bad = bad or limit + 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        plan = plan_at(mid)
+        if plan.fits:
+            good, good_plan = mid, plan
+        else:
+            bad = mid
+    return good, good_plan
