@@ -67,9 +67,10 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     for label, key in _ROWS + (_GPU_ROWS if gpu else ()):
         rows.append((label, [_size(getattr(p, key), unit) for p in plans]))
     rows.append((f"predicted peak ({unit_name})", [f"{p.peak_bytes / unit:,.2f}" for p in plans]))
-    rows.append(("step TFLOPs", [f"{p.flops / 1e12:,.2f}" for p in plans]))
-    if any(p.recompute_flops for p in plans) or "none" in (p.mode for p in plans):
-        rows.append(("  of which recompute", [f"{p.recompute_flops / 1e12:,.2f}" for p in plans]))
+    scale, flop_unit = (1e12, "TFLOPs") if max(p.flops for p in plans) >= 1e12 else (1e9, "GFLOPs")
+    rows.append((f"step {flop_unit}", [f"{p.flops / scale:,.2f}" for p in plans]))
+    if "none" in (p.mode for p in plans):
+        rows.append(("  of which recompute", [f"{p.recompute_flops / scale:,.2f}" for p in plans]))
     if budget is not None:
         rows.append((f"fits {budget / GIB:,.2f} GiB", ["yes" if p.fits else "NO" for p in plans]))
     return "\n".join(f"{label:<24}" + "".join(f"{cell:>{width}}" for cell in cells) for label, cells in rows)

@@ -117,6 +117,7 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     for mode in modes:
         if mode != "offload":
             traces[mode] = trace_step(cfg, config, target, mode)
+            _check_budget_above_parameters(plan_from_trace(mode, traces[mode], cfg, target), budget_bytes)
     if "offload" in modes:
         traces["offload"] = offload_trace(traces.get("full") or trace_step(cfg, config, target, "full"))
     plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in traces.items()}
@@ -127,14 +128,14 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
             plan.recompute_flops = max(0, plan.flops - baseline)
         if budget_bytes is not None:
             plan.fits = plan.peak_bytes <= budget_bytes
-    _check_budget_above_parameters(ordered, budget_bytes)
     return ordered
 
 
-def _check_budget_above_parameters(plans: list[ModePlan], budget_bytes: Optional[int]) -> None:
-    if budget_bytes is None or not plans:
+def _check_budget_above_parameters(plan: ModePlan, budget_bytes: Optional[int]) -> None:
+    """Refuse, after the first trace, a budget that the weights and optimizer state alone exceed."""
+    if budget_bytes is None:
         return
-    floor = min(p.parameter_bytes + p.optimizer_state_bytes + p.cuda_context_bytes for p in plans)
+    floor = plan.parameter_bytes + plan.optimizer_state_bytes + plan.cuda_context_bytes
     if budget_bytes < floor:
         raise ConfigError(
             f"--memory_budget_gb {budget_bytes / GIB:.2f}: below what the weights and optimizer state alone take "
