@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,7 +25,8 @@ from leantune.models.loading import (ModelLoadError, attach_lora, count_paramete
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.train import Trainer
+from leantune.planning.choose import apply_memory_plan, confirm_batch
+from leantune.train import Trainer, forward_backward
 
 # Errors a user can fix from the message alone: printed without a traceback.
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError)
@@ -106,11 +107,47 @@ def build_loaders(cfg: RunConfig, tokenizer, log=print):
     return train_loader, val_loader
 
 
+def confirm_step(model, cfg: RunConfig, precision: Precision) -> Callable[[int], int]:
+    """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
+
+    Measured by the allocator on a GPU (reserved, plus the CUDA context the budget includes) and
+    by a ``StorageTracker`` on the CPU. The RNG state is restored and the gradients dropped after,
+    so the run that follows is the one it would have been without the check.
+    """
+    from leantune.memory.tracker import StorageTracker
+    from leantune.planning.plan import CUDA_CONTEXT_BYTES
+
+    def run(batch: int) -> int:
+        head = unwrap_model(model).get_output_embeddings()
+        ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=precision.device)
+        loss_fn = loss_function(cfg, head.weight.shape[0])
+        with torch.random.fork_rng(devices=[precision.device] if precision.device.type == "cuda" else []):
+            if precision.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(precision.device)
+                forward_backward(model, head, ids, ids, loss_fn, precision)
+                peak = torch.cuda.max_memory_reserved(precision.device) + CUDA_CONTEXT_BYTES
+            else:
+                tracker = StorageTracker()
+                tracker.register_model(model)
+                with tracker:
+                    forward_backward(model, head, ids, ids, loss_fn, precision)
+                peak = tracker.peak_bytes
+        model.zero_grad(set_to_none=True)
+        return peak
+
+    return run
+
+
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Trainer:
     torch.manual_seed(cfg.training.seed)
     device = choose_device(cfg.model)
+    cfg, plan = apply_memory_plan(cfg, device, log)  # auto mode / auto batch: decided before any weight loads
     precision = choose_precision(cfg, device)
     model, tokenizer = build_model(cfg, precision, log)
+    if cfg.memory.auto_batch_size:
+        from leantune.planning.cli import budget_bytes
+
+        cfg = confirm_batch(cfg, plan, confirm_step(model, cfg, precision), budget_bytes(cfg, device), log)
     train_loader, val_loader = build_loaders(cfg, tokenizer, log)
     if cfg.memory.enable_memory_monitoring:
         path = Path(cfg.output.output_dir) / "memory.jsonl"

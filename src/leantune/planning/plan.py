@@ -36,6 +36,10 @@ EXTRA_SOURCES = {
 }
 
 
+def format_bytes(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / MIB:,.1f} MiB"
+
+
 @dataclass
 class ModePlan:
     """The predicted peak of one step with one checkpointing mode; bytes at the moment of the peak."""
@@ -144,9 +148,22 @@ def _check_budget_above_parameters(plan: ModePlan, budget_bytes: Optional[int]) 
 
 
 def choose_mode(plans: list[ModePlan]) -> Optional[ModePlan]:
-    """The plan that fits with the least compute (recompute included); None when none fits."""
+    """The plan that fits with the least recompute; None when none fits.
+
+    Recompute is counted in FLOPs of matmuls and attention (torch's formulas), so elementwise
+    recompute (selective_ops') counts as none: ties go to the mode that recomputes less by design,
+    in ``PLANNED_MODES`` order (none, then selective_ops, ...).
+    """
     fitting = [p for p in plans if p.fits]
-    return min(fitting, key=lambda p: (p.flops, p.peak_bytes)) if fitting else None
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (p.recompute_flops, recompute_rank(p.mode)))
+
+
+def recompute_rank(mode: str) -> int:
+    """Modes in the order of how much they recompute by design."""
+    order = ("none", "selective_ops", "every_n", "full", "offload")
+    return order.index(mode) if mode in order else len(order)
 
 
 def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,

@@ -1,0 +1,318 @@
+"""Predicted peak GPU memory of a grid of runs, per checkpointing mode, as a Markdown document.
+
+    python benchmarks/plan_table.py                      # writes docs/plan_predictions.md
+    python benchmarks/plan_table.py --json out/plan_predictions.json --jobs 2
+
+For every model (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B), LoRA and full fine-tuning, batch size
+and context length, ``leantune.planning.plan.plan_modes`` traces one training step per mode on fake
+tensors for a GPU target (``--device cuda``: bf16 autocast; bf16 frozen base for LoRA, fp32 weights
+for full fine-tuning) and adds its stated GPU extras (CUDA context, cuBLAS workspace, an assumed
+fragmentation share). Nothing is run on a GPU: every number is a prediction.
+
+The document has, at the top, the exact output of one reference ``leantune plan`` command, then
+one table per model and kind: rows are (batch, context), columns are modes, cells the predicted
+peak in GiB with the smallest of three common GPUs that holds it. The GPUs are compared by the
+memory ``nvidia-smi`` reports for them (not their marketing size), see ``GPUS``.
+
+The grid's cases are independent, so ``--jobs`` processes plan them side by side (tracing is
+single-threaded Python; one process per core is the useful limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+MIB = 2**20
+
+MODELS = ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B")
+KINDS = ("lora", "full")
+BATCHES = (1, 4, 16)
+CONTEXTS = (2048, 4096, 8192)
+MODES = ("none", "full", "every_n", "selective_ops", "offload")
+
+# (label, marker, usable bytes): the total nvidia-smi reports for the card, which is what the
+# plan's peak (CUDA context included) is compared with. Marketing "GB" are not these sizes.
+GPUS = (
+    ("24 GB (RTX 4090: 24,564 MiB = 23.99 GiB)", "24", 24564 * MIB),
+    ("40 GB (A100 40GB: 40,960 MiB = 40.00 GiB)", "40", 40960 * MIB),
+    ("80 GB (H100 80GB: 81,559 MiB = 79.65 GiB)", "80", 81559 * MIB),
+)
+TIGHT_SHARE = 0.95  # a fit above this share of the card is marked as tight
+
+REFERENCE = ["--model_name", "meta-llama/Llama-3.1-8B-Instruct", "--use_peft", "--enable_activation_checkpointing",
+             "--batch_size_training", "4", "--device", "cuda"]
+
+KIND_TITLES = {"lora": "LoRA (r8 on q_proj, v_proj; bf16 frozen base)",
+               "full": "full fine-tuning (fp32 weights, gradients and AdamW state; bf16 autocast)"}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    kind: str
+    batch: int
+    context: int
+
+    def flags(self) -> list[str]:
+        flags = ["--model_name", self.model, "--batch_size_training", str(self.batch),
+                 "--context_length", str(self.context), "--device", "cuda"]
+        return flags + (["--use_peft"] if self.kind == "lora" else [])
+
+    def key(self) -> str:
+        return f"{self.model}:{self.kind}:{self.batch}x{self.context}"
+
+    def cost(self) -> float:
+        """A rough relative tracing cost, to start the slowest cases first."""
+        size = {"Llama-3.2-1B": 1, "Llama-3.2-3B": 2, "Llama-3.1-8B": 4}.get(self.model, 4)
+        return size * (2 if self.kind == "full" else 1) * (1 + self.batch * self.context / 65536)
+
+
+def plan_case(case: Case) -> dict:
+    """Plan every mode of one case (in a worker process); the plans as JSON-able dicts."""
+    import torch
+
+    from leantune.cli_args import parse_run_config
+    from leantune.config import ConfigError
+    from leantune.models.presets import ModelShapeError, model_config
+    from leantune.planning.plan import plan_modes
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    record = {"model": case.model, "kind": case.kind, "batch_size": case.batch, "context_length": case.context,
+              "flags": case.flags()}
+    try:
+        cfg = parse_run_config(case.flags())
+        plans = plan_modes(cfg, model_config(case.model), torch.device("cuda"), list(MODES))
+        record["plans"] = [p.as_json() for p in plans]
+    except (ConfigError, ModelShapeError) as err:
+        record["error"] = str(err)
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    return record
+
+
+def reference_output() -> tuple[str, float]:
+    """The exact stdout of the reference ``leantune plan`` command, and how long it took."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "leantune", "plan", *REFERENCE], capture_output=True, text=True,
+                          cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"the reference command failed ({done.returncode}):\n{done.stderr}")
+    return done.stdout.rstrip("\n"), time.perf_counter() - start
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--", "src"):
+        commit += " (with uncommitted changes under src/)"
+    return commit
+
+
+def smallest_gpu(peak: int) -> tuple[str, bool]:
+    """The marker of the smallest GPU that holds ``peak`` ("-" for none), and whether the fit is tight."""
+    for _, marker, size in GPUS:
+        if peak <= size:
+            return marker, peak > TIGHT_SHARE * size
+    return "-", False
+
+
+def cell(peak: int) -> str:
+    marker, tight = smallest_gpu(peak)
+    return f"{peak / GIB:,.1f} ({marker}{'!' if tight else ''})"
+
+
+def cheapest_fit(plans: list[dict], size: int) -> str:
+    """The mode with the least compute (recompute included) whose peak fits ``size``, as ``choose_mode`` picks."""
+    fitting = [p for p in plans if p["peak_bytes"] <= size]
+    if not fitting:
+        return "-"
+    best = min(fitting, key=lambda p: (p["flops"], p["peak_bytes"]))
+    return best["mode"]
+
+
+def floor_bytes(plan: dict) -> int:
+    """What no mode or batch changes: weights, gradients, optimizer state, CUDA context."""
+    return plan["parameter_bytes"] + plan["gradient_bytes"] + plan["optimizer_state_bytes"] + plan["cuda_context_bytes"]
+
+
+def render(records: list[dict], skipped: list[str], reference: str, meta: dict) -> str:
+    by_key = {(r["model"], r["kind"], r["batch_size"], r["context_length"]): r for r in records}
+    regenerate = "python benchmarks/plan_table.py" + (f" {meta['argv']}" if meta["argv"] else "")
+    out = [
+        "# Predicted peak GPU memory per activation checkpointing mode",
+        "",
+        f"Generated by `{regenerate}` at leantune commit `{meta['commit']}` "
+        f"(torch {meta['torch']}, transformers {meta['transformers']}, on {meta['machine']}; "
+        f"{len(records)} cases x {len(MODES)} modes in {meta['grid_seconds'] / 60:.1f} min with {meta['jobs']} "
+        "process(es)).",
+        "Every number is a **prediction, not a GPU measurement**: `leantune plan`'s `plan_modes` traces one training "
+        "step of leantune's own training code on fake tensors (no weights, no GPU) for a GPU target "
+        "(`--device cuda`: bf16 autocast; a bf16 frozen base for LoRA, fp32 weights, gradients and AdamW state "
+        "for full fine-tuning; packed rows of full context length; the optimizer state already present) and adds "
+        "the GPU-only parts it states as assumptions: a 512 MiB CUDA context, a 32 MiB cuBLAS workspace and "
+        "allocator fragmentation of 10% of the step's activations, loss and temporaries. `offload` is derived "
+        "from `full`'s trace (its saved layer inputs moved to pinned host memory), not traced. Until these are "
+        "checked on a GPU, treat them as estimates and keep some headroom.",
+        "",
+        "## Reference command",
+        "",
+        "```",
+        "$ leantune plan " + " ".join(REFERENCE),
+        reference,
+        "```",
+        "",
+        "## How to read the tables",
+        "",
+        "- One table per model and kind; rows are (batch size x context length), columns are the checkpointing "
+        "modes, cells the predicted peak of one step in GiB (2^30 bytes), CUDA context included.",
+        "- The marker in parentheses is the smallest GPU that holds the peak, compared with the memory "
+        "`nvidia-smi` reports for the card rather than its marketing size:",
+    ]
+    out += [f"  - `({marker})`: {label}" for label, marker, _ in GPUS]
+    out += [
+        "  - `(-)`: no single one of these GPUs holds it.",
+        f"  - `!` after the marker: the fit is tight, above {TIGHT_SHARE:.0%} of that card; other processes, a "
+        "display or a different driver's context can push it over.",
+        "- `every_n` checkpoints every 2nd decoder layer (leantune's default N); `selective_ops` keeps the matmul "
+        "outputs and recomputes the cheap elementwise ops; `offload` moves `full`'s saved layer inputs to host "
+        "memory (it needs that much pinned host RAM and PCIe bandwidth).",
+        "- Under each memory table, *cheapest mode that fits* gives, per GPU, the mode with the least compute "
+        "(recompute included) whose peak fits the whole card, as `leantune finetune --activation_checkpointing_mode "
+        "auto` would choose with that budget.",
+        "",
+    ]
+    if skipped:
+        out += ["Skipped (not planned): " + ", ".join(f"`{s}`" for s in skipped) + ".", ""]
+
+    models = list(dict.fromkeys(r["model"] for r in records))
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]
+    batches = sorted({r["batch_size"] for r in records})
+    contexts = sorted({r["context_length"] for r in records})
+    for model in models:
+        out += [f"## {model}", ""]
+        for kind in kinds:
+            rows = [(b, s) for b in batches for s in contexts if (model, kind, b, s) in by_key]
+            if not rows:
+                continue
+            first = next((by_key[(model, kind) + r] for r in rows if "plans" in by_key[(model, kind) + r]), None)
+            out += [f"### {model}, {KIND_TITLES[kind]}", ""]
+            if first:
+                p = first["plans"][0]
+                out += [f"Weights {p['parameter_bytes'] / GIB:,.2f} GiB, gradients {p['gradient_bytes'] / GIB:,.2f} "
+                        f"GiB, optimizer state {p['optimizer_state_bytes'] / GIB:,.2f} GiB at the peak: with the "
+                        f"CUDA context, {floor_bytes(p) / GIB:,.2f} GiB that no mode or batch size changes.", ""]
+            out += ["| batch x context | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
+            for b, s in rows:
+                record = by_key[(model, kind, b, s)]
+                if "plans" not in record:
+                    out.append(f"| {b} x {s} | " + " | ".join(["error"] * len(MODES)) + " |")
+                    continue
+                peaks = {p["mode"]: p["peak_bytes"] for p in record["plans"]}
+                out.append(f"| {b} x {s} | " + " | ".join(cell(peaks[m]) if m in peaks else "n/a" for m in MODES)
+                           + " |")
+            out += ["", "Cheapest mode that fits:", "",
+                    "| batch x context | " + " | ".join(f"{m} GB" for _, m, _ in GPUS) + " |",
+                    "|---" * (len(GPUS) + 1) + "|"]
+            for b, s in rows:
+                record = by_key[(model, kind, b, s)]
+                if "plans" in record:
+                    out.append(f"| {b} x {s} | " + " | ".join(cheapest_fit(record["plans"], size)
+                                                               for _, _, size in GPUS) + " |")
+            out.append("")
+            errors = [by_key[(model, kind) + r] for r in rows if "error" in by_key[(model, kind) + r]]
+            out += [f"- error at {e['batch_size']} x {e['context_length']}: {e['error']}" for e in errors]
+            if errors:
+                out.append("")
+
+    out += ["## Compute cost of each mode", "",
+            "Step FLOPs relative to `none` (recompute included), from the same traces; the ratio hardly depends on "
+            "batch and context, so it is given at one row per model and kind. `offload` recomputes what `full` "
+            "does and adds host-device copies, which FLOPs do not count.", ""]
+    out += ["| model, kind | row | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 2) + "|"]
+    for model in models:
+        for kind in kinds:
+            record = next((by_key.get((model, kind, b, s)) for b, s in [(4, 4096), (4, 2048), (1, 2048)]
+                           if "plans" in by_key.get((model, kind, b, s), {})), None)
+            if record is None:
+                continue
+            flops = {p["mode"]: p["flops"] for p in record["plans"]}
+            out.append(f"| {model}, {kind} | {record['batch_size']} x {record['context_length']} | "
+                       + " | ".join(f"{flops[m] / flops['none']:.2f}x" if m in flops else "n/a" for m in MODES) + " |")
+    out += ["", "The per-category bytes of every plan (parameters, gradients, optimizer state, activations, loss, "
+            "temporaries, GPU extras) and its FLOPs are in the JSON that `--json PATH` writes.", ""]
+    return "\n".join(out)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
+    parser.add_argument("--skip", nargs="*", default=[], metavar="MODEL:KIND:BxS",
+                        help="cases not to plan, e.g. Llama-3.1-8B:full:16x8192 (listed as skipped in the document)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes planning side by side")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "plan_predictions.md")
+    parser.add_argument("--json", type=Path, default=None, help="also write every plan's record as JSON here")
+    parser.add_argument("--no-reference", action="store_true", help="leave out the reference command's output")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import torch
+    import transformers
+
+    grid = [Case(m, k, b, s) for m in args.models for k in args.kinds for b in args.batches for s in args.contexts]
+    skipped = [c.key() for c in grid if c.key() in set(args.skip)]
+    cases = sorted((c for c in grid if c.key() not in set(args.skip)), key=Case.cost, reverse=True)
+
+    start = time.perf_counter()
+    reference, reference_seconds = ("", 0.0) if args.no_reference else reference_output()
+    if not args.no_reference:
+        print(f"reference command: {reference_seconds:.1f} s", flush=True)
+    records = []
+    grid_start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(max(1, args.jobs)) as pool:
+        for record in pool.imap_unordered(plan_case, cases):
+            records.append(record)
+            peaks = ", ".join(f"{p['mode']} {p['peak_bytes'] / GIB:.1f}" for p in record.get("plans", []))
+            print(f"[{len(records)}/{len(cases)}] {record['model']} {record['kind']} {record['batch_size']}x"
+                  f"{record['context_length']}: {record['seconds']:.1f} s  {peaks or record.get('error')}", flush=True)
+    grid_seconds = time.perf_counter() - grid_start
+    order = {(m, k, b, s): i for i, (m, k, b, s) in enumerate(
+        (c.model, c.kind, c.batch, c.context) for c in grid)}
+    records.sort(key=lambda r: order[(r["model"], r["kind"], r["batch_size"], r["context_length"])])
+
+    meta = dict(commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
+                machine=f"{platform.machine()} CPU, {os.cpu_count()} cores", jobs=max(1, args.jobs),
+                grid_seconds=grid_seconds, reference_seconds=reference_seconds,
+                argv=" ".join(a for a in argv), total_seconds=time.perf_counter() - start)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(records, skipped, reference, meta))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(meta=meta, gpus=[dict(label=l, marker=m, bytes=b) for l, m, b in GPUS],
+                                             skipped=skipped, reference_command=["leantune", "plan", *REFERENCE],
+                                             reference_output=reference, records=records), indent=2))
+    print(f"grid: {len(cases)} cases in {grid_seconds / 60:.1f} min ({max(1, args.jobs)} processes); "
+          f"total {meta['total_seconds'] / 60:.1f} min; wrote {args.out}" + (f" and {args.json}" if args.json else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
