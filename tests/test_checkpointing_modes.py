@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, OffloadCheckpointing,
-                                    SelectiveOps, apply_activation_checkpointing, policy_for_mode)
+from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, LayerMix,
+                                    OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing, policy_for_mode)
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 
@@ -19,6 +19,7 @@ POLICIES = {
     "selective_ops": lambda: SelectiveOps(),
     # simulate: the offloader's bookkeeping with host copies, on a CPU-only machine
     "offload": lambda: OffloadCheckpointing(min_bytes=0, simulate=True),
+    "layer_mix": lambda: LayerMix(layers=("full", "selective_ops")),  # the test model has two layers
 }
 
 
@@ -104,3 +105,37 @@ def test_modes_combine_with_the_chunked_loss(load_tiny):
     for name in expected:
         error = (actual[name] - expected[name]).norm() / expected[name].norm()
         assert error < 1e-5, (name, float(error))
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full-ft", "lora"])
+def test_a_layer_mix_sits_between_its_parts(load_tiny, use_lora):
+    ids, _ = make_batch(load_tiny().config.vocab_size, batch=2, seq=256)
+    live = {}
+    for name, layers in {"full": ("full", "full"), "mix": ("full", "selective_ops"),
+                         "selective": ("selective_ops", "selective_ops"), "half": ("none", "full")}.items():
+        model = with_lora(load_tiny()) if use_lora else load_tiny()
+        report = apply_activation_checkpointing(model, LayerMix(layers=layers))
+        live[name] = activation_bytes(model, ids)[0]
+        if name == "half":
+            assert report.layer_indices == (1,) and "layer_mix (none=1,full=1)" in report.summary_line()
+    assert live["full"] < live["mix"] < live["selective"]
+
+
+def test_layer_mix_flags_and_errors(load_tiny):
+    from leantune.checkpointing.policies import format_layer_mix, parse_layer_mix
+    from leantune.cli_args import parse_run_config
+    from leantune.config import ConfigError
+
+    assert parse_layer_mix("full=2, selective_ops=1,none=1") == ("full", "full", "selective_ops", "none")
+    assert format_layer_mix(("full", "full", "selective_ops")) == "full=2,selective_ops=1"
+    cfg = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_layers", "full=2"])
+    assert cfg.checkpointing.mode == "layer_mix"
+    for argv, message in [
+        (["--enable_activation_checkpointing", "--activation_checkpointing_layers", "most=3"], "CHOICE=COUNT"),
+        (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "layer_mix"], "needs the choice"),
+        (["--activation_checkpointing_layers", "full=2"], "without --enable_activation_checkpointing"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_run_config(argv)
+    with pytest.raises(CheckpointingError, match="names 3 layers, the model has 2"):
+        apply_activation_checkpointing(load_tiny(), LayerMix(layers=("full",) * 3))

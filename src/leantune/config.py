@@ -125,14 +125,19 @@ class CheckpointingConfig:
         "Recompute decoder-layer activations in backward instead of keeping them (less memory, more compute)."))
     activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
         "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
-    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload", "auto"]] = field(
+    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload", "layer_mix",
+                                                    "auto"]] = field(
         default=None, metadata=_help(
             "full (default): recompute every decoder layer; every_n: checkpoint one layer in N; selective_ops: "
             "save attention and projection outputs, recompute the cheap ops (LoRA-aware); offload: full, with the "
-            "layers' saved inputs in pinned host memory (CUDA); auto: the mode (or none) with the least recompute "
+            "layers' saved inputs in pinned host memory (CUDA); layer_mix: a choice per layer "
+            "(--activation_checkpointing_layers); auto: the mode, per-layer mix or none with the least recompute "
             "whose predicted peak fits --memory_budget_gb, chosen before the weights load."))
     activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
         "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
+    activation_checkpointing_layers: Optional[str] = field(default=None, metadata=_help(
+        "layer_mix mode (implies it): a choice per decoder layer, in order, as CHOICE=COUNT runs of none, "
+        "selective_ops and full, e.g. full=4,selective_ops=12 (the counts add up to the model's layers)."))
     activation_offload_max_pinned_gb: Optional[float] = field(default=None, metadata=_help(
         "offload mode: cap in GiB on the pinned host memory its buffer pool holds; layer inputs that would "
         "exceed it stay on the accelerator. Default: a quarter of host RAM, shared by the processes on the host."))
@@ -140,8 +145,11 @@ class CheckpointingConfig:
     def __post_init__(self):
         mode, every_n = self.activation_checkpointing_mode, self.activation_checkpointing_every_n
         max_pinned = self.activation_offload_max_pinned_gb
+        layers = self.activation_checkpointing_layers
         if mode is None and every_n is not None:
             mode = self.activation_checkpointing_mode = "every_n"
+        if mode is None and layers is not None:
+            mode = self.activation_checkpointing_mode = "layer_mix"
         if not self.enable_activation_checkpointing:
             _require(mode is None, "activation_checkpointing_mode",
                      f"{mode} has no effect without --enable_activation_checkpointing; add it")
@@ -156,6 +164,17 @@ class CheckpointingConfig:
                  f"applies to --activation_checkpointing_mode every_n, not {mode}")
         _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
                  f"must be at least 1 (got {every_n})")
+        _require(layers is None or mode == "layer_mix", "activation_checkpointing_layers",
+                 f"applies to --activation_checkpointing_mode layer_mix, not {mode}")
+        _require(mode != "layer_mix" or layers is not None, "activation_checkpointing_layers",
+                 "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")
+        if layers is not None:
+            from leantune.checkpointing.policies import parse_layer_mix
+
+            try:
+                parse_layer_mix(layers)
+            except ValueError as err:
+                raise ConfigError(f"--activation_checkpointing_layers: {err}") from None
         if self.activation_checkpointing_use_reentrant and mode == "auto":
             raise ConfigError("--activation_checkpointing_mode auto: chooses among non-reentrant modes; "
                               "drop --activation_checkpointing_use_reentrant")
@@ -163,7 +182,7 @@ class CheckpointingConfig:
             from leantune.checkpointing.policies import policy_for_mode
 
             try:  # the policy classes know which of them work reentrant
-                policy_for_mode(mode, use_reentrant=True)
+                policy_for_mode(mode, use_reentrant=True, layers=layers)
             except ValueError as err:
                 raise ConfigError(f"--activation_checkpointing_mode {mode}: {err}") from None
 

@@ -25,7 +25,8 @@ from leantune.models.loading import (ModelLoadError, attach_lora, count_paramete
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.planning.choose import apply_memory_plan, confirm_batch
+from leantune.planning.choose import apply_memory_plan, confirm_batch, plan_for_run
+from leantune.planning.plan import format_bytes
 from leantune.train import Trainer, forward_backward
 
 # Errors a user can fix from the message alone: printed without a traceback.
@@ -39,7 +40,8 @@ def checkpoint_policy(cfg: RunConfig):
         return None
     return policy_for_mode(ac.mode, every_n=ac.activation_checkpointing_every_n or 2,
                            use_reentrant=ac.activation_checkpointing_use_reentrant,
-                           offload_max_pinned_gb=ac.activation_offload_max_pinned_gb)
+                           offload_max_pinned_gb=ac.activation_offload_max_pinned_gb,
+                           layers=ac.activation_checkpointing_layers)
 
 
 def loss_function(cfg: RunConfig, vocab_size: int):
@@ -159,7 +161,14 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Tra
     log(f"precision: {precision.note}")
     loss_fn = loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0])
     log(describe_loss(loss_fn))
-    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, loss_fn=loss_fn, log=log)
+    if plan is None and cfg.memory.enable_memory_monitoring:
+        plan = plan_for_run(cfg, device)
+    if plan is not None:
+        extras = f" ({format_bytes(plan.peak_bytes)} with the GPU's own needs)" if plan.target == "cuda" else ""
+        log(f"plan: predicted peak {format_bytes(plan.traced_peak_bytes)} allocated per step{extras}, "
+            "compared with step 2's measured peak")
+    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, loss_fn=loss_fn, log=log,
+                   predicted_peak_bytes=plan.traced_peak_bytes if plan is not None else None)
 
 
 def _check_single_process() -> None:

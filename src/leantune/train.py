@@ -23,12 +23,14 @@ from leantune.config import RunConfig
 from leantune.io import atomic_write_json, staged_directory
 from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
+from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 
 # Memory fields copied from the monitor's record into each step's metrics.
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
-                  "peak_allocated_mib", "peak_active_mib", "device_used_mib")
+                  "peak_allocated_mib", "peak_active_mib", "device_used_mib", "parameter_mib", "gradient_mib",
+                  "optimizer_state_mib", "activations_and_temporaries_peak_mib")
 
 
 @dataclass
@@ -86,11 +88,13 @@ def host_float(value: torch.Tensor) -> float:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model, tokenizer, train_loader, val_loader, precision: Precision,
-                 monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print):
+                 monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print,
+                 predicted_peak_bytes: Optional[int] = None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.precision, self.monitor, self.loss_fn, self.log = precision, monitor, loss_fn, log
         self.device = precision.device
+        self.predicted_peak_bytes = predicted_peak_bytes  # the plan's, printed next to step 2's measured peak
         self.scaler = precision.make_scaler()
         self.lm_head = unwrap_model(model).get_output_embeddings()
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -220,10 +224,12 @@ class Trainer:
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
         step = len(self.steps) + 1
-        memory = self.monitor.record(step)
+        memory = self.monitor.record(step, breakdown=persistent_bytes(self.model, self.optimizer))
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
         self.steps.append(record)
+        if step == 2 and self.predicted_peak_bytes:
+            self.log(_plan_check_line(record, self.predicted_peak_bytes))
         return record
 
     # -------------------------------------------------------------- outputs
@@ -270,6 +276,17 @@ class Trainer:
         self.write_metrics()
         for line in self.monitor.summary_lines():
             self.log(line)
+
+
+def _plan_check_line(record: dict, predicted_bytes: int) -> str:
+    """Step 2 (the first with optimizer state, as planned) measured against the plan."""
+    predicted = predicted_bytes / 2**20
+    measured = record.get("peak_allocated_mib")
+    if measured is None:
+        return (f"memory check: plan predicted {predicted:,.1f} MiB at the peak; this device has no allocator "
+                "counter to compare with (CPU RSS also counts the interpreter and libraries)")
+    return (f"memory check: step 2 peak allocated {measured:,.1f} MiB, plan predicted {predicted:,.1f} MiB "
+            f"({(predicted / measured - 1) * 100:+.1f}%)")
 
 
 def _perplexity(loss: float) -> float:

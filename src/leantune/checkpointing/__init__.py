@@ -6,7 +6,7 @@ from leantune.checkpointing.apply import (
     apply_activation_checkpointing,
     inspect_checkpointing,
 )
-from leantune.checkpointing.policies import (MODES, CheckpointPolicy, EveryNLayers, FullCheckpointing,
+from leantune.checkpointing.policies import (MODES, CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
                                              OffloadCheckpointing, SelectiveOps, policy_for_mode)
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointingReport",
     "EveryNLayers",
     "FullCheckpointing",
+    "LayerMix",
     "OffloadCheckpointing",
     "SelectiveOps",
     "apply_activation_checkpointing",

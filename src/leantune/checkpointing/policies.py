@@ -7,6 +7,7 @@ and the FSDP paths apply the same policy, and lets the summary line describe exa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -148,12 +149,76 @@ class OffloadCheckpointing(CheckpointPolicy):
         return text
 
 
-MODES = ("full", "every_n", "selective_ops", "offload")
+LAYER_CHOICES = ("none", "selective_ops", "full")
+
+
+def parse_layer_mix(text: str) -> tuple[str, ...]:
+    """``"full=4,selective_ops=12"`` -> one choice per decoder layer, in that order."""
+    layers: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        choice, _, count = part.partition("=")
+        if choice not in LAYER_CHOICES or not count.isdigit():
+            raise ValueError(f"{part!r} is not CHOICE=COUNT with CHOICE one of {', '.join(LAYER_CHOICES)} "
+                             "(e.g. full=4,selective_ops=12)")
+        layers += [choice] * int(count)
+    if not layers:
+        raise ValueError("name at least one layer, e.g. full=4,selective_ops=12")
+    return tuple(layers)
+
+
+def format_layer_mix(layers: tuple[str, ...]) -> str:
+    """The inverse of ``parse_layer_mix``: runs of equal choices as CHOICE=COUNT."""
+    runs: list[list] = []
+    for choice in layers:
+        if runs and runs[-1][0] == choice:
+            runs[-1][1] += 1
+        else:
+            runs.append([choice, 1])
+    return ",".join(f"{choice}={count}" for choice, count in runs)
+
+
+@dataclass(frozen=True)
+class LayerMix(CheckpointPolicy):
+    """A choice per decoder layer: ``none`` (keep activations), ``selective_ops`` or ``full``.
+
+    Between two named modes' memory there is a mix that fits a budget with less recompute than
+    the more frugal of them (``leantune.planning`` finds it): e.g. a few layers fully recomputed
+    and the rest selective.
+    """
+
+    layers: tuple[str, ...] = ()
+    roles: Optional[object] = field(default=None, compare=False)  # selective.MatmulRoles when a layer is selective
+    name = "layer_mix"
+    supports_reentrant = False  # selective layers need non-reentrant checkpointing
+
+    def bind(self, model: torch.nn.Module) -> "LayerMix":
+        from leantune.checkpointing.selective import MatmulRoles
+        from leantune.models.structure import decoder_layers
+
+        count = len(decoder_layers(model))
+        if len(self.layers) != count:
+            raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, the model has {count}")
+        return replace(self, roles=MatmulRoles.attach(model) if "selective_ops" in self.layers else None)
+
+    def selects_layer(self, index: int) -> bool:
+        return self.layers[index] != "none"
+
+    def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
+        if self.layers[layer_index] != "selective_ops":
+            return checkpoint_fn
+        return functools.partial(checkpoint_fn, context_fn=self.roles.contexts)
+
+    def describe(self) -> str:
+        return f"layer_mix ({format_layer_mix(self.layers)})"
+
+
+MODES = ("full", "every_n", "selective_ops", "offload", "layer_mix")
 
 
 def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False,
-                    offload_max_pinned_gb: Optional[float] = None) -> CheckpointPolicy:
-    """The policy object for a ``--activation_checkpointing_mode`` name (the pinned cap in GiB: offload only)."""
+                    offload_max_pinned_gb: Optional[float] = None, layers: Optional[str] = None) -> CheckpointPolicy:
+    """The policy object for a ``--activation_checkpointing_mode`` name (the pinned cap in GiB: offload only;
+    ``layers``, as ``parse_layer_mix`` reads it: layer_mix only)."""
     if mode == "full":
         return FullCheckpointing(use_reentrant=use_reentrant)
     if mode == "every_n":
@@ -163,4 +228,6 @@ def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False,
     if mode == "offload":
         cap = None if offload_max_pinned_gb is None else int(offload_max_pinned_gb * 2**30)
         return OffloadCheckpointing(use_reentrant=use_reentrant, max_pinned_bytes=cap)
+    if mode == "layer_mix":
+        return LayerMix(use_reentrant=use_reentrant, layers=parse_layer_mix(layers or "full=1"))
     raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose from {', '.join(MODES)}")

@@ -33,11 +33,20 @@ class MemoryMonitor:
         self._start = time.perf_counter()
         reset_peak_stats(device)
 
-    def record(self, step: int, phase: str = "train", **extra) -> dict:
-        """Log the window that ends now under ``step`` (e.g. the optimizer step just finished)."""
+    def record(self, step: int, phase: str = "train", breakdown: Optional[dict] = None, **extra) -> dict:
+        """Log the window that ends now under ``step`` (e.g. the optimizer step just finished).
+
+        ``breakdown`` (bytes of parameters, gradients, optimizer state: ``persistent_bytes``) is
+        logged in MiB; with an accelerator, what the window's peak held beyond them is logged as
+        ``activations_and_temporaries_peak_mib``.
+        """
         stats = memory_stats(self.device)
         row = {"step": step, "phase": phase, "time_s": round(time.perf_counter() - self._start, 4),
                **stats.as_dict(), "cpu_rss_peak_mib": self._sampler.take_peak() / MIB, **extra}
+        if breakdown is not None:
+            row.update({f"{name}_mib": nbytes / MIB for name, nbytes in breakdown.items()})
+            if stats.peak_allocated_mib is not None:
+                row["activations_and_temporaries_peak_mib"] = stats.peak_allocated_mib - sum(breakdown.values()) / MIB
         reset_peak_stats(self.device)
         self.rows.append(row)
         self._file.write(json.dumps(row) + "\n")
@@ -93,7 +102,7 @@ class CurrentMemoryProbe:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def record(self, step: int, phase: str = "train", **extra) -> dict:
+    def record(self, step: int, phase: str = "train", breakdown: Optional[dict] = None, **extra) -> dict:
         stats = memory_stats(self.device)
         return {"cpu_rss_mib": stats.cpu_rss_mib, "allocated_mib": stats.allocated_mib,
                 "reserved_mib": stats.reserved_mib}

@@ -128,3 +128,28 @@ class StorageTracker(TorchDispatchMode):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def persistent_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """Bytes of the parameters, their gradients and the optimizer state, read from the tensors themselves.
+
+    Each storage counts once (tied weights, views). Cheap enough for every step: it walks the
+    parameters and the optimizer state, never the activations.
+    """
+    seen: set[int] = set()
+
+    def total(tensors) -> int:
+        nbytes = 0
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                nbytes += storage.nbytes()
+        return nbytes
+
+    params = list(model.parameters())
+    states = optimizer.state.values() if optimizer is not None else ()
+    return {"parameter": total(params), "gradient": total(p.grad for p in params if p.grad is not None),
+            "optimizer_state": total(t for state in states for t in state.values())}

@@ -14,7 +14,7 @@ import torch
 
 from leantune.config import ConfigError, RunConfig
 from leantune.planning.fake_step import run_config_for_mode
-from leantune.planning.plan import (ModePlan, choose_mode, format_bytes, largest_batch, plan_modes,
+from leantune.planning.plan import (ModePlan, choose_mode, find_layer_mix, format_bytes, largest_batch, plan_modes,
                                     recompute_rank)
 
 
@@ -63,9 +63,20 @@ def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, 
             f"{format_bytes(smallest.peak_bytes)}):\n{table}\nLower --batch_size_training (raise "
             "--gradient_accumulation_steps to keep the effective batch), shorten --context_length, or use --use_peft")
     log(table)
-    log(f"activation checkpointing: auto chose {chosen.mode} (predicted peak {format_bytes(chosen.peak_bytes)} of "
-        f"{format_bytes(budget)}, the least recompute among the modes that fit)")
-    return run_config_for_mode(cfg, chosen.mode), chosen
+    layers = None
+    by_mode = {p.mode: p for p in plans}
+    if chosen.mode in ("full", "every_n") and "selective_ops" in by_mode:
+        found = find_layer_mix(cfg, config, device, budget)  # between selective_ops and full
+        if found is not None:
+            mix_layers, mix = found
+            mix.recompute_flops = max(0, mix.flops - by_mode["none"].flops) if "none" in by_mode else mix.recompute_flops
+            if mix.recompute_flops < chosen.recompute_flops:
+                log(f"a per-layer mix fits with less recompute than {chosen.mode}: {mix_layers} "
+                    f"({mix.recompute_flops / 1e12:,.2f} vs {chosen.recompute_flops / 1e12:,.2f} TFLOPs recomputed)")
+                layers, chosen = mix_layers, mix
+    log(f"activation checkpointing: auto chose {chosen.checkpointing if layers else chosen.mode} (predicted peak "
+        f"{format_bytes(chosen.peak_bytes)} of {format_bytes(budget)}, the least recompute that fits)")
+    return run_config_for_mode(cfg, chosen.mode, layers), chosen
 
 
 def _largest_batch_for(cfg: RunConfig, config, device: torch.device, mode: str, budget: int):
@@ -121,6 +132,16 @@ def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> tuple[
     if cfg.memory.auto_batch_size:
         cfg, plan = choose_batch(cfg, config, device, budget, log)
     return cfg, plan
+
+
+def plan_for_run(cfg: RunConfig, device: torch.device) -> Optional[ModePlan]:
+    """The plan of the run as configured, to print next to its measured peak; None where it cannot be made."""
+    from leantune.models.presets import ModelShapeError, model_config
+
+    try:
+        return plan_modes(cfg, model_config(cfg.model.model_name), device, [cfg.checkpointing.mode or "none"])[0]
+    except (ConfigError, ModelShapeError):
+        return None
 
 
 def confirm_batch(cfg: RunConfig, plan: ModePlan, run_step: Callable[[int], int], budget: int,

@@ -46,13 +46,15 @@ class StepTrace:
     checkpointing: str  # the policy as the run would describe it
 
 
-def run_config_for_mode(cfg: RunConfig, mode: str | None) -> RunConfig:
-    """``cfg`` with activation checkpointing set to ``mode`` (None or "none": off)."""
+def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
+    """``cfg`` with activation checkpointing set to ``mode`` (None or "none": off; ``layers`` for layer_mix)."""
     off = mode in (None, "none")
     every_n = cfg.checkpointing.activation_checkpointing_every_n if mode == "every_n" else None
+    if mode == "layer_mix":
+        layers = layers or cfg.checkpointing.activation_checkpointing_layers
     checkpointing = dataclasses.replace(
         cfg.checkpointing, enable_activation_checkpointing=not off, activation_checkpointing_mode=None if off else mode,
-        activation_checkpointing_every_n=every_n,
+        activation_checkpointing_every_n=every_n, activation_checkpointing_layers=layers if mode == "layer_mix" else None,
         activation_offload_max_pinned_gb=cfg.checkpointing.activation_offload_max_pinned_gb if mode == "offload" else None)
     return dataclasses.replace(cfg, checkpointing=checkpointing)
 

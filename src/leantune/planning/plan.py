@@ -166,6 +166,33 @@ def recompute_rank(mode: str) -> int:
     return order.index(mode) if mode in order else len(order)
 
 
+def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: int) -> Optional[tuple[str, ModePlan]]:
+    """The fewest fully recomputed layers, the rest ``selective_ops``, whose predicted peak fits the budget.
+
+    For a budget between selective_ops' peak and full's: memory falls with each layer moved from
+    selective to full, so bisection over that count needs about log2(layers) traces. Returns the
+    ``--activation_checkpointing_layers`` value and its plan, or None when only ``full`` itself fits.
+    """
+    from leantune.checkpointing.policies import format_layer_mix
+    from leantune.planning.fake_step import run_config_for_mode
+
+    layers = config.num_hidden_layers
+
+    def plan_with(full_layers: int) -> tuple[str, ModePlan]:
+        mix = format_layer_mix(("full",) * full_layers + ("selective_ops",) * (layers - full_layers))
+        return mix, plan_modes(run_config_for_mode(cfg, "layer_mix", mix), config, target, ["layer_mix"], budget_bytes)[0]
+
+    low, high, best = 0, layers, None  # all selective does not fit, all full does
+    while high - low > 1:
+        middle = (low + high) // 2
+        mix, plan = plan_with(middle)
+        if plan.fits:
+            high, best = middle, (mix, plan)
+        else:
+            low = middle
+    return best
+
+
 def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,
                   limit: int = 1024) -> tuple[int, Optional[ModePlan]]:
     """The largest batch size whose predicted peak fits ``budget_bytes`` (0 and None when not even 1 fits).

@@ -1,0 +1,267 @@
+"""The planner: predictions equal what the same step holds on real tensors; its choices; its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.memory.tracker import StorageTracker, persistent_bytes
+from leantune.models.presets import HUB_IDS, PRESETS, ModelShapeError, model_config, preset_name
+from leantune.planning.choose import apply_memory_plan, confirm_batch, with_batch
+from leantune.planning.fake_step import trace_step
+from leantune.planning.plan import MIB, choose_mode, largest_batch, plan_modes
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+TINY = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "128"]
+
+
+def flags(*extra):
+    return parse_run_config([*TINY, *extra])
+
+
+def mode_flags(mode):
+    return [] if mode == "none" else ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("mode", ["none", "full", "selective_ops"])
+def test_prediction_equals_the_same_step_on_real_tensors(kind, mode):
+    cfg = flags(*(["--use_peft"] if kind == "lora" else []))
+    config = model_config("tiny")
+    predicted = trace_step(cfg, config, CPU, mode)
+    measured = trace_step(cfg, config, CPU, mode, fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.breakdown == measured.breakdown
+    assert predicted.flops == measured.flops > 0
+
+
+def test_bf16_autocast_prediction_equals_real_bf16_step():
+    """A GPU target traces with bf16 autocast and a bf16 LoRA base: the same step runs for real on the CPU."""
+    cfg = flags("--use_peft", "--enable_activation_checkpointing", "--loss_chunk_size", "64")
+    config = model_config("tiny")
+    predicted = trace_step(cfg, config, CUDA, "full")
+    measured = trace_step(cfg, config, CUDA, "full", fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.peak_bytes % 512 == 0  # every storage rounded as the CUDA allocator rounds it
+
+
+def test_breakdown_holds_what_the_step_keeps():
+    cfg = flags()  # full fine-tuning, float32, AdamW: two fp32 states per trainable parameter
+    plan = plan_modes(cfg, model_config("tiny"), CPU, ["full"])[0]
+    assert plan.optimizer_state_bytes == 2 * plan.parameter_bytes + 4 * len(list(_tiny_params()))
+    assert plan.parameter_bytes == sum(p.numel() * 4 for p in _tiny_params())
+    parts = (plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_state_bytes + plan.activation_bytes
+             + plan.loss_bytes + plan.temporary_bytes + plan.other_bytes)
+    assert parts == plan.peak_bytes == plan.traced_peak_bytes
+
+
+def _tiny_params():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return list(AutoModelForCausalLM.from_config(model_config("tiny")).parameters())
+
+
+def test_checkpointing_lowers_activations_and_adds_recompute():
+    plans = {p.mode: p for p in plan_modes(flags("--use_peft"), model_config("tiny"), CPU,
+                                           ["none", "full", "selective_ops"])}
+    assert plans["full"].activation_bytes < plans["selective_ops"].activation_bytes < plans["none"].activation_bytes
+    assert plans["full"].peak_bytes < plans["none"].peak_bytes
+    assert plans["none"].recompute_flops == 0 < plans["full"].recompute_flops
+
+
+def test_gpu_target_adds_the_stated_extras():
+    plan = plan_modes(flags("--use_peft"), model_config("tiny"), CUDA, ["full"])[0]
+    extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
+    assert plan.cuda_context_bytes == 512 * MIB and plan.cublas_workspace_bytes == 32 * MIB
+    assert plan.peak_bytes == plan.traced_peak_bytes + extras
+
+
+def test_offload_is_derived_from_full_on_a_gpu_and_refused_on_the_cpu():
+    cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "2", "--context_length", "256",
+                            "--use_peft"])
+    plans = {p.mode: p for p in plan_modes(cfg, model_config("small"), CUDA, ["full", "offload"])}
+    # 8 layers, inputs of 2 x 256 x 1024 bf16 = 1 MiB each: all but two live in host memory
+    assert plans["full"].activation_bytes - plans["offload"].activation_bytes == 6 * MIB
+    with pytest.raises(ConfigError, match="--device cuda"):
+        plan_modes(cfg, model_config("small"), CPU, ["offload"])
+
+
+def test_choose_mode_prefers_least_recompute_that_fits():
+    plans = plan_modes(flags("--use_peft"), model_config("tiny"), CPU, ["none", "full", "selective_ops"])
+    peak = {p.mode: p.peak_bytes for p in plans}
+    budget = peak["full"] + 1  # only full fits
+    fitted = plan_modes(flags("--use_peft"), model_config("tiny"), CPU, ["none", "full", "selective_ops"], budget)
+    assert choose_mode(fitted).mode == "full"
+    roomy = plan_modes(flags("--use_peft"), model_config("tiny"), CPU, ["none", "full"], peak["none"])
+    assert choose_mode(roomy).mode == "none"
+    tight = plan_modes(flags("--use_peft"), model_config("tiny"), CPU, ["none", "full"], peak["full"] - 1)
+    assert choose_mode(tight) is None
+
+
+def test_largest_batch_is_the_boundary():
+    cfg, config = flags("--use_peft", "--enable_activation_checkpointing"), model_config("tiny")
+    at = {b: plan_modes(with_batch(cfg, b), config, CPU, ["full"])[0].peak_bytes for b in (5, 6)}
+    batch, plan = largest_batch(cfg, config, CPU, "full", budget_bytes=at[5] + (at[6] - at[5]) // 2)
+    assert batch == 5 and plan.peak_bytes == at[5]
+
+
+def test_auto_mode_and_batch_resolve_before_loading(capsys):
+    cfg = flags("--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
+                "--memory_budget_gb", str(40 * MIB / 2**30))
+    resolved, plan = apply_memory_plan(cfg, CPU, log=print)
+    assert resolved.checkpointing.mode in ("full", "every_n", "selective_ops", None)
+    assert plan.fits and plan.peak_bytes <= 40 * MIB
+    assert "auto chose" in capsys.readouterr().out
+
+    cfg = flags("--use_peft", "--enable_activation_checkpointing", "--auto_batch_size", "--target_global_batch_size",
+                "12", "--memory_budget_gb", str(40 * MIB / 2**30))
+    resolved, plan = apply_memory_plan(cfg, CPU, log=lambda *_: None)
+    batch = resolved.training.batch_size_training
+    assert 12 % batch == 0 and batch * resolved.training.gradient_accumulation_steps == 12
+    assert plan.peak_bytes <= 40 * MIB
+
+
+def test_auto_finds_a_layer_mix_between_selective_and_full(capsys):
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "256",
+                            "--use_peft"])
+    plans = {p.mode: p for p in plan_modes(cfg, model_config("tiny"), CPU, ["full", "selective_ops"])}
+    budget = (plans["full"].peak_bytes + plans["selective_ops"].peak_bytes) / 2
+    auto = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "256",
+                             "--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                             "auto", "--memory_budget_gb", str(budget / 2**30)])
+    resolved, plan = apply_memory_plan(auto, CPU, log=print)
+    assert resolved.checkpointing.mode == "layer_mix", capsys.readouterr().out
+    layers = resolved.checkpointing.activation_checkpointing_layers
+    assert layers.startswith("full=") and "selective_ops=" in layers
+    assert plans["selective_ops"].peak_bytes > plan.peak_bytes <= budget
+    assert plan.recompute_flops < plans["full"].flops - plan_modes(cfg, model_config("tiny"), CPU, ["none"])[0].flops
+
+
+def test_auto_mode_fails_with_the_table_when_nothing_fits():
+    cfg = flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
+                "--memory_budget_gb", str(55 * MIB / 2**30))
+    with pytest.raises(ConfigError, match="no mode fits") as err:
+        apply_memory_plan(cfg, CPU, log=lambda *_: None)
+    assert "predicted peak" in str(err.value) and "--batch_size_training" in str(err.value)
+
+
+def test_auto_needs_a_budget_on_the_cpu():
+    with pytest.raises(ConfigError, match="--memory_budget_gb"):
+        apply_memory_plan(flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"), CPU)
+
+
+def test_confirm_step_backs_off_once_on_oom():
+    cfg = flags("--auto_batch_size", "--memory_budget_gb", "1")
+    plan = plan_modes(with_batch(cfg, 8), model_config("tiny"), CPU, ["none"])[0]
+    cfg = with_batch(cfg, 8)
+    tried = []
+
+    def oom(batch):
+        tried.append(batch)
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    lines = []
+    backed = confirm_batch(cfg, plan, oom, 2**30, log=lines.append)
+    assert tried == [8] and backed.training.batch_size_training == 6
+    assert "ran out of memory" in lines[0] and "backing off once to 6" in lines[0]
+    fine = confirm_batch(cfg, plan, lambda batch: 1000, 2**30, log=lines.append)
+    assert fine.training.batch_size_training == 8 and "confirmed 8" in lines[-1]
+
+
+def test_presets_and_hub_ids_resolve_offline():
+    assert preset_name("meta-llama/Llama-3.1-8B-Instruct") == "Llama-3.1-8B"
+    assert preset_name("llama-3.2-1b") == "Llama-3.2-1B"
+    assert all(preset_name(hub) in PRESETS for hub in HUB_IDS)
+    config = model_config("meta-llama/Llama-3.2-1B")
+    assert (config.hidden_size, config.num_hidden_layers, config.tie_word_embeddings) == (2048, 16, True)
+    with pytest.raises(ModelShapeError, match="preset"):
+        model_config("./no/such/dir")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model_name", "./missing-model"], "use a preset"),
+    (["--model_name", "Llama-3.2-1B", "--context_length", "200000"], "--context_length 200000: the model handles"),
+    (["--model_name", "Llama-3.2-1B", "--device", "cuda", "--memory_budget_gb", "1"], "below what the weights"),
+    (["--memory_budget_gb", "-3"], "--memory_budget_gb: must be a positive"),
+    (["--activation_checkpointing_mode", "offload", "--enable_activation_checkpointing", "--device", "cpu"],
+     "plan it for one with --device cuda"),
+    (["--target_global_batch_size", "10", "--batch_size_training", "4"], "not a multiple"),
+])
+def test_plan_command_errors_name_the_flag(argv, message, capsys):
+    from leantune.planning.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_plan_command_json_and_table(capsys):
+    from leantune.planning.cli import main
+
+    assert main([*TINY, "--use_peft", "--memory_budget_gb", "0.03", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["mode"] for r in records] == ["none", "full", "every_n", "selective_ops"]
+    for record in records:
+        assert record["peak_bytes"] > 0 and isinstance(record["fits"], bool)
+        assert {"parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes", "loss_bytes",
+                "temporary_bytes"} <= record.keys()
+    assert main([*TINY, "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
+                 "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "-> full" in out and "none" not in out.splitlines()[1] and "CUDA context" in out
+
+
+def test_persistent_bytes_counts_each_storage_once(load_tiny):
+    model = load_tiny()
+    optimizer = torch.optim.AdamW(model.parameters())
+    expected = sum(p.numel() * 4 for p in model.parameters())
+    assert persistent_bytes(model, optimizer) == {"parameter": expected, "gradient": 0, "optimizer_state": 0}
+    model.get_input_embeddings().weight.sum().backward()
+    assert persistent_bytes(model, optimizer)["gradient"] == model.get_input_embeddings().weight.numel() * 4
+
+
+def test_tracker_counts_a_storage_once_and_frees_it():
+    tracker = StorageTracker()
+    with tracker:
+        a = torch.ones(1000)
+        view = a.view(10, 100)
+        b = a * 2
+        assert tracker.live_bytes("activation") == 8000
+        del a
+        assert tracker.live_bytes("activation") == 8000  # the view keeps the storage alive
+        del view, b
+        assert tracker.live_bytes("activation") == 0
+    assert tracker.peak_bytes == 8000
+
+
+def test_a_run_with_auto_mode_and_batch_trains_and_logs_the_breakdown(tiny_model_dir, tmp_path):
+    from leantune.finetuning import run
+
+    out = tmp_path / "auto"
+    argv = ["--model_name", str(tiny_model_dir), "--use_peft", "--enable_activation_checkpointing",
+            "--activation_checkpointing_mode", "auto", "--auto_batch_size", "--target_global_batch_size", "8",
+            "--memory_budget_gb", str(48 * MIB / 2**30), "--enable_memory_monitoring", "--save_metrics", "true",
+            "--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--max_train_step", "4",
+            "--save_model", "false", "--output_dir", str(out)]
+    lines: list[str] = []
+    run(parse_run_config(argv), log=lines.append)
+    chosen = next(line for line in lines if line.startswith("activation checkpointing: auto chose"))
+    batch_line = next(line for line in lines if line.startswith("batch size: auto chose"))
+    batch = int(batch_line.split()[4])
+    assert 8 % batch == 0 and f"{8 // batch} batches per optimizer step" in batch_line
+    assert any(line.startswith(f"batch size: confirmed {batch} with one real step") for line in lines), lines
+    assert any(line.startswith("plan: predicted peak") for line in lines)
+    assert any(line.startswith("memory check: plan predicted") for line in lines)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["batch_size_training"] == batch
+    assert f"auto chose {metrics['config']['activation_checkpointing_mode'] or 'none'} " in chosen
+    rows = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        assert row["parameter_mib"] > 0 and row["gradient_mib"] > 0 and row["optimizer_state_mib"] > 0
+        assert row["optimizer_state_mib"] == pytest.approx(2 * row["gradient_mib"], rel=0.01)  # AdamW: 2 states
+    assert metrics["train_steps"][0]["parameter_mib"] == rows[1]["parameter_mib"]
