@@ -134,13 +134,17 @@ def cell(peak: int) -> str:
     return f"{peak / GIB:,.1f} ({marker}{'!' if tight else ''})"
 
 
-def cheapest_fit(plans: list[dict], size: int) -> str:
-    """The mode with the least compute (recompute included) whose peak fits ``size``, as ``choose_mode`` picks."""
-    fitting = [p for p in plans if p["peak_bytes"] <= size]
-    if not fitting:
-        return "-"
-    best = min(fitting, key=lambda p: (p["flops"], p["peak_bytes"]))
-    return best["mode"]
+def auto_choice(plans: list[dict], size: int) -> str:
+    """The mode ``--activation_checkpointing_mode auto`` picks with ``--memory_budget_gb`` = ``size``: leantune's own
+    ``choose_mode`` (the least recompute among the modes that fit), "-" when none fits."""
+    import dataclasses
+
+    from leantune.planning.plan import ModePlan, choose_mode
+
+    fields = {f.name for f in dataclasses.fields(ModePlan)}
+    chosen = choose_mode([ModePlan(**{**{k: v for k, v in p.items() if k in fields}, "fits": p["peak_bytes"] <= size})
+                          for p in plans])
+    return chosen.mode if chosen else "-"
 
 
 def floor_bytes(plan: dict) -> int:
@@ -150,7 +154,7 @@ def floor_bytes(plan: dict) -> int:
 
 def render(records: list[dict], skipped: list[str], reference: str, meta: dict) -> str:
     by_key = {(r["model"], r["kind"], r["batch_size"], r["context_length"]): r for r in records}
-    regenerate = "python benchmarks/plan_table.py" + (f" {meta['argv']}" if meta["argv"] else "")
+    regenerate = "python benchmarks/plan_table.py" + (f" {meta['grid_args']}" if meta["grid_args"] else "")
     out = [
         "# Predicted peak GPU memory per activation checkpointing mode",
         "",
@@ -189,9 +193,10 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
         "- `every_n` checkpoints every 2nd decoder layer (leantune's default N); `selective_ops` keeps the matmul "
         "outputs and recomputes the cheap elementwise ops; `offload` moves `full`'s saved layer inputs to host "
         "memory (it needs that much pinned host RAM and PCIe bandwidth).",
-        "- Under each memory table, *cheapest mode that fits* gives, per GPU, the mode with the least compute "
-        "(recompute included) whose peak fits the whole card, as `leantune finetune --activation_checkpointing_mode "
-        "auto` would choose with that budget.",
+        "- Under each memory table, *mode auto picks* gives, per GPU, the mode that `leantune finetune "
+        "--activation_checkpointing_mode auto --memory_budget_gb <card>` would train with: leantune's `choose_mode`, "
+        "the least recompute among the modes whose peak fits the whole card (`-`: none fits). Without "
+        "`--memory_budget_gb`, auto's budget is 95% of the free memory, a little less than the card.",
         "",
     ]
     if skipped:
@@ -204,10 +209,11 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
     for model in models:
         out += [f"## {model}", ""]
         for kind in kinds:
-            rows = [(b, s) for b in batches for s in contexts if (model, kind, b, s) in by_key]
+            rows = [(b, s) for b in batches for s in contexts
+                    if (model, kind, b, s) in by_key or f"{model}:{kind}:{b}x{s}" in skipped]
             if not rows:
                 continue
-            first = next((by_key[(model, kind) + r] for r in rows if "plans" in by_key[(model, kind) + r]), None)
+            first = next((by_key[(model, kind) + r] for r in rows if "plans" in by_key.get((model, kind) + r, {})), None)
             out += [f"### {model}, {KIND_TITLES[kind]}", ""]
             if first:
                 p = first["plans"][0]
@@ -216,23 +222,24 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
                         f"CUDA context, {floor_bytes(p) / GIB:,.2f} GiB that no mode or batch size changes.", ""]
             out += ["| batch x context | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
             for b, s in rows:
-                record = by_key[(model, kind, b, s)]
+                record = by_key.get((model, kind, b, s), {"error": "skipped"})
                 if "plans" not in record:
-                    out.append(f"| {b} x {s} | " + " | ".join(["error"] * len(MODES)) + " |")
+                    word = "skipped" if record["error"] == "skipped" else "error"
+                    out.append(f"| {b} x {s} | " + " | ".join([word] * len(MODES)) + " |")
                     continue
                 peaks = {p["mode"]: p["peak_bytes"] for p in record["plans"]}
                 out.append(f"| {b} x {s} | " + " | ".join(cell(peaks[m]) if m in peaks else "n/a" for m in MODES)
                            + " |")
-            out += ["", "Cheapest mode that fits:", "",
+            out += ["", "Mode auto picks:", "",
                     "| batch x context | " + " | ".join(f"{m} GB" for _, m, _ in GPUS) + " |",
                     "|---" * (len(GPUS) + 1) + "|"]
             for b, s in rows:
-                record = by_key[(model, kind, b, s)]
+                record = by_key.get((model, kind, b, s), {})
                 if "plans" in record:
-                    out.append(f"| {b} x {s} | " + " | ".join(cheapest_fit(record["plans"], size)
+                    out.append(f"| {b} x {s} | " + " | ".join(auto_choice(record["plans"], size)
                                                                for _, _, size in GPUS) + " |")
             out.append("")
-            errors = [by_key[(model, kind) + r] for r in rows if "error" in by_key[(model, kind) + r]]
+            errors = [by_key[(model, kind) + r] for r in rows if "error" in by_key.get((model, kind) + r, {})]
             out += [f"- error at {e['batch_size']} x {e['context_length']}: {e['error']}" for e in errors]
             if errors:
                 out.append("")
@@ -254,6 +261,18 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
     out += ["", "The per-category bytes of every plan (parameters, gradients, optimizer state, activations, loss, "
             "temporaries, GPU extras) and its FLOPs are in the JSON that `--json PATH` writes.", ""]
     return "\n".join(out)
+
+
+def grid_args(args) -> str:
+    """The options that change the grid (not where it is written), as a command line would give them."""
+    parts = []
+    for name, default in (("models", MODELS), ("kinds", KINDS), ("batches", BATCHES), ("contexts", CONTEXTS)):
+        value = getattr(args, name)
+        if list(value) != list(default):
+            parts.append(f"--{name} " + " ".join(map(str, value)))
+    if args.skip:
+        parts.append("--skip " + " ".join(args.skip))
+    return " ".join(parts)
 
 
 def parse_args(argv):
@@ -301,7 +320,7 @@ def main(argv=None) -> int:
     meta = dict(commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
                 machine=f"{platform.machine()} CPU, {os.cpu_count()} cores", jobs=max(1, args.jobs),
                 grid_seconds=grid_seconds, reference_seconds=reference_seconds,
-                argv=" ".join(a for a in argv), total_seconds=time.perf_counter() - start)
+                grid_args=grid_args(args), total_seconds=time.perf_counter() - start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(records, skipped, reference, meta))
     if args.json:

@@ -28,3 +28,14 @@ def test_quickstart_flags_parse():
     finetune = quickstart.split("leantune finetune", 1)[1]
     cfg = parse_run_config(shlex.split(finetune))
     assert cfg.checkpointing.enable_activation_checkpointing and cfg.memory.enable_memory_monitoring
+
+
+def test_readme_plan_command_parses():
+    from leantune.planning.cli import modes_to_plan, plan_target
+
+    (block,) = [b for b in _bash_blocks() if b.strip().startswith("leantune plan")]
+    argv = shlex.split(block.replace("\\\n", " "))[2:]
+    cfg = parse_run_config(argv)
+    assert cfg.model.model_name == "meta-llama/Llama-3.1-8B-Instruct" and cfg.memory.memory_budget_gb == 24
+    target = plan_target(cfg)
+    assert target.type == "cuda" and "offload" in modes_to_plan(cfg, target)

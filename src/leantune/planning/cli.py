@@ -100,7 +100,7 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
             log(f"  - {text}")
     for plan in plans:
         if plan.checkpointing.startswith("offload (derived"):
-            log(f"  - {plan.checkpointing}")
+            log(f"note: {plan.checkpointing}")
     if target.type == "cpu" and cfg.model.device == "auto":
         log("(planned for this machine's CPU in float32; add --device cuda to plan for a GPU)")
 
