@@ -25,7 +25,7 @@ from leantune.models.loading import (ModelLoadError, attach_lora, count_paramete
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.planning.choose import apply_memory_plan, confirm_batch, plan_for_run
+from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch, plan_for_run
 from leantune.planning.plan import format_bytes
 from leantune.train import Trainer, forward_backward
 
@@ -113,43 +113,53 @@ def confirm_step(model, cfg: RunConfig, precision: Precision) -> Callable[[int],
     """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
 
     Measured by the allocator on a GPU (reserved, plus the CUDA context the budget includes) and
-    by a ``StorageTracker`` on the CPU. The RNG state is restored and the gradients dropped after,
-    so the run that follows is the one it would have been without the check.
+    by a ``StorageTracker`` on the CPU. The random state is restored and the gradients dropped
+    after (also when it fails), so the run that follows is the one it would have been without it.
     """
     from leantune.memory.tracker import StorageTracker
     from leantune.planning.plan import CUDA_CONTEXT_BYTES
 
+    device = precision.device
+
     def run(batch: int) -> int:
         head = unwrap_model(model).get_output_embeddings()
-        ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=precision.device)
         loss_fn = loss_function(cfg, head.weight.shape[0])
-        with torch.random.fork_rng(devices=[precision.device] if precision.device.type == "cuda" else []):
-            if precision.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(precision.device)
-                forward_backward(model, head, ids, ids, loss_fn, precision)
-                peak = torch.cuda.max_memory_reserved(precision.device) + CUDA_CONTEXT_BYTES
-            else:
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    forward_backward(model, head, ids, ids, loss_fn, precision)
+                    return torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES
                 tracker = StorageTracker()
                 tracker.register_model(model)
                 with tracker:
                     forward_backward(model, head, ids, ids, loss_fn, precision)
-                peak = tracker.peak_bytes
-        model.zero_grad(set_to_none=True)
-        return peak
+                return tracker.peak_bytes
+        finally:
+            model.zero_grad(set_to_none=True)
 
     return run
+
+
+def confirm_the_batch(memory: MemoryPlan, model, precision: Precision, log=print) -> MemoryPlan:
+    """With ``--auto_batch_size``: one real step at the chosen batch (backed off once if it does not fit)."""
+    if not memory.cfg.memory.auto_batch_size:
+        return memory
+    from leantune.models.presets import model_config
+
+    config = model_config(memory.cfg.model.model_name)
+    return confirm_batch(memory, config, precision.device, confirm_step(model, memory.cfg, precision), log)
 
 
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Trainer:
     torch.manual_seed(cfg.training.seed)
     device = choose_device(cfg.model)
-    cfg, plan = apply_memory_plan(cfg, device, log)  # auto mode / auto batch: decided before any weight loads
-    precision = choose_precision(cfg, device)
-    model, tokenizer = build_model(cfg, precision, log)
-    if cfg.memory.auto_batch_size:
-        from leantune.planning.cli import budget_bytes
-
-        cfg = confirm_batch(cfg, plan, confirm_step(model, cfg, precision), budget_bytes(cfg, device), log)
+    memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
+    precision = choose_precision(memory.cfg, device)
+    model, tokenizer = build_model(memory.cfg, precision, log)
+    memory = confirm_the_batch(memory, model, precision, log)
+    cfg = memory.cfg
     train_loader, val_loader = build_loaders(cfg, tokenizer, log)
     if cfg.memory.enable_memory_monitoring:
         path = Path(cfg.output.output_dir) / "memory.jsonl"
@@ -161,14 +171,16 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Tra
     log(f"precision: {precision.note}")
     loss_fn = loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0])
     log(describe_loss(loss_fn))
+    plan = memory.plan if device.type == "cuda" else None  # only an allocator has a peak to compare with
     if plan is None and cfg.memory.enable_memory_monitoring:
-        plan = plan_for_run(cfg, device)
+        plan = plan_for_run(cfg, device, log)
+    predicted = None
     if plan is not None:
-        extras = f" ({format_bytes(plan.peak_bytes)} with the GPU's own needs)" if plan.target == "cuda" else ""
-        log(f"plan: predicted peak {format_bytes(plan.traced_peak_bytes)} allocated per step{extras}, "
-            "compared with step 2's measured peak")
+        predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes  # what the allocator will count
+        log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
+            "context and fragmentation), compared with step 2's measured peak")
     return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, loss_fn=loss_fn, log=log,
-                   predicted_peak_bytes=plan.traced_peak_bytes if plan is not None else None)
+                   predicted_peak_bytes=predicted)
 
 
 def _check_single_process() -> None:

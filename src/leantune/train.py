@@ -228,7 +228,7 @@ class Trainer:
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
         self.steps.append(record)
-        if step == 2 and self.predicted_peak_bytes:
+        if step == 2 and self.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(_plan_check_line(record, self.predicted_peak_bytes))
         return record
 
@@ -280,11 +280,7 @@ class Trainer:
 
 def _plan_check_line(record: dict, predicted_bytes: int) -> str:
     """Step 2 (the first with optimizer state, as planned) measured against the plan."""
-    predicted = predicted_bytes / 2**20
-    measured = record.get("peak_allocated_mib")
-    if measured is None:
-        return (f"memory check: plan predicted {predicted:,.1f} MiB at the peak; this device has no allocator "
-                "counter to compare with (CPU RSS also counts the interpreter and libraries)")
+    predicted, measured = predicted_bytes / 2**20, record["peak_allocated_mib"]
     return (f"memory check: step 2 peak allocated {measured:,.1f} MiB, plan predicted {predicted:,.1f} MiB "
             f"({(predicted / measured - 1) * 100:+.1f}%)")
 

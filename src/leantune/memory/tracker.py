@@ -5,9 +5,9 @@ counts its *storage* once (views share it) from creation until it is freed. It w
 on real tensors and on fake ones (``FakeTensorMode``: shapes and dtypes, no data), which is what
 lets the planner run a training step of an 8B model on a laptop and count what it would hold.
 
-Each new storage is filed under the phase the step is in when it is created (``phase``:
-activation in the forward, loss while the loss runs, temporary in backward and in the optimizer
-step), and moved when its role becomes known: a gradient when autograd accumulates it into a
+Each new storage is filed under the stage the step is in when it is created (``stage``: the
+forward's are activations, the loss's the loss, backward's and the optimizer step's temporaries),
+and moved when its role becomes known: a gradient when autograd accumulates it into a
 parameter's ``.grad`` (a hook on every trainable parameter), optimizer state when it appears in
 the optimizer's state. Storages that existed before are counted only when registered
 (``register``: the parameters, buffers, optimizer state and the batch).
@@ -32,23 +32,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
+# The category of a storage created in each stage of a step.
+STAGES = {"forward": "activation", "loss": "loss", "backward": "temporary", "optimizer": "temporary"}
 
 
 class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes by category and the breakdown at the moment of the peak.
 
     ``totals``: bytes alive now per category; ``peak_bytes`` / ``peak_breakdown``: the largest
-    total since the start (or ``reset_peak``) and what it was made of. Use as a context manager
-    around the step; ``close()`` removes the gradient hooks.
+    total since the start and what it was made of; ``stage_peaks``: the largest total seen in
+    each stage. Use as a context manager around the step; ``close()`` removes the gradient hooks.
     """
 
     def __init__(self, round_to: int = 1):
         super().__init__()
         self.round_to = max(1, round_to)
-        self.phase = "activation"
+        self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.totals)
+        self.stage_peaks: dict[str, int] = {}
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, category, StorageWeakRef]
         self._hooks: list = []
 
@@ -80,7 +83,7 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._file(leaf, self.phase, refile=False)
+                self._file(leaf, STAGES[self.stage], refile=False)
         self._update_peak()
         return out
 
@@ -107,11 +110,13 @@ class StorageTracker(TorchDispatchMode):
             self.totals[entry[2]] -= entry[1]
 
     def _update_peak(self) -> None:
-        if sum(self.totals.values()) <= self.peak_bytes:
+        total = sum(self.totals.values())
+        if total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
             return
-        for key in [key for key, entry in self._live.items() if entry[3].expired()]:
+        for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
             self._forget(key)  # freed storages whose Python object lingers
         total = sum(self.totals.values())
+        self.stage_peaks[self.stage] = max(self.stage_peaks.get(self.stage, 0), total)
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_breakdown = dict(self.totals)
@@ -119,10 +124,6 @@ class StorageTracker(TorchDispatchMode):
     # -------------------------------------------------------------- reading
     def live_bytes(self, category: Optional[str] = None) -> int:
         return self.totals[category] if category else sum(self.totals.values())
-
-    def reset_peak(self) -> None:
-        self.peak_bytes = 0
-        self._update_peak()
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -133,23 +134,11 @@ class StorageTracker(TorchDispatchMode):
 def persistent_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
     """Bytes of the parameters, their gradients and the optimizer state, read from the tensors themselves.
 
-    Each storage counts once (tied weights, views). Cheap enough for every step: it walks the
-    parameters and the optimizer state, never the activations.
+    Each storage counts once (tied weights, views), as the tracker counts it. Cheap enough for
+    every step: it walks the parameters and the optimizer state, never the activations.
     """
-    seen: set[int] = set()
-
-    def total(tensors) -> int:
-        nbytes = 0
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen:
-                    continue
-                seen.add(storage.data_ptr())
-                nbytes += storage.nbytes()
-        return nbytes
-
-    params = list(model.parameters())
-    states = optimizer.state.values() if optimizer is not None else ()
-    return {"parameter": total(params), "gradient": total(p.grad for p in params if p.grad is not None),
-            "optimizer_state": total(t for state in states for t in state.values())}
+    tracker = StorageTracker()
+    tracker.register_model(model)
+    if optimizer is not None:
+        tracker.register_optimizer(optimizer)
+    return {name: tracker.totals[name] for name in ("parameter", "gradient", "optimizer_state")}

@@ -7,15 +7,25 @@ backed off once if it does not fit after all.
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from leantune.config import ConfigError, RunConfig
 from leantune.planning.fake_step import run_config_for_mode
-from leantune.planning.plan import (ModePlan, choose_mode, find_layer_mix, format_bytes, largest_batch, plan_modes,
-                                    recompute_rank)
+from leantune.planning.plan import (ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
+                                    format_bytes, format_flops, largest_batch, modes_to_plan, plan_modes, recompute_rank, run_mode,
+                                    with_batch)
+
+
+@dataclass
+class MemoryPlan:
+    """What ``apply_memory_plan`` decided: the run's config, its plan and the budget it was made for."""
+
+    cfg: RunConfig
+    plan: Optional[ModePlan] = None
+    budget: Optional[int] = None
 
 
 def needs_plan(cfg: RunConfig) -> bool:
@@ -23,8 +33,6 @@ def needs_plan(cfg: RunConfig) -> bool:
 
 
 def _budget(cfg: RunConfig, device: torch.device) -> int:
-    from leantune.planning.cli import budget_bytes
-
     budget = budget_bytes(cfg, device)
     if budget is None:
         wants = "--activation_checkpointing_mode auto" if cfg.checkpointing.activation_checkpointing_mode == "auto" \
@@ -34,23 +42,9 @@ def _budget(cfg: RunConfig, device: torch.device) -> int:
     return budget
 
 
-def with_batch(cfg: RunConfig, batch: int) -> RunConfig:
-    """``cfg`` with ``batch`` rows per batch; ``--target_global_batch_size`` keeps the rows per optimizer step."""
-    target = cfg.memory.target_global_batch_size
-    accumulation = target // batch if target else cfg.training.gradient_accumulation_steps
-    training = dataclasses.replace(cfg.training, batch_size_training=batch, gradient_accumulation_steps=accumulation)
-    return dataclasses.replace(cfg, training=training)
-
-
-def _divisor_at_most(target: Optional[int], batch: int) -> int:
-    """The largest batch <= ``batch`` that divides ``target`` (``batch`` itself without a target)."""
-    if not target:
-        return batch
-    return max((d for d in range(1, min(batch, target) + 1) if target % d == 0), default=0)
-
-
 def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log) -> tuple[RunConfig, ModePlan]:
-    from leantune.planning.cli import format_table, modes_to_plan
+    """The mode, or per-layer mix, with the least recompute that fits at the configured batch."""
+    from leantune.planning.table import format_table
 
     plans = plan_modes(cfg, config, device, modes_to_plan(cfg, device), budget)
     table = format_table(plans, budget)
@@ -65,57 +59,64 @@ def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, 
     log(table)
     layers = None
     by_mode = {p.mode: p for p in plans}
-    if chosen.mode in ("full", "every_n") and "selective_ops" in by_mode:
+    if chosen.mode in ("full", "every_n") and "selective_ops" in by_mode and "none" in by_mode:
         found = find_layer_mix(cfg, config, device, budget)  # between selective_ops and full
         if found is not None:
             mix_layers, mix = found
-            mix.recompute_flops = max(0, mix.flops - by_mode["none"].flops) if "none" in by_mode else mix.recompute_flops
+            mix.recompute_flops = max(0, mix.flops - by_mode["none"].flops)
             if mix.recompute_flops < chosen.recompute_flops:
                 log(f"a per-layer mix fits with less recompute than {chosen.mode}: {mix_layers} "
-                    f"({mix.recompute_flops / 1e12:,.2f} vs {chosen.recompute_flops / 1e12:,.2f} TFLOPs recomputed)")
+                    f"({format_flops(mix.recompute_flops)} vs {format_flops(chosen.recompute_flops)} recomputed)")
                 layers, chosen = mix_layers, mix
     log(f"activation checkpointing: auto chose {chosen.checkpointing if layers else chosen.mode} (predicted peak "
         f"{format_bytes(chosen.peak_bytes)} of {format_bytes(budget)}, the least recompute that fits)")
     return run_config_for_mode(cfg, chosen.mode, layers), chosen
 
 
-def _largest_batch_for(cfg: RunConfig, config, device: torch.device, mode: str, budget: int):
-    target = cfg.memory.target_global_batch_size
-    batch, plan = largest_batch(cfg, config, device, mode, budget, limit=target or 1024)
-    return _divisor_at_most(target, batch), plan
+def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: str, budget: int):
+    batch, plan = largest_batch(cfg, config, device, mode, budget)
+    if batch == 0:
+        raise ConfigError(f"--auto_batch_size: not even batch {batch_candidates(cfg)[0]} x {cfg.data.context_length} "
+                          f"fits --memory_budget_gb ({format_bytes(budget)}) with checkpointing {mode}; shorten "
+                          "--context_length, or use --activation_checkpointing_mode auto or --use_peft")
+    return batch, plan
 
 
-def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int, log) -> RunConfig:
-    """Both automatic: the mode whose largest fitting batch is largest (ties: the one that recomputes less)."""
-    from leantune.planning.cli import modes_to_plan
+def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int,
+                          log) -> tuple[RunConfig, ModePlan]:
+    """Both automatic: the mode whose largest fitting batch is largest (ties: the one that recomputes less).
 
-    found = {mode: _largest_batch_for(cfg, config, device, mode, budget)[0] for mode in modes_to_plan(cfg, device)}
-    log("largest batch that fits, per mode: " + ", ".join(f"{m} {b}" for m, b in found.items()))
-    best = max(found, key=lambda m: (found[m], -recompute_rank(m)))
-    log(f"activation checkpointing: auto chose {best} (it fits the largest batch, {found[best]}, in {format_bytes(budget)})")
-    return run_config_for_mode(cfg, best)
+    ``offload`` is left out: its plan is derived, not traced, so a batch search would rest on it.
+    """
+    found = {}
+    for mode in modes_to_plan(cfg, device):
+        if mode != "offload":
+            batch, plan = largest_batch(cfg, config, device, mode, budget)
+            if batch:
+                found[mode] = (batch, plan)
+    log("largest batch that fits, per mode: " + ", ".join(f"{m} {b}" for m, (b, _) in found.items()))
+    if not found:
+        raise ConfigError(f"--auto_batch_size: not even the smallest batch x {cfg.data.context_length} fits "
+                          f"--memory_budget_gb ({format_bytes(budget)}) in any mode; shorten --context_length or "
+                          "use --use_peft")
+    best = max(found, key=lambda m: (found[m][0], -recompute_rank(m)))
+    batch, plan = found[best]
+    log(f"activation checkpointing: auto chose {best} (it fits the largest batch, {batch}, in {format_bytes(budget)})")
+    return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 
 def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log) -> tuple[RunConfig, ModePlan]:
-    mode = cfg.checkpointing.mode or "none"
-    batch, plan = _largest_batch_for(cfg, config, device, mode, budget)
-    if batch == 0:
-        raise ConfigError(f"--auto_batch_size: not even batch 1 x {cfg.data.context_length} fits --memory_budget_gb "
-                          f"({format_bytes(budget)}) with checkpointing {mode}; shorten --context_length, or use "
-                          "--activation_checkpointing_mode auto or --use_peft")
-    cfg = with_batch(cfg, batch)
-    if plan is None or plan.batch_size != batch:
-        plan = plan_modes(cfg, config, device, [mode], budget)[0]
-    log(f"batch size: auto chose {batch} x {cfg.data.context_length} (predicted peak {format_bytes(plan.peak_bytes)} "
-        f"of {format_bytes(budget)}, checkpointing {mode}), {cfg.training.gradient_accumulation_steps} batches per "
-        "optimizer step")
-    return cfg, plan
+    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg), budget)
+    return with_batch(cfg, batch), plan
 
 
-def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> tuple[RunConfig, Optional[ModePlan]]:
-    """Resolve ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any weight is loaded."""
+def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> MemoryPlan:
+    """Resolve ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any weight is loaded.
+
+    The budget is read once, here: later, the loaded weights would be missing from the device's free memory.
+    """
     if not needs_plan(cfg):
-        return cfg, None
+        return MemoryPlan(cfg)
     from leantune.models.presets import ModelShapeError, model_config
 
     budget = _budget(cfg, device)
@@ -123,49 +124,64 @@ def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> tuple[
         config = model_config(cfg.model.model_name)
     except ModelShapeError as err:
         raise ConfigError(str(err)) from None
-    plan = None
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == "auto"
     if auto_mode and cfg.memory.auto_batch_size:
-        cfg = choose_mode_and_batch(cfg, config, device, budget, log)
+        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log)
     elif auto_mode:
         cfg, plan = choose_auto_mode(cfg, config, device, budget, log)
-    if cfg.memory.auto_batch_size:
+    else:
         cfg, plan = choose_batch(cfg, config, device, budget, log)
-    return cfg, plan
+    if cfg.memory.auto_batch_size:
+        log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
+            f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg)}), "
+            f"{cfg.training.gradient_accumulation_steps} batches per optimizer step")
+    return MemoryPlan(cfg, plan, budget)
 
 
-def plan_for_run(cfg: RunConfig, device: torch.device) -> Optional[ModePlan]:
-    """The plan of the run as configured, to print next to its measured peak; None where it cannot be made."""
-    from leantune.models.presets import ModelShapeError, model_config
+def plan_for_run(cfg: RunConfig, device: torch.device, log=print) -> Optional[ModePlan]:
+    """The plan of the run as configured, to compare with its measured peak; best effort.
+
+    Only where an allocator measures the peak (a GPU): on the CPU there is nothing to compare with.
+    A model the planner cannot trace costs the run nothing but a line saying so.
+    """
+    if device.type != "cuda":
+        return None
+    from leantune.models.presets import model_config
 
     try:
-        return plan_modes(cfg, model_config(cfg.model.model_name), device, [cfg.checkpointing.mode or "none"])[0]
-    except (ConfigError, ModelShapeError):
+        return plan_modes(cfg, model_config(cfg.model.model_name), device, [run_mode(cfg)])[0]
+    except Exception as err:  # planning is an aid here; it must never stop a run that would work
+        log(f"plan: no prediction for this run ({type(err).__name__}: {str(err).splitlines()[0]})")
         return None
 
 
-def confirm_batch(cfg: RunConfig, plan: ModePlan, run_step: Callable[[int], int], budget: int,
-                  log=print) -> RunConfig:
+def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
+                  log=print) -> MemoryPlan:
     """Run one real step at the chosen batch; if it does not fit, back off once (to 3/4) and say why.
 
     ``run_step(batch)`` does a forward and backward of a full-length batch and returns the bytes it
-    needed at its peak, or raises ``torch.OutOfMemoryError``; the optimizer state, made only by a
-    real optimizer step, is added from the plan.
+    needed at its peak, or raises ``torch.OutOfMemoryError``. What only the optimizer step makes
+    comes from the plan: its state on top of the measured step, or the optimizer step's own peak
+    (the state plus AdamW's temporaries) when that is higher.
     """
+    cfg, plan, budget = memory.cfg, memory.plan, memory.budget
     batch = cfg.training.batch_size_training
     try:
-        needed = run_step(batch) + plan.optimizer_state_bytes
+        needed = max(run_step(batch) + plan.optimizer_state_bytes, plan.optimizer_step_peak_bytes)
         problem = None if needed <= budget else f"needed {format_bytes(needed)} (predicted {format_bytes(plan.peak_bytes)})"
     except torch.OutOfMemoryError:
         problem = "ran out of memory"
     if problem is None:
-        log(f"batch size: confirmed {batch} with one real step ({format_bytes(needed)} with the optimizer state; "
+        log(f"batch size: confirmed {batch} with one real step ({format_bytes(needed)} with the optimizer's needs; "
             f"predicted {format_bytes(plan.peak_bytes)})")
-        return cfg
-    smaller = _divisor_at_most(cfg.memory.target_global_batch_size, max(1, batch * 3 // 4))
-    if smaller < 1 or smaller == batch:
-        raise ConfigError(f"--auto_batch_size: batch {batch} {problem} in a real step; nothing smaller to try. "
-                          "Shorten --context_length or lower --memory_budget_gb's demands")
+        return memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the failed step's blocks, now free, back to the device
+    candidates = [b for b in batch_candidates(cfg) if b <= max(1, batch * 3 // 4)]
+    if not candidates or candidates[-1] == batch:
+        raise ConfigError(f"--auto_batch_size: batch {batch} {problem} in a real step and there is no smaller batch "
+                          "to try; shorten --context_length or raise --memory_budget_gb")
+    smaller = with_batch(cfg, candidates[-1])
     log(f"batch size: a real step at {batch} {problem}, over the {format_bytes(budget)} budget (the prediction "
-        f"missed what a real step holds); backing off once to {smaller}")
-    return with_batch(cfg, smaller)
+        f"missed what a real step holds); backing off once to {candidates[-1]}")
+    return MemoryPlan(smaller, plan_modes(smaller, config, device, [run_mode(smaller)], budget)[0], budget)

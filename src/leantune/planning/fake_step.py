@@ -44,6 +44,7 @@ class StepTrace:
     layer_input_bytes: int  # one decoder layer's input (what full checkpointing keeps per layer)
     num_layers: int
     checkpointing: str  # the policy as the run would describe it
+    stage_peaks: dict  # the largest total in each stage: forward, loss, backward, optimizer
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -59,11 +60,17 @@ def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = N
     return dataclasses.replace(cfg, checkpointing=checkpointing)
 
 
+def assumes_bf16(target: torch.device) -> bool:
+    """Whether a GPU target's bf16 support is assumed (no GPU here to ask) rather than read from the device."""
+    return target.type == "cuda" and not torch.cuda.is_available()
+
+
 def target_precision(cfg: RunConfig, target: torch.device):
-    """The precision a run would use on ``target``; a GPU target is taken to support bf16 (Ampere or later)."""
+    """The precision a run would use on ``target``: this machine's GPU is asked whether it has bf16;
+    a GPU planned from a machine without one is taken to have it (Ampere or later)."""
     from leantune.precision import choose_precision
 
-    return choose_precision(cfg, target, bf16_supported=True if target.type == "cuda" else None)
+    return choose_precision(cfg, target, bf16_supported=True if assumes_bf16(target) else None)
 
 
 def meta_model(config, dtype: torch.dtype) -> torch.nn.Module:
@@ -118,18 +125,18 @@ def _warm_optimizer(trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-class _PhaseLoss:
+class _StagedLoss:
     """The run's loss function, telling the tracker when the loss starts and when backward follows it."""
 
     def __init__(self, loss_fn, tracker: StorageTracker):
         self.loss_fn, self.tracker = loss_fn, tracker
 
     def __call__(self, hidden, lm_head, labels):
-        self.tracker.phase = "loss"
+        self.tracker.stage = "loss"
         try:
             return self.loss_fn(hidden, lm_head, labels)
         finally:
-            self.tracker.phase = "temporary"  # what follows the loss is backward, then the optimizer step
+            self.tracker.stage = "backward"  # forward_backward calls backward right after the loss
 
 
 @dataclass
@@ -176,12 +183,17 @@ def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, f
     ``fake=False`` runs the very same step on real tensors (random weights, on the CPU): the
     measurement that a prediction is checked against.
     """
-    step = prepare_step(cfg, config, target, mode, fake)
+    with torch.random.fork_rng(devices=[]):  # planning must not change the run's random numbers
+        return _trace(prepare_step(cfg, config, target, mode, fake), target)
+
+
+def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     trainer, model = step.trainer, step.trainer.model
     tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if target.type == "cuda" else 1)
-    trainer.loss_fn = _PhaseLoss(trainer.loss_fn, tracker)
+    trainer.loss_fn = _StagedLoss(trainer.loss_fn, tracker)
     layer_input = []
-    hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "phase", "activation")),
+    hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
+             trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
              decoder_layers(model)[0].register_forward_pre_hook(
                  lambda _, args: layer_input.append(args[0].untyped_storage().nbytes()) if args else None)]
     tracker.register_model(model)
@@ -196,7 +208,8 @@ def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, f
         for hook in hooks:
             hook.remove()
     return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
-                     layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing)
+                     layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
+                     dict(tracker.stage_peaks))
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:

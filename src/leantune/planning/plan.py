@@ -40,6 +40,10 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes / GIB:,.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / MIB:,.1f} MiB"
 
 
+def format_flops(flops: float) -> str:
+    return f"{flops / 1e12:,.2f} TFLOPs" if flops >= 1e12 else f"{flops / 1e9:,.2f} GFLOPs"
+
+
 @dataclass
 class ModePlan:
     """The predicted peak of one step with one checkpointing mode; bytes at the moment of the peak."""
@@ -61,6 +65,7 @@ class ModePlan:
     cuda_context_bytes: int = 0
     cublas_workspace_bytes: int = 0
     fragmentation_bytes: int = 0
+    optimizer_step_peak_bytes: int = 0  # the peak while the optimizer steps (with the GPU's context and workspace)
     flops: int = 0  # of the whole step, recompute included
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
@@ -73,31 +78,46 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     b = trace.breakdown
     plan = ModePlan(mode, trace.checkpointing, target.type, cfg.training.batch_size_training, cfg.data.context_length,
                     trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
-                    b["activation"], b["loss"], b["temporary"], b["buffer"] + b["input"], flops=trace.flops)
+                    b["activation"], b["loss"], b["temporary"], b["buffer"] + b["input"],
+                    optimizer_step_peak_bytes=trace.stage_peaks.get("optimizer", 0), flops=trace.flops)
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
         plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT))
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
+        plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
     return plan
 
 
-def offload_trace(full: StepTrace) -> StepTrace:
+def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     """Offload's step, derived from ``full``'s trace: the saved layer inputs live in host memory instead.
 
     Offload keeps on the device only the layers being recomputed (the current one and the one
-    prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved. Derived,
-    not traced: offload's copies need CUDA streams, which fake CPU tensors do not have.
+    prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved, and no more
+    than the pinned pool's cap holds (in its power-of-two buffers). The optimizer step holds no
+    activations, so its peak stays. Derived, not traced: offload's copies need CUDA streams, which
+    fake CPU tensors do not have.
     """
-    from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES
+    from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, PinnedBufferPool
 
     moved = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
-        moved = min(full.breakdown["activation"], max(0, full.num_layers - 2) * full.layer_input_bytes)
+        fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
+        moved = min(full.breakdown["activation"], min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes)
+    stages = {stage: peak - (moved if stage != "optimizer" else 0) for stage, peak in full.stage_peaks.items()}
     breakdown = dict(full.breakdown, activation=full.breakdown["activation"] - moved)
-    return dataclasses.replace(full, peak_bytes=full.peak_bytes - moved, breakdown=breakdown,
+    return dataclasses.replace(full, peak_bytes=max(stages.values(), default=full.peak_bytes - moved),
+                               breakdown=breakdown, stage_peaks=stages,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
                                              "in pinned host memory)")
+
+
+def offload_cap_bytes(cfg: RunConfig) -> int:
+    """The pinned pool's cap the run would use: the flag, else a quarter of this host's RAM."""
+    from leantune.checkpointing.offload import default_max_pinned_bytes
+
+    gb = cfg.checkpointing.activation_offload_max_pinned_gb
+    return int(gb * GIB) if gb is not None else default_max_pinned_bytes()
 
 
 def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> None:
@@ -123,7 +143,8 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
             traces[mode] = trace_step(cfg, config, target, mode)
             _check_budget_above_parameters(plan_from_trace(mode, traces[mode], cfg, target), budget_bytes)
     if "offload" in modes:
-        traces["offload"] = offload_trace(traces.get("full") or trace_step(cfg, config, target, "full"))
+        traces["offload"] = offload_trace(traces.get("full") or trace_step(cfg, config, target, "full"),
+                                          offload_cap_bytes(cfg))
     plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in traces.items()}
     baseline = plans["none"].flops if "none" in plans else None
     ordered = [plans[m] for m in modes if m in plans]
@@ -151,8 +172,8 @@ def choose_mode(plans: list[ModePlan]) -> Optional[ModePlan]:
     """The plan that fits with the least recompute; None when none fits.
 
     Recompute is counted in FLOPs of matmuls and attention (torch's formulas), so elementwise
-    recompute (selective_ops') counts as none: ties go to the mode that recomputes less by design,
-    in ``PLANNED_MODES`` order (none, then selective_ops, ...).
+    recompute (selective_ops') counts as none: ties go to the mode that recomputes less by design
+    (``recompute_rank``: none, selective_ops, every_n, full, offload).
     """
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -193,30 +214,68 @@ def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: i
     return best
 
 
-def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,
-                  limit: int = 1024) -> tuple[int, Optional[ModePlan]]:
+def with_batch(cfg: RunConfig, batch: int) -> RunConfig:
+    """``cfg`` with ``batch`` rows per batch; ``--target_global_batch_size`` keeps the rows per optimizer step."""
+    target = cfg.memory.target_global_batch_size
+    accumulation = target // batch if target else cfg.training.gradient_accumulation_steps
+    training = dataclasses.replace(cfg.training, batch_size_training=batch, gradient_accumulation_steps=accumulation)
+    return dataclasses.replace(cfg, training=training)
+
+
+def batch_candidates(cfg: RunConfig, limit: int = 1024) -> list[int]:
+    """The batch sizes a search may pick: divisors of ``--target_global_batch_size``, else 1..limit."""
+    target = cfg.memory.target_global_batch_size
+    return [d for d in range(1, target + 1) if target % d == 0] if target else list(range(1, limit + 1))
+
+
+def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str,
+                  budget_bytes: int) -> tuple[int, Optional[ModePlan]]:
     """The largest batch size whose predicted peak fits ``budget_bytes`` (0 and None when not even 1 fits).
 
-    Doubling finds a batch that does not fit, bisection the boundary: about 2·log2(batch) traces.
+    Each batch is planned as it would run (with the accumulation ``--target_global_batch_size``
+    gives it). Doubling along the candidates finds one that does not fit, bisection the boundary:
+    about 2·log2(batch) traces.
     """
-    def plan_at(batch: int) -> ModePlan:
-        at = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, batch_size_training=batch))
-        return plan_modes(at, config, target, [mode], budget_bytes)[0]
+    candidates = batch_candidates(cfg)
 
-    good, good_plan, bad = 0, None, None
-    batch = 1
-    while bad is None and batch <= limit:
-        plan = plan_at(batch)
-        if plan.fits:
-            good, good_plan, batch = batch, plan, batch * 2
-        else:
-            bad = batch
-    bad = bad or limit + 1
+    def plan_at(index: int) -> ModePlan:
+        return plan_modes(with_batch(cfg, candidates[index]), config, target, [mode], budget_bytes)[0]
+
+    good, good_plan, bad, index = -1, None, len(candidates), 0
+    while index < len(candidates):
+        plan = plan_at(index)
+        if not plan.fits:
+            bad = index
+            break
+        good, good_plan, index = index, plan, 2 * index + 1
     while bad - good > 1:
-        mid = (good + bad) // 2
-        plan = plan_at(mid)
+        middle = (good + bad) // 2
+        plan = plan_at(middle)
         if plan.fits:
-            good, good_plan = mid, plan
+            good, good_plan = middle, plan
         else:
-            bad = mid
-    return good, good_plan
+            bad = middle
+    return (candidates[good], good_plan) if good >= 0 else (0, None)
+
+
+def budget_bytes(cfg: RunConfig, target: torch.device) -> Optional[int]:
+    """``--memory_budget_gb`` in bytes; by default on a usable GPU its free memory less 5% (plus the context in use)."""
+    if cfg.memory.memory_budget_gb is not None:
+        return int(cfg.memory.memory_budget_gb * GIB)
+    if target.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(target)
+        return int(free * 0.95) + CUDA_CONTEXT_BYTES  # our own context is already in use, and in every plan
+    return None
+
+
+def run_mode(cfg: RunConfig) -> str:
+    """The checkpointing mode the flags would train with (``none`` without checkpointing)."""
+    return cfg.checkpointing.mode or "none"
+
+
+def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
+    """The mode asked for, or every mode (offload only for a GPU target)."""
+    asked = cfg.checkpointing.activation_checkpointing_mode
+    if asked and asked != "auto":
+        return [asked]
+    return [m for m in PLANNED_MODES if m != "offload" or target.type == "cuda"]
