@@ -224,7 +224,7 @@ class Trainer:
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
         step = len(self.steps) + 1
-        memory = self.monitor.record(step, breakdown=persistent_bytes(self.model, self.optimizer))
+        memory = self.monitor.record(step, breakdown=lambda: persistent_bytes(self.model, self.optimizer))
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
         self.steps.append(record)

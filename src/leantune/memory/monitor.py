@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,17 +33,19 @@ class MemoryMonitor:
         self._start = time.perf_counter()
         reset_peak_stats(device)
 
-    def record(self, step: int, phase: str = "train", breakdown: Optional[dict] = None, **extra) -> dict:
+    def record(self, step: int, phase: str = "train", breakdown: Optional[Callable[[], dict]] = None,
+               **extra) -> dict:
         """Log the window that ends now under ``step`` (e.g. the optimizer step just finished).
 
-        ``breakdown`` (bytes of parameters, gradients, optimizer state: ``persistent_bytes``) is
+        ``breakdown()`` (bytes of parameters, gradients, optimizer state: ``persistent_bytes``) is
         logged in MiB; with an accelerator, what the window's peak held beyond them is logged as
-        ``activations_and_temporaries_peak_mib``.
+        ``activations_and_temporaries_peak_mib`` (derived: the peak allocated minus them).
         """
         stats = memory_stats(self.device)
         row = {"step": step, "phase": phase, "time_s": round(time.perf_counter() - self._start, 4),
                **stats.as_dict(), "cpu_rss_peak_mib": self._sampler.take_peak() / MIB, **extra}
         if breakdown is not None:
+            breakdown = breakdown()
             row.update({f"{name}_mib": nbytes / MIB for name, nbytes in breakdown.items()})
             if stats.peak_allocated_mib is not None:
                 row["activations_and_temporaries_peak_mib"] = stats.peak_allocated_mib - sum(breakdown.values()) / MIB
@@ -102,8 +104,9 @@ class CurrentMemoryProbe:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def record(self, step: int, phase: str = "train", breakdown: Optional[dict] = None, **extra) -> dict:
-        stats = memory_stats(self.device)
+    def record(self, step: int, phase: str = "train", breakdown: Optional[Callable[[], dict]] = None,
+               **extra) -> dict:
+        stats = memory_stats(self.device)  # no breakdown: nothing is logged, so nothing is counted
         return {"cpu_rss_mib": stats.cpu_rss_mib, "allocated_mib": stats.allocated_mib,
                 "reserved_mib": stats.reserved_mib}
 

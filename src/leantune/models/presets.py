@@ -47,10 +47,8 @@ class ModelShapeError(ValueError):
 
 def preset_name(name: str) -> str | None:
     """The preset a ``--model_name`` means (preset name in any case, or a known hub id), or None."""
-    lowered = {key.lower(): key for key in PRESETS}
-    if name.lower() in lowered:
-        return lowered[name.lower()]
-    return HUB_IDS.get(name) or HUB_IDS.get(name.removeprefix("Meta-"))
+    known = {key.lower(): key for key in PRESETS} | {hub.lower(): preset for hub, preset in HUB_IDS.items()}
+    return known.get(name.lower())
 
 
 def model_config(name: str):
