@@ -149,9 +149,11 @@ class PreparedStep:
     checkpointing: str
 
 
-def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> PreparedStep:
+def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True,
+                 run_on: torch.device = CPU) -> PreparedStep:
     """Build what ``cfg`` would train with ``mode``, for ``target``, on fake (or real, random) tensors.
 
+    Fake tensors live on the CPU; real ones on ``run_on`` (a GPU, to measure a prediction for it).
     The optimizer state exists already, so the next ``train_step`` is a second step.
     """
     from leantune.finetuning import checkpoint_policy, loss_function, prepare_model
@@ -159,14 +161,14 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     from leantune.train import Trainer
 
     run_cfg = run_config_for_mode(cfg, mode)
-    precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU)
+    precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU if fake else run_on)
     if fake:
         model, place = meta_model(config, precision.weight_dtype), fake_placer(FakeTensorMode(allow_non_fake_inputs=True))
     else:
         model, place = real_model(config, precision.weight_dtype), None
     model, report = prepare_model(model, run_cfg, precision, place=place)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-    trainer = Trainer(run_cfg, model, None, None, None, precision, CurrentMemoryProbe(CPU),
+    trainer = Trainer(run_cfg, model, None, None, None, precision, CurrentMemoryProbe(precision.device),
                       loss_fn=loss_function(run_cfg, vocab), log=lambda *_: None)
     if target.type == "cuda":  # AdamW's default on CUDA tensors: the multi-tensor path and its temporaries
         for group in trainer.optimizer.param_groups:
