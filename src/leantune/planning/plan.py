@@ -109,7 +109,7 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     return dataclasses.replace(full, peak_bytes=max(stages.values(), default=full.peak_bytes - moved),
                                breakdown=breakdown, stage_peaks=stages,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
-                                             "in pinned host memory)")
+                                             f"in pinned host memory, whose pool may hold {format_bytes(max_pinned_bytes)})")
 
 
 def offload_cap_bytes(cfg: RunConfig) -> int:
