@@ -88,7 +88,7 @@ CASES = {
 @pytest.mark.parametrize("flags", CASES.values(), ids=CASES.keys())
 def test_two_batches_of_b_give_the_gradients_of_one_batch_of_2b(tiny_model_dir, flags):
     accumulating, single = _trainers(tiny_model_dir, flags)
-    vocab = accumulating.lm_head.weight.shape[0]
+    vocab = accumulating.model.get_output_embeddings().weight.shape[0]
     first, second = _windows(vocab)
     assert (count_targets(first["labels"]), count_targets(second["labels"])) == (112, 38)
 
@@ -112,7 +112,7 @@ def test_two_batches_of_b_give_the_gradients_of_one_batch_of_2b(tiny_model_dir, 
 def test_per_batch_means_would_give_other_gradients(tiny_model_dir, flags):
     """Dividing each batch by its own target count (then by the window's length) is not equivalent."""
     per_batch_mean, single = _trainers(tiny_model_dir, flags)
-    first, second = _windows(per_batch_mean.lm_head.weight.shape[0])
+    first, second = _windows(per_batch_mean.model.get_output_embeddings().weight.shape[0])
 
     per_batch_mean.optimizer.zero_grad(set_to_none=True)
     for batch in (first, second):  # what a per-batch-mean trainer would do with this window

@@ -19,15 +19,15 @@ from leantune.config import SECTIONS, ConfigError, RunConfig
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
 COOKBOOK_ONLY_FLAGS = {
-    "enable_fsdp": "multi-GPU FSDP through torchrun is on the roadmap; run with --nproc_per_node 1 for now",
-    "low_cpu_fsdp": "FSDP is on the roadmap",
+    "low_cpu_fsdp": "meta-device initialisation with rank 0 loading the weights is not supported yet; "
+                    "every rank loads the weights",
     "pure_bf16": "use --model_dtype bfloat16",
     "quantization": "quantized base weights are not supported yet",
     "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
     "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",
     "num_freeze_layers": "layer freezing is not supported",
     "freeze_LLM_only": "vision models are not supported",
-    "one_gpu": "leantune trains on one device unless launched with FSDP (roadmap)",
+    "one_gpu": "leantune trains on one device unless torchrun starts several processes with --enable_fsdp",
     "use_wandb": "Weights & Biases logging is not supported; use --save_metrics",
     "use_profiler": "the profiler hook is not supported yet",
     "flop_counter": "FLOP counting is on the roadmap (MFU report)",

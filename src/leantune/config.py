@@ -219,13 +219,26 @@ class MemoryConfig:
 
 
 @dataclass
+class DistributedConfig:
+    enable_fsdp: bool = field(default=False, metadata=_help(
+        "Shard parameters, gradients and optimizer state with FSDP2 over the processes torchrun starts "
+        "(--nproc_per_node, --nnodes); --batch_size_training stays per process."))
+    fsdp_cpu_offload: bool = field(default=False, metadata=_help(
+        "With --enable_fsdp: keep the sharded parameters, gradients and optimizer state in host memory."))
+
+    def __post_init__(self):
+        _require(self.enable_fsdp or not self.fsdp_cpu_offload, "fsdp_cpu_offload", "needs --enable_fsdp")
+
+
+@dataclass
 class OutputConfig:
     output_dir: str = field(default="out/leantune", metadata=_help("Where the model, metrics and memory log go."))
     save_model: bool = field(default=True, metadata=_help("Save the adapter (LoRA) or the full model at the end."))
     save_metrics: bool = field(default=False, metadata=_help("Write per-step metrics to metrics.json."))
 
 
-SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, CheckpointingConfig, MemoryConfig, OutputConfig)
+SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, CheckpointingConfig, MemoryConfig,
+            DistributedConfig, OutputConfig)
 
 
 @dataclass
@@ -238,11 +251,19 @@ class RunConfig:
     peft: PeftSettings = field(default_factory=PeftSettings)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
+        if self.distributed.enable_fsdp and self.training.use_fp16:
+            raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
+                              "use --mixed_precision (bfloat16)")
+        if self.distributed.enable_fsdp and (self.memory.auto_batch_size
+                                             or self.checkpointing.activation_checkpointing_mode == "auto"):
+            raise ConfigError("--enable_fsdp: the planner does not cover sharding yet; pick "
+                              "--activation_checkpointing_mode and --batch_size_training yourself")
         target = self.memory.target_global_batch_size
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training

@@ -7,7 +7,6 @@ memory sampler stops and the metrics are written even when training fails).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,6 +18,9 @@ from leantune.checkpointing import (CheckpointingError, CheckpointingReport, app
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
+from leantune.distributed.context import (SINGLE_PROCESS, DistContext, close_distributed, init_distributed,
+                                          launched_world_size)
+from leantune.distributed.fsdp import shard_model
 from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
 from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, load_model,
@@ -27,7 +29,7 @@ from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch, plan_for_run
 from leantune.planning.plan import format_bytes
-from leantune.train import Trainer, forward_backward
+from leantune.train import CausalLMLoss, Trainer, forward_backward
 
 # Errors a user can fix from the message alone: printed without a traceback.
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError)
@@ -92,11 +94,11 @@ def build_model(cfg: RunConfig, precision: Precision, log=print):
     return model, tokenizer
 
 
-def build_loaders(cfg: RunConfig, tokenizer, log=print):
+def build_loaders(cfg: RunConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS):
     train_examples, val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed)
     common = dict(strategy=cfg.data.batching_strategy, context_length=cfg.data.context_length,
                   pad_id=tokenizer.pad_token_id, seed=cfg.training.seed,
-                  num_workers=cfg.data.num_workers_dataloader)
+                  num_workers=cfg.data.num_workers_dataloader, rank=dist.rank, world_size=dist.world_size)
     train_loader = make_dataloader(train_examples, batch_size=cfg.training.batch_size_training, shuffle=True,
                                    **common)
     val_loader = None
@@ -152,53 +154,77 @@ def confirm_the_batch(memory: MemoryPlan, model, precision: Precision, log=print
     return confirm_batch(memory, config, precision.device, confirm_step(model, memory.cfg, precision), log)
 
 
-def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print) -> Trainer:
-    torch.manual_seed(cfg.training.seed)
+def build_monitor(cfg: RunConfig, device: torch.device, dist: DistContext, stack: contextlib.ExitStack, log=print):
+    """The per-step memory log (each rank its own file), or a probe that logs nothing when monitoring is off."""
+    if not cfg.memory.enable_memory_monitoring:
+        return CurrentMemoryProbe(device)
+    name = "memory.jsonl" if dist.is_main else f"memory.rank{dist.rank}.jsonl"
+    path = Path(cfg.output.output_dir) / name
+    monitor = stack.enter_context(MemoryMonitor(path, device, cfg.memory.memory_monitoring_interval))
+    monitor.record(0, phase="setup")  # memory after loading the model, before the first step
+    where = path if not dist.distributed else f"{path} (rank 0; rank r: memory.rank<r>.jsonl)"
+    log(f"memory monitoring: every step to {where}, CPU RSS sampled every {cfg.memory.memory_monitoring_interval} s")
+    return monitor
+
+
+def predicted_peak(memory: MemoryPlan, device: torch.device, log=print) -> int | None:
+    """What the allocator should count at the step's peak, from the plan; only on a GPU, which can measure it."""
+    if device.type != "cuda":
+        return None
+    plan = memory.plan
+    if plan is None and memory.cfg.memory.enable_memory_monitoring:
+        plan = plan_for_run(memory.cfg, device, log)
+    if plan is None:
+        return None
+    predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
+    log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
+        "context and fragmentation), compared with step 2's measured peak")
+    return predicted
+
+
+def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS) -> Trainer:
+    torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
     precision = choose_precision(memory.cfg, device)
     model, tokenizer = build_model(memory.cfg, precision, log)
     memory = confirm_the_batch(memory, model, precision, log)
     cfg = memory.cfg
-    train_loader, val_loader = build_loaders(cfg, tokenizer, log)
-    if cfg.memory.enable_memory_monitoring:
-        path = Path(cfg.output.output_dir) / "memory.jsonl"
-        monitor = stack.enter_context(MemoryMonitor(path, device, cfg.memory.memory_monitoring_interval))
-        monitor.record(0, phase="setup")  # memory after loading the model, before the first step
-        log(f"memory monitoring: every step to {path}, CPU RSS sampled every {cfg.memory.memory_monitoring_interval} s")
-    else:
-        monitor = CurrentMemoryProbe(device)
+    train_loader, val_loader = build_loaders(cfg, tokenizer, log, dist)
+    monitor = build_monitor(cfg, device, dist, stack, log)
     log(f"precision: {precision.note}")
-    loss_fn = loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0])
-    log(describe_loss(loss_fn))
-    plan = memory.plan if device.type == "cuda" else None  # only an allocator has a peak to compare with
-    if plan is None and cfg.memory.enable_memory_monitoring:
-        plan = plan_for_run(cfg, device, log)
-    predicted = None
-    if plan is not None:
-        predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes  # what the allocator will count
-        log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
-            "context and fragmentation), compared with step 2's measured peak")
-    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, loss_fn=loss_fn, log=log,
-                   predicted_peak_bytes=predicted)
+    loss_model = CausalLMLoss(model, loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0]))
+    log(describe_loss(loss_model.loss_fn))
+    if dist.distributed:
+        shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
+        log(f"fsdp: {dist.world_size} processes, each decoder layer and the model+loss root sharded with FSDP2"
+            f"{', CPU offload' if cfg.distributed.fsdp_cpu_offload else ''}; batch {cfg.training.batch_size_training} "
+            f"per process, {cfg.training.batch_size_training * dist.world_size} per step in all")
+    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
+                   predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist)
 
 
-def _check_single_process() -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError(f"launched with {world} processes: multi-GPU (FSDP) training is on the roadmap; "
-                          "use torchrun --nproc_per_node 1 for now")
+def start_distributed(cfg: RunConfig) -> DistContext:
+    """The process group torchrun set up; several processes need --enable_fsdp (they would all train alone)."""
+    world = launched_world_size()
+    if world > 1 and not cfg.distributed.enable_fsdp:
+        raise ConfigError(f"--enable_fsdp: launched with {world} processes; add --enable_fsdp to train one model "
+                          "sharded over them (or launch one process)")
+    return init_distributed(choose_device(cfg.model).type)
 
 
 def run(cfg: RunConfig, log=print) -> dict:
-    """Build, train and save; returns the trainer's results."""
-    _check_single_process()
-    with contextlib.ExitStack() as stack:
-        trainer = build_trainer(cfg, stack, log)
-        stack.callback(trainer.close)
-        results = trainer.train()
-        trainer.save()
-        return results
+    """Build, train and save; returns the trainer's results (logs from rank 0 only)."""
+    dist = start_distributed(cfg)
+    try:
+        with contextlib.ExitStack() as stack:
+            trainer = build_trainer(cfg, stack, dist.logger(log), dist)
+            stack.callback(trainer.close)
+            results = trainer.train()
+            trainer.save()
+            return results
+    finally:
+        close_distributed(dist)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

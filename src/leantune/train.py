@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from tqdm.auto import tqdm
 
 from leantune.config import RunConfig
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.io import atomic_write_json, staged_directory
 from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
@@ -57,23 +58,36 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
-def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids: torch.Tensor,
-                     labels: torch.Tensor, loss_fn: Callable, precision: Precision,
-                     scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
-                     after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+class CausalLMLoss(torch.nn.Module):
+    """The model and its loss as one module: ``forward(input_ids, labels)`` is the summed loss.
+
+    The decoder's hidden states go straight into ``loss_fn`` (which applies the LM head), so the
+    logits never exist in full unless the loss makes them. Being one module, it is also the root
+    that FSDP shards (``leantune.distributed.fsdp``): every parameter is used inside its forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable = causal_lm_loss_sum):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = forward_hidden(self.model, input_ids)
+        return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
+
+
+def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                      precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
+                      after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """The training step's forward and backward of one batch; returns its summed loss, detached.
 
-    Under the precision's autocast: the decoder's hidden states, then ``loss_fn`` (which applies
-    ``lm_head``). The loss is divided by ``normaliser`` (the accumulation window's target tokens)
-    and, with a GradScaler, scaled before backward. ``after_forward`` is called once the loss
-    exists and before backward, when what is alive is exactly what backward will need: the
-    benchmark and the example read their activation meter there, so they measure this step and
-    not a copy of it.
+    Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
+    is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
+    is called once the loss exists and before backward, when what is alive is exactly what
+    backward will need: the benchmark and the example read their activation meter there.
     """
     with precision.autocast():
-        hidden = forward_hidden(model, input_ids)
-        loss_sum = loss_fn(hidden, lm_head, labels)
-    del hidden  # keep no reference of our own to activations (or logits) during backward
+        loss_sum = loss_model(input_ids, labels)  # its activations are referenced by the graph alone
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -81,22 +95,37 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
     return loss_sum.detach()
 
 
+def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids: torch.Tensor,
+                     labels: torch.Tensor, loss_fn: Callable, precision: Precision,
+                     scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
+                     after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """``loss_and_backward`` for a model and loss not yet joined (``lm_head``: the model's own output layer)."""
+    assert lm_head is unwrap_model(model).get_output_embeddings(), "the loss applies the model's own LM head"
+    return loss_and_backward(CausalLMLoss(model, loss_fn), input_ids, labels, precision, scaler, normaliser,
+                             after_forward)
+
+
 def host_float(value: torch.Tensor) -> float:
     """A scalar tensor's value; NaN for a fake tensor (the planner runs this loop on shapes, not data)."""
+    if hasattr(value, "full_tensor"):  # a DTensor (FSDP's gradient norm): the value all ranks agree on
+        value = value.full_tensor()
     return float("nan") if is_fake(value) else float(value)
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model, tokenizer, train_loader, val_loader, precision: Precision,
                  monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print,
-                 predicted_peak_bytes: Optional[int] = None):
+                 predicted_peak_bytes: Optional[int] = None, loss_model: Optional[CausalLMLoss] = None,
+                 dist: DistContext = SINGLE_PROCESS):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
-        self.precision, self.monitor, self.loss_fn, self.log = precision, monitor, loss_fn, log
+        self.precision, self.monitor, self.log = precision, monitor, log
+        # what runs the step: the model joined with its loss (FSDP's root when sharded)
+        self.loss_model = loss_model if loss_model is not None else CausalLMLoss(model, loss_fn)
+        self.dist = dist
         self.device = precision.device
         self.predicted_peak_bytes = predicted_peak_bytes  # the plan's, printed next to step 2's measured peak
         self.scaler = precision.make_scaler()
-        self.lm_head = unwrap_model(model).get_output_embeddings()
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=cfg.training.gamma)
@@ -127,7 +156,7 @@ class Trainer:
         total = self._steps_this_epoch()
         loss_sum, targets, steps, started = 0.0, 0, 0, time.perf_counter()
         bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{self.cfg.training.num_epochs}", dynamic_ncols=True,
-                   disable=not sys.stderr.isatty(), mininterval=0.5)
+                   disable=not (sys.stderr.isatty() and self.dist.is_main), mininterval=0.5)
         write = self.log if bar.disable else bar.write  # bar.write keeps a live bar intact
         with bar:
             for window in self._windows():
@@ -146,13 +175,18 @@ class Trainer:
                 "steps": steps, "time_s": time.perf_counter() - started}
 
     def train_step(self, window: list[dict]) -> StepResult:
-        """One optimizer step over an accumulation window of batches."""
+        """One optimizer step over an accumulation window of batches (on every rank: its part of them).
+
+        The loss is normalised by the target tokens of the whole window on all ranks, so every
+        token weighs the same; FSDP averages the ranks' gradients, hence the rank count back in.
+        """
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        targets = sum(count_targets(batch["labels"]) for batch in window)
+        targets = int(self.dist.sum(sum(count_targets(batch["labels"]) for batch in window), self.device))
+        normaliser = max(targets, 1) / self.dist.world_size
         loss_total = torch.zeros((), device=self.device)
         for batch in window:
-            loss_total += self.loss_step(batch, normaliser=max(targets, 1))
+            loss_total += self.loss_step(batch, normaliser=normaliser)
         grad_norm = self._clip_gradients()
         scaler = self.scaler
         if scaler is not None:
@@ -160,16 +194,16 @@ class Trainer:
             scaler.update()
         else:
             self.optimizer.step()
-        loss = host_float(loss_total) / max(targets, 1)  # reading it also waits for the device to finish
-        input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)
+        loss = self.dist.sum(host_float(loss_total), self.device) / max(targets, 1)  # also waits for the device
+        input_tokens = int(self.dist.sum(sum(int(batch["attention_mask"].sum()) for batch in window), self.device))
         return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm)
 
-    def loss_step(self, batch: dict, normaliser: int) -> torch.Tensor:
+    def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
         input_ids = batch["input_ids"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
-        return forward_backward(self.model, self.lm_head, input_ids, labels, self.loss_fn, self.precision,
-                                scaler=self.scaler, normaliser=normaliser)
+        return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
+                                 normaliser=normaliser)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -180,11 +214,10 @@ class Trainer:
             if limit and index >= limit:
                 break
             with self.precision.autocast():
-                hidden = forward_hidden(self.model, batch["input_ids"].to(self.device))
-                loss_sum += float(self.loss_fn(hidden, self.lm_head, batch["labels"].to(self.device)))
+                loss_sum += float(self.loss_model(batch["input_ids"].to(self.device), batch["labels"].to(self.device)))
             targets += count_targets(batch["labels"])
         self.model.train()
-        val_loss = loss_sum / max(targets, 1)
+        val_loss = self.dist.sum(loss_sum, self.device) / max(self.dist.sum(targets, self.device), 1)
         return {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}
 
     # ------------------------------------------------------------- helpers
@@ -251,7 +284,7 @@ class Trainer:
                 "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None}
 
     def write_metrics(self) -> Optional[Path]:
-        if not self.cfg.output.save_metrics:
+        if not self.cfg.output.save_metrics or not self.dist.is_main:
             return None
         path = Path(self.cfg.output.output_dir) / "metrics.json"
         atomic_write_json(path, {"config": self.cfg.flat(), "summary": self.results(),
@@ -264,8 +297,15 @@ class Trainer:
             return None
         out = Path(self.cfg.output.output_dir)
         to_save = self.model if self.cfg.peft.use_peft else unwrap_model(self.model)
+        state_dict = None
+        if self.dist.distributed:  # gathered from every rank's shards, written by rank 0 alone
+            from leantune.distributed.fsdp import full_state_dict
+
+            state_dict = full_state_dict(self.loss_model, trainable_only=self.cfg.peft.use_peft)
+            if not self.dist.is_main:
+                return None
         with staged_directory(out) as staging:
-            to_save.save_pretrained(staging, safe_serialization=True)
+            to_save.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
             self.tokenizer.save_pretrained(staging)
         kind = "LoRA adapter" if self.cfg.peft.use_peft else "model"
         self.log(f"saved the {kind} and tokenizer to {out}")
@@ -276,6 +316,16 @@ class Trainer:
         self.write_metrics()
         for line in self.monitor.summary_lines():
             self.log(line)
+        if self.dist.distributed and hasattr(self.monitor, "summary"):
+            self._log_rank_spread(self.monitor.summary())
+
+    def _log_rank_spread(self, summary: dict) -> None:
+        """The smallest and largest of each rank's peaks (a collective: every rank calls it)."""
+        for name, label in (("cpu_rss_peak_mib", "CPU RSS peak"), ("peak_allocated_mib", "peak allocated")):
+            if summary.get(name) is None:
+                continue
+            low, high = self.dist.min_max(summary[name], self.device)
+            self.log(f"  across {self.dist.world_size} ranks: {label} {low:,.1f} MiB (min) to {high:,.1f} MiB (max)")
 
 
 def _plan_check_line(record: dict, predicted_bytes: int) -> str:

@@ -101,23 +101,55 @@ class ShuffledBatchSampler(Sampler[list[int]]):
         return (self.size + self.batch_size - 1) // self.batch_size
 
 
+class RankShard(Sampler[list[int]]):
+    """This rank's part of each global batch of another batch sampler (every rank: a disjoint part).
+
+    The global batches are the ones one process would see with ``batch_size x world_size`` rows;
+    rank r takes the r-th contiguous slice, so step by step the ranks together see exactly the
+    examples of the single-process run. A last global batch too small to give every rank a row is
+    dropped on every rank alike (a rank with nothing to do would stall the others' collectives).
+    """
+
+    def __init__(self, batches: Sampler[list[int]], rank: int, world_size: int):
+        self.batches, self.rank, self.world_size = batches, rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in self.batches:
+            if len(batch) < self.world_size:
+                return
+            n = len(batch)
+            yield batch[self.rank * n // self.world_size:(self.rank + 1) * n // self.world_size]
+
+    def __len__(self) -> int:
+        return sum(1 for batch in self.batches if len(batch) >= self.world_size)
+
+
 def make_dataloader(examples: Sequence[Example], *, strategy: str, batch_size: int, context_length: int,
-                    pad_id: int, shuffle: bool, seed: int, num_workers: int = 0) -> DataLoader:
+                    pad_id: int, shuffle: bool, seed: int, num_workers: int = 0, rank: int = 0,
+                    world_size: int = 1) -> DataLoader:
     """A DataLoader yielding ``input_ids``/``labels``/``attention_mask`` batches.
 
     ``packing`` fills every row with ``context_length`` tokens; ``padding`` keeps examples whole
     (truncated to ``context_length``) and groups similar lengths so little compute goes to pads.
+    With several ranks, ``batch_size`` is per rank and each rank gets its disjoint part of every
+    global batch (``RankShard``), the same on every rank for a given seed.
     """
+    global_batch = batch_size * world_size
     if strategy == "packing":
         items = pack(examples, context_length, pad_id)
-        sampler = ShuffledBatchSampler(len(items), batch_size, shuffle, seed)
+        sampler = ShuffledBatchSampler(len(items), global_batch, shuffle, seed)
     elif strategy == "padding":
         items = truncate(examples, context_length)
-        sampler = LengthGroupedBatchSampler([len(ex["input_ids"]) for ex in items], batch_size, shuffle, seed)
+        sampler = LengthGroupedBatchSampler([len(ex["input_ids"]) for ex in items], global_batch, shuffle, seed)
     else:
         raise ValueError(f"unknown batching strategy {strategy!r}; use 'packing' or 'padding'")
     if not items:
         raise ValueError("no example has a response token to learn from after truncation; "
                          "raise --context_length or check the dataset")
+    if world_size > 1:
+        sampler = RankShard(sampler, rank, world_size)
     return DataLoader(items, batch_sampler=sampler, collate_fn=PaddingCollator(pad_id),
                       num_workers=num_workers, persistent_workers=False)

@@ -136,7 +136,7 @@ class _StagedLoss:
         try:
             return self.loss_fn(hidden, lm_head, labels)
         finally:
-            self.tracker.stage = "backward"  # forward_backward calls backward right after the loss
+            self.tracker.stage = "backward"  # loss_and_backward calls backward right after the loss
 
 
 @dataclass
@@ -192,7 +192,7 @@ def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, f
 def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     trainer, model = step.trainer, step.trainer.model
     tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if target.type == "cuda" else 1)
-    trainer.loss_fn = _StagedLoss(trainer.loss_fn, tracker)
+    trainer.loss_model.loss_fn = _StagedLoss(trainer.loss_model.loss_fn, tracker)
     layer_input = []
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
              trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),

@@ -64,6 +64,8 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
     for plan in plans:
         if plan.checkpointing.startswith("offload (derived"):
             log(f"note: {plan.checkpointing}")
+    if cfg.distributed.enable_fsdp:
+        log("note: planned for one process holding the whole model; FSDP's per-rank shares are not modelled yet")
     if target.type == "cpu" and cfg.model.device == "auto":
         log("(planned for this machine's CPU in float32; add --device cuda to plan for a GPU)")
 

@@ -1,0 +1,49 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer a unit, then the root.
+
+The root is the trainer's ``CausalLMLoss`` module, not the Hugging Face model: the trainer calls
+the decoder and the fused loss reads ``lm_head.weight`` directly, and only a forward of the root
+makes FSDP gather the parameters that live at the root (embeddings, final norm, LM head) and
+reduce-scatter their gradients. With the loss inside the root's forward, every parameter is
+gathered where it is used, and the chunked loss keeps its memory win.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leantune.distributed.context import DistContext
+from leantune.models.structure import decoder_layers
+
+
+def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch.device,
+                compute_dtype: torch.dtype | None, cpu_offload: bool) -> torch.nn.Module:
+    """Apply FSDP2 to ``loss_model`` (a ``CausalLMLoss``), after LoRA and activation checkpointing.
+
+    Mixed precision: parameters gathered in the autocast dtype, gradients reduced in float32.
+    ``cpu_offload`` keeps the sharded parameters, gradients and optimizer state in host memory.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (context.world_size,))
+    options: dict = {"mesh": mesh}
+    if compute_dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(loss_model.model):
+        fully_shard(layer, **options)
+    fully_shard(loss_model, **options)
+    return loss_model
+
+
+def full_state_dict(loss_model: torch.nn.Module, trainable_only: bool) -> dict:
+    """The model's whole state dict gathered on rank 0 (in host memory), keys as the unwrapped model has them.
+
+    A collective: every rank calls it; ranks other than 0 get an empty dict.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(loss_model, options=options)
+    return {key.removeprefix("model."): value for key, value in state.items()}
