@@ -338,3 +338,40 @@ def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
 
     line = _plan_check_line({"peak_allocated_mib": 1000.0}, predicted_bytes=1050 * 2**20)
     assert line == "memory check: step 2 peak allocated 1,000.0 MiB, plan predicted 1,050.0 MiB (+5.0%)"
+
+
+def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
+    from leantune.planning.cli import main
+    from leantune.planning.plan import gather_bytes, per_rank
+
+    cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
+                            "--enable_activation_checkpointing"])
+    config = model_config("small")
+    whole = plan_modes(cfg, config, CUDA, ["full"])[0]
+    gathered, cache = gather_bytes(cfg, config, CUDA)
+    layer = sum(p.numel() for p in _small_layer_params()) * 2  # bf16 under the GPU's mixed precision
+    assert gathered > 2 * layer and cache == sum(p.numel() for p in _small_params()) * 2  # fp32 weights, bf16 casts
+    shared = per_rank(whole, 4, (gathered, cache))
+    optimizer = shared.stage_breakdowns["optimizer"]
+    assert shared.optimizer_state_bytes == -(-optimizer["optimizer_state"] // 4)
+    assert shared.peak_bytes < whole.peak_bytes and "per rank of 4" in shared.checkpointing
+    assert main(["--model_name", "small", "--enable_fsdp", "--device", "cuda"]) == 2
+    assert "--world_size: with --enable_fsdp" in capsys.readouterr().err
+    assert main(["--model_name", "small", "--enable_fsdp", "--world_size", "4", "--device", "cuda", "--json",
+                 "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
+                 "--batch_size_training", "1", "--context_length", "128"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["peak_bytes"] == shared.peak_bytes
+
+
+def _small_params():
+    from leantune.planning.fake_step import meta_model
+
+    return list(meta_model(model_config("small"), torch.float32).parameters())
+
+
+def _small_layer_params():
+    from leantune.models.structure import decoder_layers
+    from leantune.planning.fake_step import meta_model
+
+    return list(decoder_layers(meta_model(model_config("small"), torch.float32))[0].parameters())

@@ -52,6 +52,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.totals)
         self.stage_peaks: dict[str, int] = {}
+        self.stage_breakdowns: dict[str, dict] = {}  # what each stage's peak was made of
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, category, StorageWeakRef]
         self._hooks: list = []
 
@@ -116,7 +117,9 @@ class StorageTracker(TorchDispatchMode):
         for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
             self._forget(key)  # freed storages whose Python object lingers
         total = sum(self.totals.values())
-        self.stage_peaks[self.stage] = max(self.stage_peaks.get(self.stage, 0), total)
+        if total > self.stage_peaks.get(self.stage, -1):
+            self.stage_peaks[self.stage] = total
+            self.stage_breakdowns[self.stage] = dict(self.totals)
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_breakdown = dict(self.totals)

@@ -14,7 +14,7 @@ import torch
 
 from leantune.checkpointing import CheckpointingError
 from leantune.config import ConfigError, RunConfig
-from leantune.planning.plan import budget_bytes, modes_to_plan, plan_modes
+from leantune.planning.plan import budget_bytes, gather_bytes, modes_to_plan, per_rank, plan_modes
 from leantune.planning.table import print_plan
 
 
@@ -26,6 +26,17 @@ def plan_target(cfg: RunConfig) -> torch.device:
     return torch.device(wanted)
 
 
+def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
+    """``--world_size N`` (a plan-only flag: the processes FSDP will shard over) taken out of ``argv``."""
+    if "--world_size" not in argv:
+        return None, argv
+    at = argv.index("--world_size")
+    value = argv[at + 1] if at + 1 < len(argv) else ""
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--world_size: expected a number of processes, got {value!r}")
+    return int(value), argv[:at] + argv[at + 2:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from leantune.cli_args import parse_run_config
     from leantune.models.presets import ModelShapeError, model_config
@@ -34,15 +45,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     if "-h" in argv or "--help" in argv:
-        print("usage: leantune plan [finetune flags] [--memory_budget_gb G] [--json]\n\n" + __doc__.split("\n\n")[0]
-              + "\n\nThe finetune flags are listed by: leantune finetune --help")
+        print("usage: leantune plan [finetune flags] [--memory_budget_gb G] [--json] [--enable_fsdp --world_size N]"
+              "\n\n" + __doc__.split("\n\n")[0] + "\n\nThe finetune flags are listed by: leantune finetune --help")
         return 0
     try:
+        world_size, argv = _take_world_size(argv)
         cfg = parse_run_config(argv)
         target = plan_target(cfg)
         config = model_config(cfg.model.model_name)
         budget = budget_bytes(cfg, target)
-        plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), budget)
+        if cfg.distributed.enable_fsdp and world_size is None:
+            raise ConfigError("--world_size: with --enable_fsdp, say how many processes will share the model")
+        plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), None if world_size else budget)
+        if world_size:
+            gathered = gather_bytes(cfg, config, target)
+            plans = [per_rank(p, world_size, gathered) for p in plans]
+            for p in plans:
+                p.fits = None if budget is None else p.peak_bytes <= budget
     except (ConfigError, ModelShapeError, CheckpointingError) as err:
         print(f"leantune: error: {err}", file=sys.stderr)
         return 2

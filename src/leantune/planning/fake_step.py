@@ -45,6 +45,7 @@ class StepTrace:
     num_layers: int
     checkpointing: str  # the policy as the run would describe it
     stage_peaks: dict  # the largest total in each stage: forward, loss, backward, optimizer
+    stage_breakdowns: dict = dataclasses.field(default_factory=dict)  # bytes per category at each stage's peak
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -211,7 +212,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
             hook.remove()
     return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
                      layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
-                     dict(tracker.stage_peaks))
+                     dict(tracker.stage_peaks), dict(tracker.stage_breakdowns))
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:

@@ -69,6 +69,7 @@ class ModePlan:
     flops: int = 0  # of the whole step, recompute included
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
+    stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,7 +80,8 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     plan = ModePlan(mode, trace.checkpointing, target.type, cfg.training.batch_size_training, cfg.data.context_length,
                     trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
                     b["activation"], b["loss"], b["temporary"], b["buffer"] + b["input"],
-                    optimizer_step_peak_bytes=trace.stage_peaks.get("optimizer", 0), flops=trace.flops)
+                    optimizer_step_peak_bytes=trace.stage_peaks.get("optimizer", 0), flops=trace.flops,
+                    stage_breakdowns=trace.stage_breakdowns)
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
@@ -279,3 +281,66 @@ def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
     if asked and asked != "auto":
         return [asked]
     return [m for m in PLANNED_MODES if m != "offload" or target.type == "cuda"]
+
+
+def gather_bytes(cfg: RunConfig, config, target: torch.device) -> tuple[int, int]:
+    """What FSDP changes in a rank's forward, in bytes: (gathered, autocast cache no longer made).
+
+    Gathered: the root's parameters (embeddings, final norm, LM head, for the whole step, since the
+    root's forward spans it) and two decoder layers (the one running and the one prefetched), in the
+    dtype they are gathered in (the autocast dtype under mixed precision). Without FSDP, autocast
+    keeps a low-precision copy of every trainable parameter through the forward (its weight cast
+    cache, counted among the activations); FSDP's mixed precision gathers parameters already in
+    that dtype, so the cache is not made.
+    """
+    from leantune.models.loading import attach_lora
+    from leantune.models.structure import decoder_layers
+    from leantune.planning.fake_step import meta_model, target_precision
+
+    precision = target_precision(cfg, target)
+    model = meta_model(config, precision.weight_dtype)
+    if cfg.peft.use_peft:
+        model = attach_lora(model, cfg.peft)
+    size = torch.finfo(precision.compute_dtype).bits // 8 if precision.compute_dtype is not None else None
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * (size or p.element_size()) for p in params)
+
+    layers = decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = nbytes(p for p in model.parameters() if id(p) not in in_layers)
+    cast = precision.compute_dtype
+    cache = sum(p.numel() * size for p in model.parameters() if cast is not None and p.requires_grad and p.dtype != cast)
+    return root + 2 * nbytes(layers[0].parameters()), cache
+
+
+def per_rank(plan: ModePlan, world_size: int, gathered: tuple[int, int]) -> ModePlan:
+    """One rank's share of ``plan`` under FSDP over ``world_size`` ranks, batch per rank unchanged.
+
+    Derived from the one-process trace, stage by stage: in the forward, the loss and backward,
+    parameters, gradients and optimizer state are split ``world_size`` ways and what is gathered
+    (``gather_bytes``) is added and autocast's weight cache taken out, while activations, the loss
+    and temporaries are each rank's own;
+    in the optimizer step everything is split, AdamW's temporaries included (each rank steps its
+    shard). The peak is the largest stage.
+    """
+    sharded_always = ("parameter", "gradient", "optimizer_state")
+    stages = {}
+    for stage, breakdown in plan.stage_breakdowns.items():
+        split = sharded_always + (("temporary",) if stage == "optimizer" else ())
+        shares = {k: (-(-v // world_size) if k in split else v) for k, v in breakdown.items()}
+        if stage != "optimizer":
+            shares["parameter"] += gathered[0]
+        if stage in ("forward", "loss"):
+            shares["activation"] = max(0, shares["activation"] - gathered[1])
+        stages[stage] = shares
+    stage, b = max(stages.items(), key=lambda item: sum(item[1].values()))
+    traced = sum(b.values())
+    extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes
+    fragmentation = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT)) if plan.target == "cuda" else 0
+    return dataclasses.replace(
+        plan, traced_peak_bytes=traced, peak_bytes=traced + extras + fragmentation, fragmentation_bytes=fragmentation,
+        parameter_bytes=b["parameter"], gradient_bytes=b["gradient"], optimizer_state_bytes=b["optimizer_state"],
+        activation_bytes=b["activation"], loss_bytes=b["loss"], temporary_bytes=b["temporary"],
+        other_bytes=b["buffer"] + b["input"], optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,
+        checkpointing=f"{plan.checkpointing}, per rank of {world_size} (FSDP, derived; peak in {stage})")

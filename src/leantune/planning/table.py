@@ -65,7 +65,8 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
         if plan.checkpointing.startswith("offload (derived"):
             log(f"note: {plan.checkpointing}")
     if cfg.distributed.enable_fsdp:
-        log("note: planned for one process holding the whole model; FSDP's per-rank shares are not modelled yet")
+        log("note: per rank under FSDP, derived from the one-process trace: parameters, gradients and optimizer "
+            "state split over the ranks, plus the root's parameters and two decoder layers gathered")
     if target.type == "cpu" and cfg.model.device == "auto":
         log("(planned for this machine's CPU in float32; add --device cuda to plan for a GPU)")
 
