@@ -97,7 +97,7 @@ def test_unknown_key_in_config_file_is_an_error(tmp_path):
     (["--batch_size", "4"], r"unknown flag --batch_size; did you mean --batch_size_training\?"),
     (["--enable_activation_checkpoint"], r"did you mean --enable_activation_checkpointing\?"),
     (["--learning_rate", "1e-4"], r"unknown flag --learning_rate"),
-    (["--low_cpu_fsdp"], r"--low_cpu_fsdp is a llama-cookbook flag leantune does not support"),
+    (["--low_cpu_fsdp"], r"--low_cpu_fsdp: needs --enable_fsdp"),
     (["--fsdp_cpu_offload"], r"--fsdp_cpu_offload: needs --enable_fsdp"),
     (["--enable_fsdp", "--use_fp16"], r"--use_fp16: not with --enable_fsdp"),
     (["--batch_size_training", "0"], r"--batch_size_training: must be at least 1 \(got 0\)"),

@@ -25,15 +25,17 @@ CASES = {
 }
 
 
-def torchrun(argv: list[str], processes: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+def torchrun(argv: list[str], processes: int = 2, timeout: int = 240, pythonpath: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(processes),
                "-m", "leantune.finetuning", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def step_losses(path) -> list[float]:
-    return [step["loss"] for step in json.loads((path / "metrics.json").read_text())["train_steps"]]
+def step_losses(path, key: str = "loss") -> list[float]:
+    return [step[key] for step in json.loads((path / "metrics.json").read_text())["train_steps"]]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -45,6 +47,9 @@ def test_two_ranks_give_the_losses_of_one_process(case, tiny_model_dir, tmp_path
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) > 0
     assert two == pytest.approx(one, abs=2e-5)  # float32, another reduction order
+    if "--gradient_clipping" in CASES[case]:  # the norm before clipping: a wrong gradient scale shows here
+        assert step_losses(tmp_path / "two", "grad_norm") == pytest.approx(step_losses(tmp_path / "one", "grad_norm"),
+                                                                           rel=1e-5)
     assert result.stdout.count("epoch 1: train loss") == 1  # logs from rank 0 only
     if "--enable_memory_monitoring" in CASES[case]:
         assert (tmp_path / "two" / "memory.jsonl").is_file() and (tmp_path / "two" / "memory.rank1.jsonl").is_file()
@@ -98,3 +103,34 @@ def test_ranks_see_disjoint_parts_of_the_single_process_batches(size, batch, wor
         assert all(parts)  # no rank idles
     dropped = [b for b in one if len(b) < world]
     assert len(per_rank[0]) == len(one) - len(dropped)
+
+
+def test_low_cpu_fsdp_trains_what_every_rank_loading_trains(tiny_model_dir, tmp_path):
+    """Rank 1 builds on the meta device and receives rank 0's weights (and RoPE buffers): same losses."""
+    common = ["--model_name", str(tiny_model_dir), *FAST, *CASES["full-ft-selective-accumulation-clipping"],
+              "--batch_size_training", "2", "--enable_fsdp"]
+    for name, extra in (("all-load", []), ("rank0-loads", ["--low_cpu_fsdp"])):
+        result = torchrun([*common, *extra, "--output_dir", str(tmp_path / name)])
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert step_losses(tmp_path / "rank0-loads") == step_losses(tmp_path / "all-load")
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, tmp_path):
+    """Rank 1 raises at its second step while rank 0 waits in a collective: the run must end, not hang."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import leantune.train as train\n"
+        "    step = train.Trainer.train_step\n"
+        "    def failing(self, window):\n"
+        "        if len(self.steps) == 1:\n"
+        "            raise RuntimeError('injected failure')\n"
+        "        return step(self, window)\n"
+        "    train.Trainer.train_step = failing\n")
+    result = torchrun(["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "4", "--batch_size_training",
+                       "1", "--enable_memory_monitoring", "--enable_fsdp", "--output_dir", str(tmp_path / "out")],
+                      timeout=120, pythonpath=str(inject))
+    assert result.returncode != 0
+    assert "leantune: error on rank 1 of 2: injected failure" in result.stderr

@@ -225,9 +225,13 @@ class DistributedConfig:
         "(--nproc_per_node, --nnodes); --batch_size_training stays per process."))
     fsdp_cpu_offload: bool = field(default=False, metadata=_help(
         "With --enable_fsdp: keep the sharded parameters, gradients and optimizer state in host memory."))
+    low_cpu_fsdp: bool = field(default=False, metadata=_help(
+        "With --enable_fsdp: only rank 0 loads the weights; the others build the model on the meta device and "
+        "receive their shards from rank 0, so host memory per node does not grow with the process count."))
 
     def __post_init__(self):
         _require(self.enable_fsdp or not self.fsdp_cpu_offload, "fsdp_cpu_offload", "needs --enable_fsdp")
+        _require(self.enable_fsdp or not self.low_cpu_fsdp, "low_cpu_fsdp", "needs --enable_fsdp")
 
 
 @dataclass

@@ -7,6 +7,7 @@ memory sampler stops and the metrics are written even when training fails).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,10 +21,10 @@ from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
 from leantune.distributed.context import (SINGLE_PROCESS, DistContext, close_distributed, init_distributed,
                                           launched_world_size)
-from leantune.distributed.fsdp import shard_model
+from leantune.distributed.fsdp import load_from_rank0, shard_model
 from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
-from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, load_model,
+from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, empty_model, load_model,
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
@@ -83,10 +84,18 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     return model.train(), report
 
 
-def build_model(cfg: RunConfig, precision: Precision, log=print):
-    """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured."""
+def build_model(cfg: RunConfig, precision: Precision, log=print, on_meta: bool = False):
+    """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
+
+    ``on_meta``: the model is built from its config on the meta device, no weight read (a rank
+    that will receive its shards from rank 0, ``--low_cpu_fsdp``).
+    """
     tokenizer = load_tokenizer(cfg.model)
-    model, report = prepare_model(load_model(cfg.model, precision.weight_dtype), cfg, precision)
+    if on_meta:
+        model, report = prepare_model(empty_model(cfg.model, precision.weight_dtype), cfg, precision,
+                                      place=lambda _model: None)
+    else:
+        model, report = prepare_model(load_model(cfg.model, precision.weight_dtype), cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights) on {precision.device}")
@@ -187,7 +196,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     device = choose_device(cfg.model)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
     precision = choose_precision(memory.cfg, device)
-    model, tokenizer = build_model(memory.cfg, precision, log)
+    low_cpu = dist.distributed and cfg.distributed.low_cpu_fsdp
+    model, tokenizer = build_model(memory.cfg, precision, log, on_meta=low_cpu and not dist.is_main)
     memory = confirm_the_batch(memory, model, precision, log)
     cfg = memory.cfg
     train_loader, val_loader = build_loaders(cfg, tokenizer, log, dist)
@@ -196,7 +206,11 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     loss_model = CausalLMLoss(model, loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0]))
     log(describe_loss(loss_model.loss_fn))
     if dist.distributed:
+        rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
         shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
+        if low_cpu:
+            load_from_rank0(loss_model, rank0_state, dist, device)
+            del rank0_state
         log(f"fsdp: {dist.world_size} processes, each decoder layer and the model+loss root sharded with FSDP2"
             f"{', CPU offload' if cfg.distributed.fsdp_cpu_offload else ''}; batch {cfg.training.batch_size_training} "
             f"per process, {cfg.training.batch_size_training * dist.world_size} per step in all")
@@ -210,7 +224,11 @@ def start_distributed(cfg: RunConfig) -> DistContext:
     if world > 1 and not cfg.distributed.enable_fsdp:
         raise ConfigError(f"--enable_fsdp: launched with {world} processes; add --enable_fsdp to train one model "
                           "sharded over them (or launch one process)")
-    return init_distributed(choose_device(cfg.model).type)
+    device = choose_device(cfg.model)
+    if world > 1 and cfg.distributed.fsdp_cpu_offload and device.type == "cpu":
+        raise ConfigError("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, "
+                          "they are there already. Drop the flag")
+    return init_distributed(device.type, cpu_offload=cfg.distributed.fsdp_cpu_offload)
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -219,12 +237,30 @@ def run(cfg: RunConfig, log=print) -> dict:
     try:
         with contextlib.ExitStack() as stack:
             trainer = build_trainer(cfg, stack, dist.logger(log), dist)
-            stack.callback(trainer.close)
+            stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
             results = trainer.train()
             trainer.save()
-            return results
-    finally:
-        close_distributed(dist)
+    except BaseException as err:
+        if dist.distributed:
+            _end_this_rank(dist, err)
+        raise
+    close_distributed(dist)
+    return results
+
+
+def _end_this_rank(dist: DistContext, err: BaseException) -> None:
+    """A failure on one rank: say what and where, and end this process at once.
+
+    The other ranks wait in a collective this one will never join, so no barrier and no clean
+    shutdown: the process exits, and torchrun stops the others and reports this one.
+    """
+    import traceback
+
+    if not isinstance(err, USER_ERRORS):
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2 if isinstance(err, ConfigError) else 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -311,12 +311,15 @@ class Trainer:
         self.log(f"saved the {kind} and tokenizer to {out}")
         return out
 
-    def close(self) -> None:
-        """Write whatever metrics exist (also after a failure) and print the memory summary."""
+    def close(self, failed: bool = False) -> None:
+        """Write whatever metrics exist (also after a failure) and print the memory summary.
+
+        After a failure no collective is attempted: the other ranks may never join it.
+        """
         self.write_metrics()
         for line in self.monitor.summary_lines():
             self.log(line)
-        if self.dist.distributed and hasattr(self.monitor, "summary"):
+        if self.dist.distributed and not failed and hasattr(self.monitor, "summary"):
             self._log_rank_spread(self.monitor.summary())
 
     def _log_rank_spread(self, summary: dict) -> None:

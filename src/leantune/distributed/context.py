@@ -65,14 +65,19 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device_type: str) -> DistContext:
-    """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU); one process: nothing to join."""
+def init_distributed(device_type: str, cpu_offload: bool = False) -> DistContext:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU); one process: nothing to join.
+
+    With CPU offload the gradients that clipping reduces live in host memory, which NCCL cannot
+    reach: gloo serves the CPU tensors beside NCCL.
+    """
     if launched_world_size() <= 1:
         return SINGLE_PROCESS
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        backend = "gloo" if device_type != "cuda" else ("cuda:nccl,cpu:gloo" if cpu_offload else "nccl")
+        dist.init_process_group(backend)
     return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 

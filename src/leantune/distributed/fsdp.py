@@ -47,3 +47,22 @@ def full_state_dict(loss_model: torch.nn.Module, trainable_only: bool) -> dict:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(loss_model, options=options)
     return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+def load_from_rank0(loss_model: torch.nn.Module, rank0_state: dict, context: DistContext,
+                    device: torch.device) -> None:
+    """``--low_cpu_fsdp``: fill the sharded model of every rank from the full state dict only rank 0 holds.
+
+    The other ranks built their model on the meta device; their shards get memory here and receive
+    rank 0's values one tensor at a time. Buffers (RoPE's frequencies, which no state dict holds)
+    are broadcast from rank 0 as they are.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not context.is_main:
+        loss_model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(loss_model, rank0_state if context.is_main else {}, options=options)
+    for buffer in loss_model.buffers():
+        dist.broadcast(buffer, src=0)

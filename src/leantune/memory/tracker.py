@@ -61,6 +61,8 @@ class StorageTracker(TorchDispatchMode):
         """Count storages that exist already (or re-file them) under ``category``."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
+                if hasattr(tensor, "to_local"):  # a DTensor (FSDP): this rank holds its local shard
+                    tensor = tensor.to_local()
                 self._file(tensor, category, refile=True)
         self._update_peak()
 

@@ -66,6 +66,16 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype):
     return model
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype):
+    """The model of ``cfg`` built from its config on the meta device: its shape, no memory, no weight read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name))
+    config.use_cache = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
 def attach_lora(model, cfg: PeftSettings):
     """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``."""
     from peft import PeftModel
