@@ -87,5 +87,5 @@ def close_distributed(context: DistContext) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.barrier()
+            context.barrier()
             dist.destroy_process_group()
