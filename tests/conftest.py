@@ -10,7 +10,7 @@ import torch
 
 # The smallest Llama that still has every part (GQA attention, gated MLP, two layers).
 TEST_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
+                  num_key_value_heads=2, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="session", autouse=True)

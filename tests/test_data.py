@@ -95,7 +95,8 @@ def test_packing_fills_rows_and_keeps_the_tail():
 def test_truncation_drops_examples_without_targets():
     keep = {"input_ids": [1, 2, 3, 4], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, 4]}
     lose = {"input_ids": [1, 2, 3, 4], "labels": [IGNORE_INDEX] * 3 + [4]}
-    assert truncate([keep, lose], context_length=3) == [{"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX] * 2 + [3]}]
+    assert truncate([keep, lose], context_length=3) == [{"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX] * 2 + [3],
+                                                         "sources": [0]}]
 
 
 def test_padding_loader_pads_to_the_longest_in_batch():

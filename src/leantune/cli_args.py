@@ -29,7 +29,7 @@ COOKBOOK_ONLY_FLAGS = {
     "use_wandb": "Weights & Biases logging is not supported; use --save_metrics",
     "use_profiler": "the profiler hook is not supported yet",
     "flop_counter": "FLOP counting is on the roadmap (MFU report)",
-    "save_optimizer": "optimizer checkpoints are on the roadmap (resume)",
+    "save_optimizer": "the optimizer is part of the training state saved with --save_steps N",
     "dist_checkpoint_root_folder": "distributed checkpoints are on the roadmap",
     "dist_checkpoint_folder": "distributed checkpoints are on the roadmap",
 }

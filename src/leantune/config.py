@@ -84,6 +84,9 @@ class TrainingConfig:
     loss_chunk_size: Optional[int] = field(default=None, metadata=_help(
         "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
         "0: plain loss; default: chunked (about 64 MiB of logits a chunk) when checkpointing is on, plain otherwise."))
+    skip_nonfinite_steps: int = field(default=0, metadata=_help(
+        "Optimizer steps whose loss or gradient norm is NaN/inf that may be skipped (with a warning each) "
+        "before the run stops; 0: stop at the first one, naming the step and its examples."))
 
     def __post_init__(self):
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
@@ -95,6 +98,8 @@ class TrainingConfig:
         _require(self.weight_decay >= 0, "weight_decay", "must be 0 or more")
         _require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1] (got {self.gamma})")
         _require(self.gradient_clipping_threshold > 0, "gradient_clipping_threshold", "must be positive")
+        _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps",
+                 f"must be 0 (stop at the first) or more (got {self.skip_nonfinite_steps})")
         _require(self.loss_chunk_size is None or self.loss_chunk_size >= 0, "loss_chunk_size",
                  f"must be 0 (plain loss) or a positive number of tokens (got {self.loss_chunk_size})")
 
@@ -239,6 +244,28 @@ class OutputConfig:
     output_dir: str = field(default="out/leantune", metadata=_help("Where the model, metrics and memory log go."))
     save_model: bool = field(default=True, metadata=_help("Save the adapter (LoRA) or the full model at the end."))
     save_metrics: bool = field(default=False, metadata=_help("Write per-step metrics to metrics.json."))
+    save_steps: int = field(default=0, metadata=_help(
+        "Save the training state (weights or adapter, optimizer, scheduler, scaler, RNG states, data position) "
+        "to OUTPUT_DIR/checkpoint-STEP every this many optimizer steps and at the end; 0: only when stopped "
+        "by SIGTERM/SIGINT."))
+    save_total_limit: Optional[int] = field(default=None, metadata=_help(
+        "Keep only the newest this many checkpoint-STEP directories (default: keep all)."))
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata=_help(
+        "Continue a run exactly from a saved training state: a checkpoint-STEP directory, or 'latest' "
+        "(the newest in --output_dir)."))
+    overwrite_output_dir: bool = field(default=False, metadata=_help(
+        "Train into an --output_dir that holds another run's model or training state (its checkpoint-STEP "
+        "directories are deleted first)."))
+
+    def __post_init__(self):
+        _require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
+        _require(self.save_steps >= 0, "save_steps", f"must be 0 (save only when stopped) or more (got {self.save_steps})")
+        _require(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
+                 f"must keep at least 1 training state (got {self.save_total_limit})")
+        _require(not (self.resume_from_checkpoint and self.overwrite_output_dir), "overwrite_output_dir",
+                 "conflicts with --resume_from_checkpoint (resuming continues the run in --output_dir); drop one")
+        _require(self.resume_from_checkpoint is None or bool(self.resume_from_checkpoint.strip()),
+                 "resume_from_checkpoint", "give a checkpoint-STEP directory or 'latest'")
 
 
 SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, CheckpointingConfig, MemoryConfig,
@@ -268,6 +295,10 @@ class RunConfig:
                                              or self.checkpointing.activation_checkpointing_mode == "auto"):
             raise ConfigError("--enable_fsdp: the planner does not cover sharding yet; pick "
                               "--activation_checkpointing_mode and --batch_size_training yourself")
+        if self.distributed.enable_fsdp and (self.output.save_steps or self.output.resume_from_checkpoint):
+            flag = "save_steps" if self.output.save_steps else "resume_from_checkpoint"
+            raise ConfigError(f"--{flag}: saving and resuming the training state is single-process for now; "
+                              "drop --enable_fsdp or the flag")
         target = self.memory.target_global_batch_size
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training

@@ -19,21 +19,26 @@ from leantune.checkpointing import (CheckpointingError, CheckpointingReport, app
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError, build_datasets, make_dataloader
+from leantune.data.batching import NothingToLearn
 from leantune.distributed.context import (SINGLE_PROCESS, DistContext, close_distributed, init_distributed,
                                           launched_world_size)
 from leantune.distributed.fsdp import load_from_rank0, shard_model
 from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
+from leantune.memory.oom import oom_report
 from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, empty_model, load_model,
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch, plan_for_run
 from leantune.planning.plan import format_bytes
+from leantune.preflight import preflight
+from leantune.stopping import NoStopRequest, OutOfMemory, RunStopped, StopRequest, TrainingInterrupted
 from leantune.train import CausalLMLoss, Trainer, forward_backward
+from leantune.training_state import TrainingStateStore, check_compatible, read_state
 
-# Errors a user can fix from the message alone: printed without a traceback.
-USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError)
+# Errors a user can fix from the message alone, and runs stopped on purpose: printed without a traceback.
+USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError, RunStopped)
 
 
 def checkpoint_policy(cfg: RunConfig):
@@ -84,13 +89,13 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     return model.train(), report
 
 
-def build_model(cfg: RunConfig, precision: Precision, log=print, on_meta: bool = False):
+def build_model(cfg: RunConfig, precision: Precision, log=print, on_meta: bool = False, tokenizer=None):
     """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
 
     ``on_meta``: the model is built from its config on the meta device, no weight read (a rank
-    that will receive its shards from rank 0, ``--low_cpu_fsdp``).
+    that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one already loaded.
     """
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     if on_meta:
         model, report = prepare_model(empty_model(cfg.model, precision.weight_dtype), cfg, precision,
                                       place=lambda _model: None)
@@ -108,11 +113,18 @@ def build_loaders(cfg: RunConfig, tokenizer, log=print, dist: DistContext = SING
     common = dict(strategy=cfg.data.batching_strategy, context_length=cfg.data.context_length,
                   pad_id=tokenizer.pad_token_id, seed=cfg.training.seed,
                   num_workers=cfg.data.num_workers_dataloader, rank=dist.rank, world_size=dist.world_size)
-    train_loader = make_dataloader(train_examples, batch_size=cfg.training.batch_size_training, shuffle=True,
-                                   **common)
+    try:
+        train_loader = make_dataloader(train_examples, batch_size=cfg.training.batch_size_training, shuffle=True,
+                                       **common)
+    except NothingToLearn as err:
+        raise DatasetError(f"{cfg.data.data_path or 'the bundled dataset'}: training split: {err}") from None
     val_loader = None
     if val_examples and cfg.training.run_validation:
-        val_loader = make_dataloader(val_examples, batch_size=cfg.training.val_batch_size, shuffle=False, **common)
+        try:
+            val_loader = make_dataloader(val_examples, batch_size=cfg.training.val_batch_size, shuffle=False, **common)
+        except NothingToLearn as err:
+            raise DatasetError(f"{cfg.data.data_path or 'the bundled dataset'}: validation split: {err} "
+                               "(or --run_validation false)") from None
     source = cfg.data.data_path or "bundled instructions"
     log(f"data: {cfg.data.dataset} from {source}: {len(train_examples)} train / {len(val_examples)} validation "
         f"examples, {len(train_loader)} batches of {cfg.training.batch_size_training} x {cfg.data.context_length} "
@@ -164,12 +176,16 @@ def confirm_the_batch(memory: MemoryPlan, model, precision: Precision, log=print
 
 
 def build_monitor(cfg: RunConfig, device: torch.device, dist: DistContext, stack: contextlib.ExitStack, log=print):
-    """The per-step memory log (each rank its own file), or a probe that logs nothing when monitoring is off."""
+    """The per-step memory log (each rank its own file), or a probe that logs nothing when monitoring is off.
+
+    A resumed run appends to the log of the run it continues; its setup record marks the restart.
+    """
     if not cfg.memory.enable_memory_monitoring:
         return CurrentMemoryProbe(device)
     name = "memory.jsonl" if dist.is_main else f"memory.rank{dist.rank}.jsonl"
     path = Path(cfg.output.output_dir) / name
-    monitor = stack.enter_context(MemoryMonitor(path, device, cfg.memory.memory_monitoring_interval))
+    monitor = stack.enter_context(MemoryMonitor(path, device, cfg.memory.memory_monitoring_interval,
+                                                append=bool(cfg.output.resume_from_checkpoint)))
     monitor.record(0, phase="setup")  # memory after loading the model, before the first step
     where = path if not dist.distributed else f"{path} (rank 0; rank r: memory.rank<r>.jsonl)"
     log(f"memory monitoring: every step to {where}, CPU RSS sampled every {cfg.memory.memory_monitoring_interval} s")
@@ -191,31 +207,53 @@ def predicted_peak(memory: MemoryPlan, device: torch.device, log=print) -> int |
     return predicted
 
 
-def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS) -> Trainer:
+def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
+                  stop=NoStopRequest()) -> Trainer:
+    """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads."""
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
+    resume = preflight(cfg, dist, log)
     device = choose_device(cfg.model)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
+    if resume is not None:
+        check_compatible(read_state(resume), memory.cfg, resume)
     precision = choose_precision(memory.cfg, device)
+    tokenizer = load_tokenizer(cfg.model)
+    train_loader, val_loader = build_loaders(memory.cfg, tokenizer, log, dist)  # data errors surface here
     low_cpu = dist.distributed and cfg.distributed.low_cpu_fsdp
-    model, tokenizer = build_model(memory.cfg, precision, log, on_meta=low_cpu and not dist.is_main)
-    memory = confirm_the_batch(memory, model, precision, log)
+    model, tokenizer = build_model(memory.cfg, precision, log, on_meta=low_cpu and not dist.is_main,
+                                   tokenizer=tokenizer)
+    confirmed = confirm_the_batch(memory, model, precision, log)
+    if confirmed.cfg.training.batch_size_training != memory.cfg.training.batch_size_training:
+        train_loader, val_loader = build_loaders(confirmed.cfg, tokenizer, log, dist)  # backed off to a smaller batch
+    memory = confirmed
     cfg = memory.cfg
-    train_loader, val_loader = build_loaders(cfg, tokenizer, log, dist)
     monitor = build_monitor(cfg, device, dist, stack, log)
     log(f"precision: {precision.note}")
     loss_model = CausalLMLoss(model, loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0]))
     log(describe_loss(loss_model.loss_fn))
     if dist.distributed:
-        rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
-        shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
-        if low_cpu:
-            load_from_rank0(loss_model, rank0_state, dist, device)
-            del rank0_state
-        log(f"fsdp: {dist.world_size} processes, each decoder layer and the model+loss root sharded with FSDP2"
-            f"{', CPU offload' if cfg.distributed.fsdp_cpu_offload else ''}; batch {cfg.training.batch_size_training} "
-            f"per process, {cfg.training.batch_size_training * dist.world_size} per step in all")
-    return Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
-                   predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist)
+        shard(loss_model, cfg, dist, device, precision, log)
+    store = None if dist.distributed else TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log)
+    trainer = Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
+                      predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist,
+                      state_store=store, stop=stop)
+    if resume is not None:
+        trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
+    return trainer
+
+
+def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,
+          log=print) -> None:
+    """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards."""
+    low_cpu = cfg.distributed.low_cpu_fsdp
+    rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
+    shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
+    if low_cpu:
+        load_from_rank0(loss_model, rank0_state, dist, device)
+        del rank0_state
+    log(f"fsdp: {dist.world_size} processes, each decoder layer and the model+loss root sharded with FSDP2"
+        f"{', CPU offload' if cfg.distributed.fsdp_cpu_offload else ''}; batch {cfg.training.batch_size_training} "
+        f"per process, {cfg.training.batch_size_training * dist.world_size} per step in all")
 
 
 def start_distributed(cfg: RunConfig) -> DistContext:
@@ -235,11 +273,16 @@ def run(cfg: RunConfig, log=print) -> dict:
     """Build, train and save; returns the trainer's results (logs from rank 0 only)."""
     dist = start_distributed(cfg)
     try:
-        with contextlib.ExitStack() as stack:
-            trainer = build_trainer(cfg, stack, dist.logger(log), dist)
+        with StopRequest() as stop, contextlib.ExitStack() as stack:
+            trainer = build_trainer(cfg, stack, dist.logger(log), dist, stop)
             stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
             results = trainer.train()
             trainer.save()
+    except torch.OutOfMemoryError as err:  # before training (loading, the batch check): no trainer to ask
+        failure = OutOfMemory(oom_report(err, cfg, choose_device(cfg.model), step=None))
+        if dist.distributed:
+            _end_this_rank(dist, failure)
+        raise failure from None
     except BaseException as err:
         if dist.distributed:
             _end_this_rank(dist, err)
@@ -260,16 +303,26 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
         traceback.print_exception(err, file=sys.stderr)
     print(f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(2 if isinstance(err, ConfigError) else 1)
+    os._exit(exit_code(err))
+
+
+def exit_code(err: BaseException) -> int:
+    """2: a flag to fix; 128+N: stopped by signal N; 1: anything else the message explains."""
+    if isinstance(err, RunStopped):
+        return err.exit_code
+    return 2 if isinstance(err, ConfigError) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse_run_config(argv)
         run(cfg)
+    except TrainingInterrupted as err:
+        print(f"leantune: {err}", file=sys.stderr)
+        return err.exit_code
     except USER_ERRORS as err:
         print(f"leantune: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        return exit_code(err)
     return 0
 
 

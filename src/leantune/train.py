@@ -8,6 +8,7 @@ monitoring is off, a loss function, a precision policy).
 from __future__ import annotations
 
 import math
+import signal
 import statistics
 import sys
 import time
@@ -26,7 +27,10 @@ from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
+from leantune.memory.oom import oom_report
 from leantune.precision import Precision
+from leantune.stopping import NoStopRequest, NonFiniteStep, OutOfMemory, TrainingInterrupted
+from leantune.training_state import Progress, StateParts, TrainingStateStore, trainer_state
 
 # Memory fields copied from the monitor's record into each step's metrics.
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
@@ -41,6 +45,7 @@ class StepResult:
     input_tokens: int
     step_time_s: float
     grad_norm: Optional[float]
+    skipped: Optional[str] = None  # why the optimizer step was skipped (a non-finite loss or gradient norm)
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,7 +121,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model, tokenizer, train_loader, val_loader, precision: Precision,
                  monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print,
                  predicted_peak_bytes: Optional[int] = None, loss_model: Optional[CausalLMLoss] = None,
-                 dist: DistContext = SINGLE_PROCESS):
+                 dist: DistContext = SINGLE_PROCESS, state_store: Optional[TrainingStateStore] = None,
+                 stop=NoStopRequest(), check_finite: bool = True):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.precision, self.monitor, self.log = precision, monitor, log
@@ -131,54 +137,69 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=cfg.training.gamma)
         self.steps: list[dict] = []
         self.epochs: list[dict] = []
-        self.batches_seen = 0
+        self.progress = Progress()
+        self.state_store = state_store  # where training states go (None: they are not saved)
+        self.stop = stop  # a StopRequest: SIGTERM/SIGINT seen
+        self.resumed_from: Optional[str] = None
+        self.check_finite = check_finite  # off where the step only measures memory (random weights, fakes)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
+        """Every epoch from where ``progress`` stands (the start, or a resumed training state)."""
         tc = self.cfg.training
-        for epoch in range(tc.num_epochs):
-            if self._batch_budget() == 0:
-                break
-            summary = self.train_epoch(epoch)
-            self.scheduler.step()
-            if tc.run_validation and self.val_loader is not None:
-                summary.update(self.evaluate())
-            self.epochs.append(summary)
-            self.log(_epoch_line(summary))
-            self.write_metrics()
+        try:
+            while self.progress.epoch < tc.num_epochs:
+                if self.progress.batches_in_epoch == 0 and self._batch_budget() == 0:
+                    break
+                summary = self.train_epoch(self.progress.epoch)
+                self.scheduler.step()
+                if tc.run_validation and self.val_loader is not None:
+                    summary.update(self.evaluate())
+                self.epochs.append(summary)
+                self.progress.next_epoch()
+                self.log(_epoch_line(summary))
+                self.write_metrics()
+        except torch.OutOfMemoryError as err:
+            raise OutOfMemory(self._oom_report(err)) from None
+        if self.cfg.output.save_steps and self.steps:
+            self.save_training_state()  # the end state: a later run may resume it with more epochs
         return self.results()
 
     def train_epoch(self, epoch: int) -> dict:
         self.model.train()
-        sampler = self.train_loader.batch_sampler
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)  # a new, seeded shuffle each epoch
+        sampler, progress = self.train_loader.batch_sampler, self.progress
+        # a new, seeded shuffle each epoch, resumed after the batches already trained on
+        sampler.set_epoch(epoch, skip=progress.batches_in_epoch)
         total = self._steps_this_epoch()
-        loss_sum, targets, steps, started = 0.0, 0, 0, time.perf_counter()
-        bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{self.cfg.training.num_epochs}", dynamic_ncols=True,
-                   disable=not (sys.stderr.isatty() and self.dist.is_main), mininterval=0.5)
+        bar = tqdm(total=total, initial=progress.epoch_steps, desc=f"epoch {epoch + 1}/{self.cfg.training.num_epochs}",
+                   dynamic_ncols=True, disable=not (sys.stderr.isatty() and self.dist.is_main), mininterval=0.5)
         write = self.log if bar.disable else bar.write  # bar.write keeps a live bar intact
+        last = time.perf_counter()
         with bar:
             for window in self._windows():
                 result = self.train_step(window)
                 record = self._record_step(epoch, result)
-                loss_sum += result.loss * result.target_tokens
-                targets += result.target_tokens
-                steps += 1
+                self._advance(window, result)
+                now = time.perf_counter()
+                progress.epoch_time_s, last = progress.epoch_time_s + now - last, now
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:,.0f}",
                                 mem=_memory_postfix(record))
+                steps = progress.epoch_steps
                 if steps == 1 or steps % max(1, total // 10) == 0 or steps == total:
                     write(_step_line(record, steps, total))
-        train_loss = loss_sum / max(targets, 1)
+                self._after_step()
+        train_loss = progress.epoch_loss_sum / max(progress.epoch_targets, 1)
         return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": _perplexity(train_loss),
-                "steps": steps, "time_s": time.perf_counter() - started}
+                "steps": progress.epoch_steps, "time_s": progress.epoch_time_s}
 
     def train_step(self, window: list[dict]) -> StepResult:
         """One optimizer step over an accumulation window of batches (on every rank: its part of them).
 
         The loss is normalised by the target tokens of the whole window on all ranks, so every
         token weighs the same; FSDP averages the ranks' gradients, hence the rank count back in.
+        A NaN or infinite loss or gradient norm skips the optimizer step (``_check_finite`` decides
+        whether the run may go on).
         """
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,15 +209,17 @@ class Trainer:
         for batch in window:
             loss_total += self.loss_step(batch, normaliser=normaliser)
         grad_norm = self._clip_gradients()
-        scaler = self.scaler
-        if scaler is not None:
-            scaler.step(self.optimizer)
-            scaler.update()
+        loss = self.dist.sum(host_float(loss_total), self.device) / max(targets, 1)  # also waits for the device
+        skipped = self._check_finite(loss, grad_norm, window) if self.check_finite else None
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         else:
             self.optimizer.step()
-        loss = self.dist.sum(host_float(loss_total), self.device) / max(targets, 1)  # also waits for the device
         input_tokens = int(self.dist.sum(sum(int(batch["attention_mask"].sum()) for batch in window), self.device))
-        return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm)
+        return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm, skipped)
 
     def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
@@ -223,36 +246,97 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def _windows(self) -> Iterator[list[dict]]:
         """Accumulation windows of batches, stopping at ``--max_train_step`` batches in all."""
+        budget, taken = self._batch_budget(), 0
         window: list[dict] = []
         for batch in self.train_loader:
-            if self._batch_budget() == 0:
+            if budget is not None and taken >= budget:
                 break
             window.append(batch)
-            self.batches_seen += 1
+            taken += 1
             if len(window) == self.cfg.training.gradient_accumulation_steps:
                 yield window
                 window = []
         if window:
             yield window
 
+    def _advance(self, window: list[dict], result: StepResult) -> None:
+        progress = self.progress
+        progress.batches_in_epoch += len(window)
+        progress.batches_seen += len(window)
+        progress.epoch_steps += 1
+        if not result.skipped:
+            progress.epoch_loss_sum += result.loss * result.target_tokens
+            progress.epoch_targets += result.target_tokens
+
+    def _after_step(self) -> None:
+        """Save the training state every ``--save_steps``; on SIGTERM/SIGINT save it and stop."""
+        step, every = len(self.steps), self.cfg.output.save_steps
+        saved = None
+        if every and step % every == 0:
+            saved = self.save_training_state()
+        if not self._stop_requested():
+            return
+        if saved is None:
+            saved = self.save_training_state()
+        self.write_metrics()
+        where = (f"training state saved to {saved}; resume by running the same command with "
+                 f"--resume_from_checkpoint {saved} (or latest)") if saved else \
+            "the training state is not saved with --enable_fsdp"
+        raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal'} after step {step}; {where}",
+                                  self.stop.signum or signal.SIGTERM)
+
+    def _stop_requested(self) -> bool:
+        if not self.dist.distributed:
+            return self.stop.requested
+        # every rank must stop after the same step, or one would wait forever in the next collective
+        return self.dist.sum(float(self.stop.requested), self.device) > 0
+
+    def _check_finite(self, loss: float, grad_norm: Optional[float], window: list[dict]) -> Optional[str]:
+        """None when the step is sound; else why it is skipped, or ``NonFiniteStep`` beyond the allowance."""
+        problems = [] if math.isfinite(loss) else [f"loss {loss}"]
+        # With a GradScaler, an infinite gradient is routine: the scaler skips the step and lowers its scale.
+        if grad_norm is not None and not math.isfinite(grad_norm) and self.scaler is None:
+            problems.append(f"gradient norm {grad_norm}")
+        if not problems:
+            return None
+        step, allowed = len(self.steps) + 1, self.cfg.training.skip_nonfinite_steps
+        sources = [source for batch in window for row in batch.get("sources", []) for source in row]
+        what = f"step {step}: non-finite {' and '.join(problems)}; its batches hold {_describe_sources(sources)}"
+        if self.progress.nonfinite_skipped >= allowed:
+            hint = (f"{allowed} such step(s) were skipped already" if allowed else
+                    "--skip_nonfinite_steps K skips up to K such steps")
+            raise NonFiniteStep(f"{what}. Stopped ({hint}); check those records, lower --lr or turn on "
+                                "--gradient_clipping")
+        self.progress.nonfinite_skipped += 1
+        self.log(f"warning: {what}; optimizer step skipped ({self.progress.nonfinite_skipped} of {allowed} allowed)")
+        return ", ".join(problems)
+
     def _batch_budget(self) -> Optional[int]:
         limit = self.cfg.training.max_train_step
-        return None if limit == 0 else max(0, limit - self.batches_seen)
+        return None if limit == 0 else max(0, limit - self.progress.batches_seen)
 
     def _steps_this_epoch(self) -> int:
-        batches = len(self.train_loader)
+        """Optimizer steps of the current epoch: those done (when resumed) and those to come."""
+        batches = len(self.train_loader) - self.progress.batches_in_epoch
         budget = self._batch_budget()
         if budget is not None:
             batches = min(batches, budget)
-        return math.ceil(batches / self.cfg.training.gradient_accumulation_steps)
+        return self.progress.epoch_steps + math.ceil(max(batches, 0) / self.cfg.training.gradient_accumulation_steps)
 
     def _clip_gradients(self) -> Optional[float]:
+        """The gradient norm (clipped to the threshold with --gradient_clipping), None when it means nothing.
+
+        Under a GradScaler without clipping, the gradients are still scaled: their norm is not computed.
+        """
         tc = self.cfg.training
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if not tc.gradient_clipping:
-            return None
+            if self.scaler is not None:
+                return None
+            grads = [p.grad for p in params if p.grad is not None]
+            return host_float(torch.nn.utils.get_total_norm(grads)) if grads else None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return host_float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
@@ -260,6 +344,9 @@ class Trainer:
         memory = self.monitor.record(step, breakdown=lambda: persistent_bytes(self.model, self.optimizer))
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
+        if not result.skipped:
+            del record["skipped"]
+        record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         if step == 2 and self.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(_plan_check_line(record, self.predicted_peak_bytes))
@@ -281,7 +368,36 @@ class Trainer:
                 "last_loss": self.steps[-1]["loss"] if self.steps else None,
                 "timed_steps": len(timed),
                 "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
-                "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None}
+                "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+                "resumed_from": self.resumed_from,
+                "skipped_nonfinite_steps": self.progress.nonfinite_skipped}
+
+    def state_parts(self) -> StateParts:
+        return StateParts(self.model, self.cfg.peft.use_peft, self.tokenizer, self.optimizer, self.scheduler,
+                          self.scaler)
+
+    def save_training_state(self) -> Optional[Path]:
+        """Everything needed to continue exactly from here, in ``OUTPUT_DIR/checkpoint-STEP`` (None: not saved)."""
+        if self.state_store is None:
+            return None
+        step = len(self.steps)
+        path = self.state_store.save(step, self.state_parts(),
+                                     trainer_state(step, self.progress, self.steps, self.epochs, self.cfg))
+        self.log(f"saved the training state of step {step} to {path}")
+        return path
+
+    def resume(self, path: Path) -> None:
+        """Continue from the training state in ``path``: weights, optimizer, scheduler, scaler, RNG, position."""
+        state = self.state_store.load(path, self.state_parts())
+        self.progress = Progress(**state["progress"])
+        self.steps, self.epochs = state["train_steps"], state["epochs"]
+        self.resumed_from = str(path)
+        self.log(f"resumed from {path}: step {state['global_step']}, epoch {self.progress.epoch + 1}, "
+                 f"{self.progress.batches_in_epoch} batches into it")
+
+    def _oom_report(self, err: BaseException) -> str:
+        last = self.monitor.rows[-1] if getattr(self.monitor, "rows", None) else None
+        return oom_report(err, self.cfg, self.device, len(self.steps) + 1, last, self.predicted_peak_bytes)
 
     def write_metrics(self) -> Optional[Path]:
         if not self.cfg.output.save_metrics or not self.dist.is_main:
@@ -338,6 +454,19 @@ def _plan_check_line(record: dict, predicted_bytes: int) -> str:
             f"({(predicted / measured - 1) * 100:+.1f}%)")
 
 
+def _describe_sources(sources: list, shown: int = 24) -> str:
+    """'examples data.jsonl:4, 7, 9' (records by file and line), capped at ``shown`` of them."""
+    unique = list(dict.fromkeys(str(source) for source in sources))
+    if not unique:
+        return "no traceable examples"
+    files = {source.rsplit(":", 1)[0] for source in unique if ":" in source}
+    if len(files) == 1 and all(":" in source for source in unique):
+        text = f"examples {files.pop()}:" + ", ".join(source.rsplit(":", 1)[1] for source in unique[:shown])
+    else:
+        text = "examples " + ", ".join(unique[:shown])
+    return text + (f" and {len(unique) - shown} more" if len(unique) > shown else "")
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 50 else float("inf")
 
@@ -351,7 +480,8 @@ def _memory_postfix(record: dict) -> str:
 
 
 def _step_line(record: dict, step_in_epoch: int, total_in_epoch: int) -> str:
-    line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {record['loss']:.4f}, "
+    loss = f"{record['loss']:.4f}" if record["loss"] is not None else "non-finite (step skipped)"
+    line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {loss}, "
             f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step")
     if record.get("peak_allocated_mib") is not None:
         line += f", peak {record['peak_allocated_mib']:.0f} MiB"

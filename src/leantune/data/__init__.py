@@ -33,4 +33,12 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[list, list]:
     records = read_records(source)
     train, val = split_records(records, cfg.val_fraction, seed)
     encode = ENCODERS[cfg.dataset]
-    return encode(train, tokenizer, source), encode(val, tokenizer, source)
+    return _with_sources(encode(train, tokenizer, source), train, source), \
+        _with_sources(encode(val, tokenizer, source), val, source)
+
+
+def _with_sources(examples: list, records: list, source: Path) -> list:
+    """Each example names its record (``file:line``), so a bad batch can be traced to the data."""
+    for example, record in zip(examples, records):
+        example["_source"] = f"{source.name}:{record.get('_line', '?')}"
+    return examples

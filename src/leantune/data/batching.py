@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from typing import Sequence
 
@@ -17,25 +19,37 @@ def pack(examples: Sequence[Example], context_length: int, pad_id: int) -> list[
     """Concatenate examples into blocks of exactly ``context_length`` tokens.
 
     The tail that does not fill a block is kept and padded, so a small dataset never packs down
-    to nothing; its padding is masked out of attention and loss.
+    to nothing; its padding is masked out of attention and loss. Each block's ``sources`` names
+    the examples it holds tokens of (``_source``), so a bad batch can be traced to its records.
     """
     ids = [t for ex in examples for t in ex["input_ids"]]
     labels = [t for ex in examples for t in ex["labels"]]
+    ends = list(itertools.accumulate(len(ex["input_ids"]) for ex in examples))
     blocks = []
     for start in range(0, len(ids), context_length):
         block_ids, block_labels = ids[start:start + context_length], labels[start:start + context_length]
-        blocks.append(_pad_to({"input_ids": block_ids, "labels": block_labels}, context_length, pad_id))
+        block = _pad_to({"input_ids": block_ids, "labels": block_labels}, context_length, pad_id)
+        first = bisect.bisect_right(ends, start)
+        last = bisect.bisect_left(ends, start + len(block_ids))
+        block["sources"] = [_source(examples, i) for i in range(first, min(last, len(examples) - 1) + 1)]
+        blocks.append(block)
     return [b for b in blocks if any(t != IGNORE_INDEX for t in b["labels"][1:])]
 
 
 def truncate(examples: Sequence[Example], context_length: int) -> list[Example]:
     """Cut examples to ``context_length`` and drop those left with no response token to learn."""
     kept = []
-    for ex in examples:
-        cut = {key: values[:context_length] for key, values in ex.items()}
+    for index, ex in enumerate(examples):
+        cut = {key: ex[key][:context_length] for key in ("input_ids", "labels")}
         if any(t != IGNORE_INDEX for t in cut["labels"][1:]):
+            cut["sources"] = [_source(examples, index)]
             kept.append(cut)
     return kept
+
+
+def _source(examples: Sequence[Example], index: int):
+    """Where example ``index`` came from: its record's line (``_source``), else its position."""
+    return examples[index].get("_source", index)
 
 
 def _pad_to(example: Example, length: int, pad_id: int) -> Example:
@@ -57,8 +71,9 @@ class PaddingCollator:
         longest = max(len(ex["input_ids"]) for ex in batch)
         padded = [ex if "attention_mask" in ex and len(ex["input_ids"]) == longest
                   else _pad_to(ex, longest, self.pad_id) for ex in batch]
-        return {key: torch.tensor([ex[key] for ex in padded], dtype=torch.long)
-                for key in ("input_ids", "labels", "attention_mask")}
+        tensors = {key: torch.tensor([ex[key] for ex in padded], dtype=torch.long)
+                   for key in ("input_ids", "labels", "attention_mask")}
+        return {**tensors, "sources": [ex.get("sources", []) for ex in batch]}
 
 
 class LengthGroupedBatchSampler(Sampler[list[int]]):
@@ -127,6 +142,28 @@ class RankShard(Sampler[list[int]]):
         return sum(1 for batch in self.batches if len(batch) >= self.world_size)
 
 
+class ResumableBatches(Sampler[list[int]]):
+    """Another batch sampler whose epoch can start part-way through (resuming mid-epoch).
+
+    The batches of an epoch depend only on the seed and the epoch number, so the position inside
+    the epoch (how many batches were consumed) is all a saved training state needs to hold.
+    """
+
+    def __init__(self, batches: Sampler[list[int]]):
+        self.batches, self.skip = batches, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Epoch ``epoch`` from its batch ``skip`` on (a DataLoader may call ``iter`` more than once a pass)."""
+        self.batches.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(iter(self.batches), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def make_dataloader(examples: Sequence[Example], *, strategy: str, batch_size: int, context_length: int,
                     pad_id: int, shuffle: bool, seed: int, num_workers: int = 0, rank: int = 0,
                     world_size: int = 1) -> DataLoader:
@@ -147,9 +184,24 @@ def make_dataloader(examples: Sequence[Example], *, strategy: str, batch_size: i
     else:
         raise ValueError(f"unknown batching strategy {strategy!r}; use 'packing' or 'padding'")
     if not items:
-        raise ValueError("no example has a response token to learn from after truncation; "
-                         "raise --context_length or check the dataset")
+        raise NothingToLearn(_nothing_to_learn(examples, context_length))
     if world_size > 1:
         sampler = RankShard(sampler, rank, world_size)
-    return DataLoader(items, batch_sampler=sampler, collate_fn=PaddingCollator(pad_id),
-                      num_workers=num_workers, persistent_workers=False)
+    # Its own generator: creating an epoch's iterator then draws no number from the global RNG,
+    # so a run resumed mid-epoch sees the same random stream (dropout) as one never stopped.
+    return DataLoader(items, batch_sampler=ResumableBatches(sampler), collate_fn=PaddingCollator(pad_id),
+                      num_workers=num_workers, persistent_workers=False, generator=torch.Generator().manual_seed(seed))
+
+
+class NothingToLearn(ValueError):
+    """No example keeps a response token within the context length."""
+
+
+def _nothing_to_learn(examples: Sequence[Example], context_length: int) -> str:
+    if not examples:
+        return "no examples"
+    prompts = [next((i for i, t in enumerate(ex["labels"]) if t != IGNORE_INDEX), len(ex["labels"]))
+               for ex in examples]
+    return (f"every one of the {len(examples)} examples has its prompt fill --context_length {context_length} "
+            f"(shortest prompt: {min(prompts)} tokens), so no response token is left to learn from; "
+            f"raise --context_length above {min(prompts) + 1} or shorten the prompts")

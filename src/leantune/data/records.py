@@ -20,7 +20,12 @@ def read_records(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path} (pass an existing file with --data_path)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+                           "save the file as UTF-8") from None
     if path.suffix == ".jsonl" or (path.suffix != ".json" and text.lstrip().startswith("{")):
         records = list(_jsonl_records(path, text.splitlines()))
     else:
@@ -59,10 +64,11 @@ def _json_records(path: Path, text: str) -> list[dict]:
 
 
 def require_fields(record: dict, fields: tuple[str, ...], path: str | Path) -> None:
-    """Raise a ``DatasetError`` naming the record's line when a field is missing or not a string."""
+    """Raise a ``DatasetError`` naming the record's line when a field is missing, empty or not a string."""
     for name in fields:
         value = record.get(name)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not value.strip():
             where = record.get("_line", "?")
-            problem = "missing" if value is None else f"a {type(value).__name__}, not a string"
+            problem = ("missing" if value is None else "empty" if isinstance(value, str)
+                       else f"a {type(value).__name__}, not a string")
             raise DatasetError(f"{path}:{where}: field {name!r} is {problem}")

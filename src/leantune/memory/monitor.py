@@ -23,12 +23,12 @@ class MemoryMonitor:
     it and closes the file; use the monitor as a context manager.
     """
 
-    def __init__(self, path: str | Path, device: torch.device, interval: float = 0.05):
+    def __init__(self, path: str | Path, device: torch.device, interval: float = 0.05, append: bool = False):
         self.path = Path(path)
         self.device = device
         self.rows: list[dict] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w", encoding="utf-8")
+        self._file = self.path.open("a" if append else "w", encoding="utf-8")
         self._sampler = RssSampler(interval).start()
         self._start = time.perf_counter()
         reset_peak_stats(device)

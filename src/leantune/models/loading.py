@@ -95,14 +95,19 @@ def attach_lora(model, cfg: PeftSettings):
 def _new_lora(model, cfg: PeftSettings):
     from peft import LoraConfig, get_peft_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in cfg.lora_target_modules if m not in names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ModelLoadError(f"--lora_target_modules: {missing} not found in the model; its linear layers are {linear}")
+    check_lora_targets(model, cfg.lora_target_modules)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every ``--lora_target_modules`` name is a module of ``model`` (also one on the meta device)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in targets if m not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelLoadError(f"--lora_target_modules: {missing} not found in the model; its linear layers are {linear}")
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -170,7 +170,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     model, report = prepare_model(model, run_cfg, precision, place=place)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     trainer = Trainer(run_cfg, model, None, None, None, precision, CurrentMemoryProbe(precision.device),
-                      loss_fn=loss_function(run_cfg, vocab), log=lambda *_: None)
+                      loss_fn=loss_function(run_cfg, vocab), log=lambda *_: None, check_finite=False)
     if target.type == "cuda":  # AdamW's default on CUDA tensors: the multi-tensor path and its temporaries
         for group in trainer.optimizer.param_groups:
             group["foreach"] = True

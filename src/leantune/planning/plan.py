@@ -124,10 +124,9 @@ def offload_cap_bytes(cfg: RunConfig) -> int:
 
 def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> None:
     """Refuse what cannot be planned, naming the flag: a context beyond the model's, a negative budget."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and cfg.data.context_length > limit:
-        raise ConfigError(f"--context_length {cfg.data.context_length}: the model handles at most {limit} positions "
-                          f"(max_position_embeddings); use --context_length {limit} or less")
+    from leantune.preflight import check_context_length
+
+    check_context_length(cfg, config)
     if budget_bytes is not None and budget_bytes <= 0:
         raise ConfigError("--memory_budget_gb: must be a positive number of GiB")
 

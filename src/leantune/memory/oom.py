@@ -1,0 +1,80 @@
+"""What to tell a user whose run ran out of memory: what was in use, and what to change, in order."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from leantune.config import RunConfig
+
+SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
+
+
+def memory_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
+    """Concrete flag changes, the ones that cost least throughput for the most memory first."""
+    fixes = []
+    mode, tc = cfg.checkpointing.mode, cfg.training
+    if mode is None:
+        fixes.append("recompute activations instead of keeping them: --enable_activation_checkpointing")
+    elif mode not in ("full", "offload"):
+        fixes.append(f"recompute every layer: --activation_checkpointing_mode full (now {mode})")
+    batch, accumulation = tc.batch_size_training, tc.gradient_accumulation_steps
+    if batch > 1:
+        smaller = next(d for d in range(batch // 2, 0, -1) if batch % d == 0)
+        steps = accumulation * batch // smaller
+        fixes.append(f"a smaller batch, the same {batch * accumulation} rows per optimizer step: "
+                     f"--batch_size_training {smaller} --gradient_accumulation_steps {steps}")
+    length = cfg.data.context_length
+    if length > 64:
+        fixes.append(f"shorter rows: --context_length {length // 2} (now {length})")
+    if device.type == "cuda" and mode != "offload":
+        fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
+                     "--activation_checkpointing_mode offload")
+    if not cfg.peft.use_peft:
+        fixes.append("train a LoRA adapter instead of every weight (no gradients or optimizer state for the "
+                     "base): --use_peft")
+    return fixes
+
+
+def dump_snapshot(device: torch.device, output_dir: str | Path) -> Optional[Path]:
+    """The CUDA allocator's snapshot (open it in https://pytorch.org/memory_viz), written whole or not at all."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    path = Path(output_dir) / SNAPSHOT_NAME
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(partial))
+        os.replace(partial, path)
+    except Exception:  # a failed snapshot must not hide the out-of-memory report
+        partial.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def oom_report(err: BaseException, cfg: RunConfig, device: torch.device, step: Optional[int],
+               last_record: Optional[dict] = None, predicted_peak_bytes: Optional[int] = None) -> str:
+    """The message printed when a run runs out of memory (the fixes numbered, in the order to try them)."""
+    where = f"at step {step}" if step is not None else "before the first step"
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    lines = [f"out of memory on {device} {where}: {first_line}"]
+    if last_record:
+        shown = {k: v for k, v in last_record.items() if k.endswith("_mib") and v is not None}
+        lines.append(f"last memory record (step {last_record.get('step')}): " +
+                     ", ".join(f"{k.removesuffix('_mib')} {v:,.1f} MiB" for k, v in shown.items()))
+    if predicted_peak_bytes:
+        lines.append(f"the plan predicted a peak of {predicted_peak_bytes / 2**20:,.1f} MiB allocated per step")
+    if device.type == "cuda" and torch.cuda.is_available():
+        lines.append("allocator summary:\n" + torch.cuda.memory_summary(device, abbreviated=True))
+        snapshot = dump_snapshot(device, cfg.output.output_dir)
+        if snapshot:
+            lines.append(f"memory snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)")
+    lines.append("to fit, try in this order:")
+    lines += [f"  {i}. {fix}" for i, fix in enumerate(memory_fixes(cfg, device), start=1)]
+    lines.append("  `leantune plan` with the same flags and --memory_budget_gb shows each mode's predicted peak; "
+                 "--activation_checkpointing_mode auto picks the one that fits")
+    lines.append("no training state was saved for the failed step; the last saved one (if any) is intact")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Checks that run before any heavy work, so a mistake costs seconds, not an hour of training.
+
+Flag values are checked by the config dataclasses as they are parsed; what needs the file system
+or the model's config is checked here, before the memory plan, the data and the weights load:
+the output directory, the training state to resume, the context length against the model's
+positions and the LoRA target modules against the model's layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from leantune.config import ConfigError, RunConfig
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.training_state import PREFIX, TrainingStateStore, resolve_resume_path, saved_states
+
+# Files that mean a finished run's model is in a directory (the Hugging Face layouts).
+MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "adapter_model.bin")
+
+
+def preflight(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print) -> Optional[Path]:
+    """Refuse bad input early; returns the training state to resume from, if any."""
+    check_output_dir(cfg, dist, log)
+    resume = None
+    if cfg.output.resume_from_checkpoint:
+        resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
+    check_model_shape(cfg)
+    return resume
+
+
+def check_output_dir(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print) -> None:
+    """A writable directory that holds no other run's model or training state (unless resuming or overwriting)."""
+    out = Path(cfg.output.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out}: is a file; give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--output_dir {out}: cannot create it ({err.strerror}); pick a writable directory") from None
+    states = saved_states(out)
+    models = [name for name in MODEL_FILES if (out / name).is_file()]
+    if not (states or models) or cfg.output.resume_from_checkpoint:
+        return
+    if not cfg.output.overwrite_output_dir:
+        held = f"{len(states)} training state(s) ({states[-1][1].name} the newest)" if states else f"a model ({models[0]})"
+        raise ConfigError(f"--output_dir {out}: holds another run's {held}. Continue that run with "
+                          "--resume_from_checkpoint latest, start over with --overwrite_output_dir, or pick "
+                          "another --output_dir")
+    if dist.is_main and states:
+        removed = TrainingStateStore(out).remove_all()
+        log(f"--overwrite_output_dir: deleted {len(removed)} training state(s) {PREFIX}* in {out}")
+
+
+def check_model_shape(cfg: RunConfig) -> None:
+    """The context length and LoRA targets against the model's config, read without loading a weight."""
+    import torch
+
+    from leantune.models.loading import ModelLoadError, check_lora_targets, empty_model
+    from leantune.models.structure import unwrap_model
+
+    try:
+        model = empty_model(cfg.model, torch.float32)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the model's config from {cfg.model.model_name!r}: {err}. Pass a local "
+                             "directory saved with save_pretrained, or a hub id with network access") from None
+    check_context_length(cfg, unwrap_model(model).config)
+    if cfg.peft.use_peft and not cfg.peft.from_peft_checkpoint:
+        check_lora_targets(model, cfg.peft.lora_target_modules)
+
+
+def check_context_length(cfg: RunConfig, config) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.data.context_length > limit:
+        raise ConfigError(f"--context_length {cfg.data.context_length}: the model handles at most {limit} positions "
+                          f"(max_position_embeddings); use --context_length {limit} or less")

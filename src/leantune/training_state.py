@@ -1,0 +1,288 @@
+"""Saving and restoring the *training state* (not to be confused with activation checkpointing).
+
+A training state is everything a run needs to continue exactly where it was: the trainable
+weights (the LoRA adapter or the whole model), the optimizer, the learning-rate scheduler, the
+gradient scaler, every RNG state, the position in the data and the step counters. Each lands in
+``OUTPUT_DIR/checkpoint-STEP/`` laid out as the Hugging Face Trainer lays out its checkpoints:
+
+    adapter_model.safetensors + adapter_config.json   (LoRA)   or   model*.safetensors + config.json
+    tokenizer files, optimizer.pt, scheduler.pt, scaler.pt (fp16 only), rng_state.pth,
+    trainer_state.json                                            (written last)
+
+It is written into a hidden staging directory and renamed into place, so ``checkpoint-STEP``
+either holds a complete state or does not exist; a crash mid-write leaves only a hidden
+directory that the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from leantune.config import ConfigError, RunConfig
+from leantune.io import atomic_write_json
+from leantune.models.structure import unwrap_model
+
+PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+# Flags that change what the next step computes: resuming with another value would not continue
+# the same run, so it is refused. Others (epochs, step limit, logging, saving) may change.
+TRAJECTORY_FLAGS = ("model_name", "use_peft", "peft_method", "lora_r", "lora_alpha", "lora_dropout",
+                    "lora_target_modules", "dataset", "data_path", "batching_strategy", "context_length",
+                    "val_fraction", "batch_size_training", "gradient_accumulation_steps", "seed", "lr",
+                    "weight_decay", "gamma", "use_fp16", "model_dtype")
+
+
+@dataclass
+class Progress:
+    """Where the loop is: with the seed, all that the data order needs, and the epoch so far."""
+
+    epoch: int = 0  # index of the epoch in progress (num_epochs once all are done)
+    batches_in_epoch: int = 0  # batches of that epoch already trained on
+    batches_seen: int = 0  # in all, against --max_train_step
+    epoch_loss_sum: float = 0.0  # loss x target tokens over the epoch's steps so far
+    epoch_targets: int = 0
+    epoch_steps: int = 0
+    epoch_time_s: float = 0.0
+    nonfinite_skipped: int = 0
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.batches_in_epoch = self.epoch_targets = self.epoch_steps = 0
+        self.epoch_loss_sum = self.epoch_time_s = 0.0
+
+
+@dataclass
+class StateParts:
+    """The trainer's objects a training state is made of."""
+
+    model: torch.nn.Module
+    is_peft: bool
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: Optional[torch.amp.GradScaler]
+
+
+def saved_states(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete training states in ``output_dir`` as (step, path), oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
+    return sorted(found)
+
+
+def resolve_resume_path(value: str, output_dir: str | Path) -> Path:
+    """The directory ``--resume_from_checkpoint`` names ('latest': the newest in ``output_dir``)."""
+    if value == "latest":
+        states = saved_states(output_dir)
+        if not states:
+            raise ConfigError(f"--resume_from_checkpoint latest: {output_dir} holds no complete {PREFIX}STEP "
+                              "training state; start without the flag, or point it at a checkpoint directory")
+        return states[-1][1]
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--resume_from_checkpoint {value}: no such directory; give a {PREFIX}STEP directory "
+                          "or 'latest'")
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"--resume_from_checkpoint {value}: no {STATE_FILE} there, so it is not a complete "
+                          f"training state (a final model directory cannot be resumed; use a {PREFIX}STEP directory)")
+    return path
+
+
+def read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--resume_from_checkpoint {path}: cannot read {STATE_FILE}: {err}") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"--resume_from_checkpoint {path}: saved by another leantune version "
+                          f"(format {state.get('format_version')}, this one reads {FORMAT_VERSION})")
+    return state
+
+
+def check_compatible(state: dict, cfg: RunConfig, path: Path) -> None:
+    """Refuse to resume with flags that would make the continuation a different run."""
+    saved, now = state["config"], cfg.flat()
+    changed = [f"--{name} {saved.get(name)!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
+               if name in saved and _normal(saved[name]) != _normal(now[name])]
+    if changed:
+        raise ConfigError(f"--resume_from_checkpoint {path}: these flags differ from the saved run, so it could not "
+                          f"continue exactly: {'; '.join(changed)}. Pass the saved values (see {path / STATE_FILE})")
+
+
+def _normal(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+class TrainingStateStore:
+    """Writes training states into ``output_dir`` (keeping the newest ``keep``) and reads them back."""
+
+    def __init__(self, output_dir: str | Path, keep: Optional[int] = None, log: Callable[[str], None] = print):
+        self.root, self.keep, self.log = Path(output_dir), keep, log
+
+    def save(self, step: int, parts: StateParts, trainer_state: dict) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_staging()
+        target = self.root / f"{PREFIX}{step}"
+        staging = Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step}.saving-", dir=self.root))
+        try:
+            _write_tensors(staging, parts)
+            atomic_write_json(staging / STATE_FILE, {"format_version": FORMAT_VERSION, **trainer_state})
+            _fsync_dir(staging)
+            _replace_dir(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._rotate(keep_path=target)
+        return target
+
+    def load(self, path: Path, parts: StateParts) -> dict:
+        """Restore the tensors and RNG states of ``path`` into ``parts``; returns its trainer_state.json."""
+        state = read_state(path)
+        _load_weights(path, parts)
+        parts.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        if parts.scaler is not None:
+            if not (path / "scaler.pt").is_file():
+                raise ConfigError(f"--resume_from_checkpoint {path}: saved without a gradient scaler; resume with "
+                                  "the saved precision flags")
+            parts.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+        restore_rng(torch.load(path / "rng_state.pth", weights_only=False))
+        return state
+
+    def remove_all(self) -> list[Path]:
+        """Delete every training state here (``--overwrite_output_dir``)."""
+        states = [path for _, path in saved_states(self.root)]
+        for path in states:
+            _remove_dir(path)
+        return states
+
+    def _rotate(self, keep_path: Path) -> None:
+        if self.keep is None:
+            return
+        states = [path for _, path in saved_states(self.root) if path != keep_path]
+        for path in states[:max(0, len(states) - (self.keep - 1))]:
+            _remove_dir(path)
+
+    def _remove_stale_staging(self) -> None:
+        for path in self.root.glob(f".{PREFIX}*"):  # left by a run killed while saving or deleting
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_tensors(staging: Path, parts: StateParts) -> None:
+    model = parts.model if parts.is_peft else unwrap_model(parts.model)
+    model.save_pretrained(staging, safe_serialization=True)
+    parts.tokenizer.save_pretrained(staging)
+    torch.save(parts.optimizer.state_dict(), staging / "optimizer.pt")
+    torch.save(parts.scheduler.state_dict(), staging / "scheduler.pt")
+    if parts.scaler is not None:
+        torch.save(parts.scaler.state_dict(), staging / "scaler.pt")
+    torch.save(capture_rng(), staging / "rng_state.pth")
+
+
+def _load_weights(path: Path, parts: StateParts) -> None:
+    from safetensors.torch import load_file
+
+    if parts.is_peft:
+        from peft import set_peft_model_state_dict
+
+        file = path / "adapter_model.safetensors"
+        if not file.is_file():
+            raise ConfigError(f"--resume_from_checkpoint {path}: no adapter_model.safetensors; it was saved by a "
+                              "run without --use_peft")
+        result = set_peft_model_state_dict(parts.model, load_file(file))
+        if result.unexpected_keys:
+            raise ConfigError(f"--resume_from_checkpoint {path}: the adapter does not match the LoRA flags "
+                              f"(unexpected {result.unexpected_keys[:3]})")
+        return
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise ConfigError(f"--resume_from_checkpoint {path}: no model*.safetensors; it was saved by a LoRA run "
+                          "(add --use_peft)")
+    weights = {name: tensor for file in files for name, tensor in load_file(file).items()}
+    model = unwrap_model(parts.model)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if unexpected or any(name not in tied for name in missing):
+        raise ConfigError(f"--resume_from_checkpoint {path}: its weights do not match the model "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def capture_rng() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def trainer_state(global_step: int, progress: Progress, steps: list, epochs: list, cfg: RunConfig) -> dict:
+    return {"global_step": global_step, "progress": asdict(progress), "train_steps": steps, "epochs": epochs,
+            "config": cfg.flat()}
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``; an existing ``target`` is moved aside first, then deleted."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(staging, target)
+    _fsync_entry(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a training state so that no half-deleted one is ever visible under its name."""
+    hidden = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush a directory's files and the directory entry itself, so a rename publishes complete data."""
+    for item in [*(p for p in path.iterdir() if p.is_file()), path]:
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_entry(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,154 @@
+"""Out of memory, non-finite steps, rotation of saved states, and the sampler thread after a failure."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from leantune import finetuning
+from leantune.memory.oom import memory_fixes
+from leantune.cli_args import parse_run_config
+from leantune.train import CausalLMLoss, Trainer
+
+FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--val_fraction", "0.99",
+        "--run_validation", "false", "--save_metrics"]
+
+
+def fail_at(monkeypatch, method: str, step: int, error):
+    """Make ``Trainer.<method>`` raise ``error`` once the trainer is at optimizer step ``step``."""
+    original = getattr(Trainer, method)
+
+    def patched(self, *args, **kwargs):
+        if len(self.steps) + 1 == step:
+            raise error
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, method, patched)
+
+
+def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    fail_at(monkeypatch, "loss_step", 3, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    out = tmp_path / "run"
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(out),
+                            "--batch_size_training", "4", "--enable_memory_monitoring", "--save_steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err
+    assert "leantune: error: out of memory on cpu at step 3: CUDA out of memory. Tried to allocate 2.00 GiB" in err
+    assert "last memory record (step 2): " in err and "cpu_rss" in err
+    fixes = err[err.index("to fit, try in this order:"):].splitlines()
+    assert fixes[1] == "  1. recompute activations instead of keeping them: --enable_activation_checkpointing"
+    assert fixes[2] == ("  2. a smaller batch, the same 4 rows per optimizer step: --batch_size_training 2 "
+                        "--gradient_accumulation_steps 2")
+    assert fixes[3] == "  3. shorter rows: --context_length 64 (now 128)"
+    assert "--use_peft" in fixes[4]
+    # what is on disk is whole: the metrics of steps 1-2, the states of steps 1-2, nothing hidden or partial
+    assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json"]
+
+
+def test_fixes_follow_the_run_they_are_for():
+    cuda = torch.device("cuda")
+    cfg = parse_run_config(["--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                            "selective_ops", "--batch_size_training", "6", "--gradient_accumulation_steps", "2"])
+    fixes = memory_fixes(cfg, cuda)
+    assert fixes[0] == "recompute every layer: --activation_checkpointing_mode full (now selective_ops)"
+    assert fixes[1].endswith("--batch_size_training 3 --gradient_accumulation_steps 4")  # 12 rows a step, as before
+    assert fixes[2] == "shorter rows: --context_length 1024 (now 2048)"
+    assert "--activation_checkpointing_mode offload" in fixes[3]
+    assert len(fixes) == 4  # LoRA already: no --use_peft advice
+    single = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload",
+                               "--batch_size_training", "1", "--context_length", "64", "--use_peft"])
+    assert memory_fixes(single, cuda) == []  # nothing left to turn: the generic plan advice follows
+
+
+def nan_loss_at(monkeypatch, steps: set[int]):
+    """The loss of the given optimizer steps becomes NaN (as a blown-up forward would make it)."""
+    original = CausalLMLoss.forward
+    state = {"trainer": None}
+    monkeypatch.setattr(Trainer, "train_step", _remember(Trainer.train_step, state))
+
+    def forward(self, input_ids, labels):
+        loss = original(self, input_ids, labels)
+        return loss * float("nan") if len(state["trainer"].steps) + 1 in steps else loss
+
+    monkeypatch.setattr(CausalLMLoss, "forward", forward)
+
+
+def _remember(method, state):
+    def wrapped(self, *args, **kwargs):
+        state["trainer"] = self
+        return method(self, *args, **kwargs)
+    return wrapped
+
+
+def test_a_non_finite_step_stops_the_run_naming_the_step_and_its_examples(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    nan_loss_at(monkeypatch, {2})
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    message = next(line for line in err.splitlines() if line.startswith("leantune: error: step 2"))
+    assert message.startswith("leantune: error: step 2: non-finite loss nan and gradient norm nan; its batches hold "
+                              "examples tiny_instructions.jsonl:")  # the records' file and lines
+    lines = message.split("jsonl:")[1].split(".")[0].split(", ")
+    assert len(lines) >= 4 and all(line.isdigit() for line in lines)  # 4 rows of 128 tokens: at least 4 records
+    assert "Stopped (--skip_nonfinite_steps K skips up to K such steps)" in err
+    assert len(json.loads((tmp_path / "metrics.json").read_text())["train_steps"]) == 1  # no NaN step recorded
+
+
+def test_skip_nonfinite_steps_skips_them_with_a_warning_and_leaves_the_weights_alone(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    nan_loss_at(monkeypatch, {2, 3})
+    lines = []
+    argv = ["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path), "--max_train_step", "4",
+            "--skip_nonfinite_steps", "2", "--use_peft"]
+    results = finetuning.run(parse_run_config(argv), log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning: step")]
+    assert [w.split(":")[1] for w in warnings] == [" step 2", " step 3"]
+    assert warnings[1].endswith("optimizer step skipped (2 of 2 allowed)")
+    steps = json.loads((tmp_path / "metrics.json").read_text())["train_steps"]
+    assert [s.get("skipped") for s in steps] == [None, "loss nan, gradient norm nan", "loss nan, gradient norm nan",
+                                                 None]
+    assert steps[1]["loss"] is None and steps[3]["loss"] > 0
+    assert results["skipped_nonfinite_steps"] == 2
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def test_save_total_limit_keeps_the_newest_states(tiny_model_dir, tmp_path):
+    argv = ["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path), "--max_train_step", "5",
+            "--num_epochs", "2",
+            "--save_steps", "1", "--save_total_limit", "2", "--use_peft"]
+    finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
+    state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state["global_step"] == 5 and [s["step"] for s in state["train_steps"]] == [1, 2, 3, 4, 5]
+
+
+def test_overwrite_output_dir_starts_over(tiny_model_dir, tmp_path):
+    argv = ["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path), "--max_train_step", "2",
+            "--save_steps", "1", "--use_peft"]
+    finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    lines = []
+    finetuning.run(parse_run_config([*argv[:-3], "--max_train_step", "1", "--overwrite_output_dir", "--use_peft"]),
+                   log=lines.append)
+    assert f"--overwrite_output_dir: deleted 2 training state(s) checkpoint-* in {tmp_path}" in lines
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == []  # --save_steps off the second time
+
+
+def test_no_sampler_thread_outlives_a_failed_run(tiny_model_dir, tmp_path, monkeypatch):
+    fail_at(monkeypatch, "train_step", 2, RuntimeError("injected failure"))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        finetuning.run(parse_run_config(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path),
+                                         "--enable_memory_monitoring", "--memory_monitoring_interval", "0.01"]),
+                       log=lambda _line: None)
+    assert [t.name for t in threading.enumerate() if t.name == "leantune-rss-sampler"] == []
+    rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # setup and step 1, each a whole line
