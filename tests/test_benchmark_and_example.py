@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,17 @@ def test_example_runs_and_checkpointing_changes_nothing_but_memory(capsys):
     assert (off, on) == (False, True) and act_on < act_off
     assert res_on["last_loss"] == res_off["last_loss"]
     assert "same final loss with and without: True" in capsys.readouterr().out
+
+
+def test_monitoring_overhead_benchmark_interleaves_and_writes_its_record(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    bench = _load("benchmarks/monitoring_overhead.py")
+    out = tmp_path / "overhead.json"
+    monkeypatch.setattr("sys.argv", ["monitoring_overhead.py", "--model_name", str(tiny_model_dir), "--context_length",
+                                     "64", "--batch_size", "1", "--rounds", "3", "--steps", "1", "--warmup", "1",
+                                     "--json", str(out)])
+    bench.main()
+    record = json.loads(out.read_text())
+    assert record["steps_each"] == 3 and record["rounds"] == 3
+    assert 0 < record["record_s"] and 0 < record["sampler_cpu_share"] < 1
+    assert "noise floor" in capsys.readouterr().out
+    assert [t.name for t in threading.enumerate() if t.name == "leantune-rss-sampler"] == []  # every sampler stopped

@@ -138,3 +138,28 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, 
                       timeout=120, pythonpath=str(inject))
     assert result.returncode != 0
     assert "leantune: error on rank 1 of 2: injected failure" in result.stderr
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tiny_model_dir, tmp_path):
+    """Only rank 1 gets the signal; the ranks agree after each step, so both stop after step 2 and exit 143."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import leantune.train as train\n"
+        "    after = train.Trainer._after_step\n"
+        "    def signalled(self):\n"
+        "        if len(self.steps) == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        return after(self)\n"
+        "    train.Trainer._after_step = signalled\n")
+    out = tmp_path / "out"
+    result = torchrun(["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "8", "--batch_size_training",
+                       "1", "--enable_fsdp", "--output_dir", str(out)], timeout=120, pythonpath=str(inject))
+    assert result.returncode != 0
+    for rank, cause in ((0, "a signal to another rank"), (1, "SIGTERM")):
+        assert (f"leantune: error on rank {rank} of 2: stopped by {cause} after step 2; the training state is not "
+                "saved with --enable_fsdp") in result.stderr
+    assert "exitcode  : 143" in result.stderr
+    assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]

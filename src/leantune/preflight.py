@@ -44,7 +44,8 @@ def check_output_dir(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Ca
     if not (states or models) or cfg.output.resume_from_checkpoint:
         return
     if not cfg.output.overwrite_output_dir:
-        held = f"{len(states)} training state(s) ({states[-1][1].name} the newest)" if states else f"a model ({models[0]})"
+        held = (f"training state ({len(states)} saved, {states[-1][1].name} the newest)" if states
+                else f"model ({models[0]})")
         raise ConfigError(f"--output_dir {out}: holds another run's {held}. Continue that run with "
                           "--resume_from_checkpoint latest, start over with --overwrite_output_dir, or pick "
                           "another --output_dir")

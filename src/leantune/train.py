@@ -282,7 +282,7 @@ class Trainer:
         where = (f"training state saved to {saved}; resume by running the same command with "
                  f"--resume_from_checkpoint {saved} (or latest)") if saved else \
             "the training state is not saved with --enable_fsdp"
-        raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal'} after step {step}; {where}",
+        raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; {where}",
                                   self.stop.signum or signal.SIGTERM)
 
     def _stop_requested(self) -> bool:

@@ -38,9 +38,14 @@ class MemoryStats:
         return asdict(self)
 
 
+_PROCESS: dict[int, psutil.Process] = {}
+
+
 def cpu_rss_bytes() -> int:
     """Resident set size of this process."""
-    return psutil.Process(os.getpid()).memory_info().rss
+    pid = os.getpid()  # keyed by pid: a forked child must read its own
+    process = _PROCESS.get(pid) or _PROCESS.setdefault(pid, psutil.Process(pid))
+    return process.memory_info().rss
 
 
 def _accelerator_module(device: torch.device):
