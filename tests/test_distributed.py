@@ -140,8 +140,22 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, 
     assert "leantune: error on rank 1 of 2: injected failure" in result.stderr
 
 
-def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tiny_model_dir, tmp_path):
-    """Only rank 1 gets the signal; the ranks agree after each step, so both stop after step 2 and exit 143."""
+@pytest.mark.parametrize("kind", ["lora-dropout", "full-accumulation"])
+def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_is_exact(kind, tiny_model_dir,
+                                                                                        tmp_path):
+    """Only rank 1 gets the signal; the ranks agree after each step, save one training state and stop.
+
+    Resumed with two processes, every step's loss equals a two-process run never stopped: the
+    optimizer state gathered from the shards and broadcast back, each rank's RNG (LoRA dropout
+    draws per rank), and the position in the data.
+    """
+    flags = (["--use_peft", "--lora_dropout", "0.1"] if kind == "lora-dropout"
+             else ["--gradient_accumulation_steps", "2"])
+    common = ["--model_name", str(tiny_model_dir), *FAST, *flags, "--max_train_step", "12", "--batch_size_training",
+              "1", "--enable_fsdp", "--save_model", "false"]
+    reference = torchrun([*common, "--output_dir", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
@@ -155,11 +169,16 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tiny_model_dir
         "        return after(self)\n"
         "    train.Trainer._after_step = signalled\n")
     out = tmp_path / "out"
-    result = torchrun(["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "8", "--batch_size_training",
-                       "1", "--enable_fsdp", "--output_dir", str(out)], timeout=120, pythonpath=str(inject))
-    assert result.returncode != 0
-    for rank, cause in ((0, "a signal to another rank"), (1, "SIGTERM")):
-        assert (f"leantune: error on rank {rank} of 2: stopped by {cause} after step 2; the training state is not "
-                "saved with --enable_fsdp") in result.stderr
-    assert "exitcode  : 143" in result.stderr
+    stopped = torchrun([*common, "--output_dir", str(out)], timeout=120, pythonpath=str(inject))
+    assert stopped.returncode != 0
+    assert (f"leantune: error on rank 0 of 2: stopped by a signal to another rank after step 2; training state "
+            f"saved to {out / 'checkpoint-2'}") in stopped.stderr
+    assert ("leantune: error on rank 1 of 2: stopped by SIGTERM after step 2; training state saved by rank 0"
+            in stopped.stderr)
+    assert "exitcode  : 143" in stopped.stderr
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
+
+    resumed = torchrun([*common, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert step_losses(out) == step_losses(tmp_path / "reference")
+    assert len(step_losses(out)) == (6 if kind == "full-accumulation" else 12)

@@ -295,10 +295,6 @@ class RunConfig:
                                              or self.checkpointing.activation_checkpointing_mode == "auto"):
             raise ConfigError("--enable_fsdp: the planner does not cover sharding yet; pick "
                               "--activation_checkpointing_mode and --batch_size_training yourself")
-        if self.distributed.enable_fsdp and (self.output.save_steps or self.output.resume_from_checkpoint):
-            flag = "save_steps" if self.output.save_steps else "resume_from_checkpoint"
-            raise ConfigError(f"--{flag}: saving and resuming the training state is single-process for now; "
-                              "drop --enable_fsdp or the flag")
         target = self.memory.target_global_batch_size
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training

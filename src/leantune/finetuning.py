@@ -35,7 +35,7 @@ from leantune.planning.plan import format_bytes
 from leantune.preflight import preflight
 from leantune.stopping import NoStopRequest, OutOfMemory, RunStopped, StopRequest, TrainingInterrupted
 from leantune.train import CausalLMLoss, Trainer, forward_backward
-from leantune.training_state import TrainingStateStore, check_compatible, read_state
+from leantune.training_state import TrainingStateStore, check_compatible, load_weights, read_state
 
 # Errors a user can fix from the message alone, and runs stopped on purpose: printed without a traceback.
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError, RunStopped)
@@ -215,13 +215,15 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     device = choose_device(cfg.model)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
     if resume is not None:
-        check_compatible(read_state(resume), memory.cfg, resume)
+        check_compatible(read_state(resume), memory.cfg, resume, dist.world_size)
     precision = choose_precision(memory.cfg, device)
     tokenizer = load_tokenizer(cfg.model)
     train_loader, val_loader = build_loaders(memory.cfg, tokenizer, log, dist)  # data errors surface here
     low_cpu = dist.distributed and cfg.distributed.low_cpu_fsdp
-    model, tokenizer = build_model(memory.cfg, precision, log, on_meta=low_cpu and not dist.is_main,
-                                   tokenizer=tokenizer)
+    on_meta = low_cpu and not dist.is_main
+    model, tokenizer = build_model(memory.cfg, precision, log, on_meta=on_meta, tokenizer=tokenizer)
+    if resume is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
+        load_weights(resume, model, cfg.peft.use_peft)
     confirmed = confirm_the_batch(memory, model, precision, log)
     if confirmed.cfg.training.batch_size_training != memory.cfg.training.batch_size_training:
         train_loader, val_loader = build_loaders(confirmed.cfg, tokenizer, log, dist)  # backed off to a smaller batch
@@ -233,7 +235,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     log(describe_loss(loss_model.loss_fn))
     if dist.distributed:
         shard(loss_model, cfg, dist, device, precision, log)
-    store = None if dist.distributed else TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log)
+    store = TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log)
     trainer = Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
                       predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist,
                       state_store=store, stop=stop)

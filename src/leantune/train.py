@@ -271,17 +271,16 @@ class Trainer:
     def _after_step(self) -> None:
         """Save the training state every ``--save_steps``; on SIGTERM/SIGINT save it and stop."""
         step, every = len(self.steps), self.cfg.output.save_steps
-        saved = None
-        if every and step % every == 0:
-            saved = self.save_training_state()
+        saved_now = bool(every) and step % every == 0
+        saved = self.save_training_state() if saved_now else None
         if not self._stop_requested():
             return
-        if saved is None:
+        if not saved_now:
             saved = self.save_training_state()
         self.write_metrics()
         where = (f"training state saved to {saved}; resume by running the same command with "
                  f"--resume_from_checkpoint {saved} (or latest)") if saved else \
-            "the training state is not saved with --enable_fsdp"
+            "training state saved by rank 0; resume by running the same command with --resume_from_checkpoint latest"
         raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; {where}",
                                   self.stop.signum or signal.SIGTERM)
 
@@ -374,10 +373,13 @@ class Trainer:
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.tokenizer, self.optimizer, self.scheduler,
-                          self.scaler)
+                          self.scaler, self.loss_model, self.dist)
 
     def save_training_state(self) -> Optional[Path]:
-        """Everything needed to continue exactly from here, in ``OUTPUT_DIR/checkpoint-STEP`` (None: not saved)."""
+        """Everything needed to continue exactly from here, in ``OUTPUT_DIR/checkpoint-STEP``.
+
+        A collective under FSDP; returns the directory on rank 0 and None elsewhere (or when not saved).
+        """
         if self.state_store is None:
             return None
         step = len(self.steps)
@@ -387,7 +389,10 @@ class Trainer:
         return path
 
     def resume(self, path: Path) -> None:
-        """Continue from the training state in ``path``: weights, optimizer, scheduler, scaler, RNG, position."""
+        """Continue from the training state in ``path``: optimizer, scheduler, scaler, RNG, position.
+
+        The weights were loaded before (``load_weights``), into the model as built, before sharding.
+        """
         state = self.state_store.load(path, self.state_parts())
         self.progress = Progress(**state["progress"])
         self.steps, self.epochs = state["train_steps"], state["epochs"]

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from leantune.config import ConfigError, RunConfig
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
 
@@ -65,7 +66,11 @@ class Progress:
 
 @dataclass
 class StateParts:
-    """The trainer's objects a training state is made of."""
+    """The trainer's objects a training state is made of.
+
+    ``loss_model`` is the module the optimizer's state is keyed by (parameter names, not
+    positions), so one state format serves one process and FSDP's shards alike.
+    """
 
     model: torch.nn.Module
     is_peft: bool
@@ -73,6 +78,8 @@ class StateParts:
     optimizer: torch.optim.Optimizer
     scheduler: object
     scaler: Optional[torch.amp.GradScaler]
+    loss_model: torch.nn.Module
+    dist: DistContext = SINGLE_PROCESS
 
 
 def saved_states(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -114,8 +121,12 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def check_compatible(state: dict, cfg: RunConfig, path: Path) -> None:
-    """Refuse to resume with flags that would make the continuation a different run."""
+def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 1) -> None:
+    """Refuse to resume with flags (or a process count) that would make the continuation a different run."""
+    saved_world = state.get("world_size", 1)
+    if saved_world != world_size:
+        raise ConfigError(f"--resume_from_checkpoint {path}: saved by {saved_world} process(es), resumed with "
+                          f"{world_size}; each step's data would differ. Launch {saved_world} process(es)")
     saved, now = state["config"], cfg.flat()
     changed = [f"--{name} {saved.get(name)!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
                if name in saved and _normal(saved[name]) != _normal(now[name])]
@@ -129,18 +140,38 @@ def _normal(value):
 
 
 class TrainingStateStore:
-    """Writes training states into ``output_dir`` (keeping the newest ``keep``) and reads them back."""
+    """Writes training states into ``output_dir`` (keeping the newest ``keep``) and reads them back.
+
+    Saving and loading are collectives under FSDP: every rank calls them; the full weights and
+    optimizer state are gathered to rank 0, which alone writes, and broadcast from it on load.
+    """
 
     def __init__(self, output_dir: str | Path, keep: Optional[int] = None, log: Callable[[str], None] = print):
         self.root, self.keep, self.log = Path(output_dir), keep, log
 
-    def save(self, step: int, parts: StateParts, trainer_state: dict) -> Path:
+    def save(self, step: int, parts: StateParts, trainer_state: dict) -> Optional[Path]:
+        """Write the state of ``step``; returns its directory (None on ranks other than 0)."""
+        gathered = _gather(parts)
+        target = None
+        if parts.dist.is_main:
+            target = self._write(step, parts, gathered, {"world_size": parts.dist.world_size, **trainer_state})
+        parts.dist.barrier()  # no rank runs on (or exits) while rank 0 is still writing
+        return target
+
+    def _write(self, step: int, parts: StateParts, gathered: dict, trainer_state: dict) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_staging()
         target = self.root / f"{PREFIX}{step}"
         staging = Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step}.saving-", dir=self.root))
         try:
-            _write_tensors(staging, parts)
+            model = parts.model if parts.is_peft else unwrap_model(parts.model)
+            model.save_pretrained(staging, safe_serialization=True, state_dict=gathered["weights"])
+            parts.tokenizer.save_pretrained(staging)
+            torch.save(gathered["optimizer"], staging / "optimizer.pt")
+            torch.save(parts.scheduler.state_dict(), staging / "scheduler.pt")
+            if parts.scaler is not None:
+                torch.save(parts.scaler.state_dict(), staging / "scaler.pt")
+            torch.save({"ranks": gathered["rng"]}, staging / "rng_state.pth")
             atomic_write_json(staging / STATE_FILE, {"format_version": FORMAT_VERSION, **trainer_state})
             _fsync_dir(staging)
             _replace_dir(staging, target)
@@ -151,17 +182,26 @@ class TrainingStateStore:
         return target
 
     def load(self, path: Path, parts: StateParts) -> dict:
-        """Restore the tensors and RNG states of ``path`` into ``parts``; returns its trainer_state.json."""
+        """Restore the optimizer, scheduler, scaler and RNG states of ``path``; returns its trainer_state.json.
+
+        The weights are not read here: ``load_weights`` puts them in the model before it is
+        sharded and before the optimizer is built.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         state = read_state(path)
-        _load_weights(path, parts)
-        parts.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        distributed = parts.dist.distributed
+        reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True) if reads else {}
+        set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
+                                 options=StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed))
         parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
                 raise ConfigError(f"--resume_from_checkpoint {path}: saved without a gradient scaler; resume with "
                                   "the saved precision flags")
             parts.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-        restore_rng(torch.load(path / "rng_state.pth", weights_only=False))
+        restore_rng(torch.load(path / "rng_state.pth", weights_only=False)["ranks"][parts.dist.rank])
         return state
 
     def remove_all(self) -> list[Path]:
@@ -183,28 +223,33 @@ class TrainingStateStore:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_tensors(staging: Path, parts: StateParts) -> None:
-    model = parts.model if parts.is_peft else unwrap_model(parts.model)
-    model.save_pretrained(staging, safe_serialization=True)
-    parts.tokenizer.save_pretrained(staging)
-    torch.save(parts.optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(parts.scheduler.state_dict(), staging / "scheduler.pt")
-    if parts.scaler is not None:
-        torch.save(parts.scaler.state_dict(), staging / "scaler.pt")
-    torch.save(capture_rng(), staging / "rng_state.pth")
+def _gather(parts: StateParts) -> dict:
+    """What rank 0 writes: the optimizer state keyed by parameter name, every rank's RNG, FSDP's full weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    distributed = parts.dist.distributed
+    optimizer = get_optimizer_state_dict(parts.loss_model, parts.optimizer,
+                                         options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
+    weights = None  # one process: save_pretrained reads the model itself
+    if distributed:
+        from leantune.distributed.fsdp import full_state_dict
+
+        weights = full_state_dict(parts.loss_model, trainable_only=parts.is_peft)
+    return {"optimizer": optimizer, "weights": weights, "rng": parts.dist.gather_object(capture_rng())}
 
 
-def _load_weights(path: Path, parts: StateParts) -> None:
+def load_weights(path: Path, model: torch.nn.Module, is_peft: bool) -> None:
+    """The saved adapter or model weights of ``path``, into ``model`` (unsharded, before the optimizer exists)."""
     from safetensors.torch import load_file
 
-    if parts.is_peft:
+    if is_peft:
         from peft import set_peft_model_state_dict
 
         file = path / "adapter_model.safetensors"
         if not file.is_file():
             raise ConfigError(f"--resume_from_checkpoint {path}: no adapter_model.safetensors; it was saved by a "
                               "run without --use_peft")
-        result = set_peft_model_state_dict(parts.model, load_file(file))
+        result = set_peft_model_state_dict(model, load_file(file))
         if result.unexpected_keys:
             raise ConfigError(f"--resume_from_checkpoint {path}: the adapter does not match the LoRA flags "
                               f"(unexpected {result.unexpected_keys[:3]})")
@@ -214,7 +259,7 @@ def _load_weights(path: Path, parts: StateParts) -> None:
         raise ConfigError(f"--resume_from_checkpoint {path}: no model*.safetensors; it was saved by a LoRA run "
                           "(add --use_peft)")
     weights = {name: tensor for file in files for name, tensor in load_file(file).items()}
-    model = unwrap_model(parts.model)
+    model = unwrap_model(model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if unexpected or any(name not in tied for name in missing):

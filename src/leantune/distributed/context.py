@@ -47,6 +47,16 @@ class DistContext:
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         return -float(both[0]), float(both[1])
 
+    def gather_object(self, obj) -> list:
+        """Every rank's ``obj`` in rank order, on rank 0 (an empty list elsewhere; ``[obj]`` for one process)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered or []
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
