@@ -43,7 +43,7 @@ from leantune.loss import auto_chunk_size
 from leantune.memory.meter import ActivationMeter
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.train import forward_backward
+from leantune.step import forward_backward
 
 PRESETS = {
     "tiny": dict(shape=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,

@@ -25,7 +25,7 @@ from leantune.finetuning import build_model, loss_function, run
 from leantune.memory.meter import ActivationMeter
 from leantune.models.structure import unwrap_model
 from leantune.precision import choose_precision
-from leantune.train import forward_backward
+from leantune.step import forward_backward
 
 
 def measure_activations(cfg, batch: int, seq: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ import torch
 from leantune import finetuning
 from leantune.memory.oom import memory_fixes
 from leantune.cli_args import parse_run_config
-from leantune.train import CausalLMLoss, Trainer
+from leantune.step import CausalLMLoss
+from leantune.train import Trainer
 
 FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--val_fraction", "0.99",
         "--run_validation", "false", "--save_metrics"]

@@ -9,7 +9,6 @@ last test shows that it does, so a regression to it fails here.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest

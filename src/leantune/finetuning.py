@@ -34,7 +34,8 @@ from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batc
 from leantune.planning.plan import format_bytes
 from leantune.preflight import preflight
 from leantune.stopping import NoStopRequest, OutOfMemory, RunStopped, StopRequest, TrainingInterrupted
-from leantune.train import CausalLMLoss, Trainer, forward_backward
+from leantune.step import CausalLMLoss, forward_backward
+from leantune.train import Trainer
 from leantune.training_state import TrainingStateStore, check_compatible, load_weights, read_state
 
 # Errors a user can fix from the message alone, and runs stopped on purpose: printed without a traceback.

@@ -2,7 +2,9 @@
 
 The trainer receives everything already built (model, loaders, precision, memory monitor) and
 never tests a feature flag: optional behaviour arrives as objects (a null monitor when memory
-monitoring is off, a loss function, a precision policy).
+monitoring is off, a loss function, a precision policy, a store for training states, a stop
+request). The step's arithmetic lives in ``leantune.step``; saving and resuming in
+``leantune.training_state``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from tqdm.auto import tqdm
 
 from leantune.config import RunConfig
@@ -25,6 +26,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.io import atomic_write_json, staged_directory
 from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
+from leantune.step import CausalLMLoss, StepResult, host_float, loss_and_backward
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
 from leantune.memory.oom import oom_report
@@ -36,85 +38,6 @@ from leantune.training_state import Progress, StateParts, TrainingStateStore, tr
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
                   "peak_allocated_mib", "peak_active_mib", "device_used_mib", "parameter_mib", "gradient_mib",
                   "optimizer_state_mib", "activations_and_temporaries_peak_mib")
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean loss per target token over the accumulation window
-    target_tokens: int
-    input_tokens: int
-    step_time_s: float
-    grad_norm: Optional[float]
-    skipped: Optional[str] = None  # why the optimizer step was skipped (a non-finite loss or gradient norm)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.input_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
-
-
-def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Final hidden states of the decoder, without the LM head (the loss applies it).
-
-    No attention mask is passed: batches are right-padded and attention is causal, so real tokens
-    never see the padding, and padded positions carry no loss. Skipping the mask keeps SDPA on
-    its fused causal path and avoids building a batch x seq x seq mask.
-    """
-    decoder = unwrap_model(model).get_decoder()
-    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-
-
-class CausalLMLoss(torch.nn.Module):
-    """The model and its loss as one module: ``forward(input_ids, labels)`` is the summed loss.
-
-    The decoder's hidden states go straight into ``loss_fn`` (which applies the LM head), so the
-    logits never exist in full unless the loss makes them. Being one module, it is also the root
-    that FSDP shards (``leantune.distributed.fsdp``): every parameter is used inside its forward.
-    """
-
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable = causal_lm_loss_sum):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = forward_hidden(self.model, input_ids)
-        return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
-
-
-def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                      precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
-                      after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
-    """The training step's forward and backward of one batch; returns its summed loss, detached.
-
-    Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
-    is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
-    is called once the loss exists and before backward, when what is alive is exactly what
-    backward will need: the benchmark and the example read their activation meter there.
-    """
-    with precision.autocast():
-        loss_sum = loss_model(input_ids, labels)  # its activations are referenced by the graph alone
-    if after_forward is not None:
-        after_forward()
-    loss = loss_sum / normaliser
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    return loss_sum.detach()
-
-
-def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids: torch.Tensor,
-                     labels: torch.Tensor, loss_fn: Callable, precision: Precision,
-                     scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
-                     after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
-    """``loss_and_backward`` for a model and loss not yet joined (``lm_head``: the model's own output layer)."""
-    assert lm_head is unwrap_model(model).get_output_embeddings(), "the loss applies the model's own LM head"
-    return loss_and_backward(CausalLMLoss(model, loss_fn), input_ids, labels, precision, scaler, normaliser,
-                             after_forward)
-
-
-def host_float(value: torch.Tensor) -> float:
-    """A scalar tensor's value; NaN for a fake tensor (the planner runs this loop on shapes, not data)."""
-    if hasattr(value, "full_tensor"):  # a DTensor (FSDP's gradient norm): the value all ranks agree on
-        value = value.full_tensor()
-    return float("nan") if is_fake(value) else float(value)
 
 
 class Trainer:
