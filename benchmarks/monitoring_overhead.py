@@ -128,9 +128,11 @@ def main() -> None:
     print(f"direct cost: sampler thread busy {record['sampler_cpu_share']:.3%} of the time (one sample every "
           f"{args.interval} s) + one memory.jsonl record {record['record_s'] * 1e3:.2f} ms a step = "
           f"{record['direct_cost_share']:.3%} of a step")
-    met = record["direct_cost_share"] < 0.01 and record["overhead"] < 0.01 + abs(record["null_overhead"])
-    print(f"target: under 1% of step time -> {'met' if met else 'MISSED'} (direct cost under 1%, and the A/B "
-          "overhead under 1% beyond the noise floor)")
+    resolvable = abs(record["null_overhead"]) < 0.005
+    print(f"target: under 1% of step time -> {'met' if record['direct_cost_share'] < 0.01 else 'MISSED'} by the "
+          "direct cost; the A/B difference " + ("agrees" if resolvable and record["overhead"] < 0.01 else
+                                                "cannot resolve 1% on this machine (see its noise floor)"
+                                                if not resolvable else "DISAGREES"))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))

@@ -19,6 +19,15 @@ def _jsonl(lines):
     return "".join(line + "\n" for line in lines)
 
 
+def _state(world_size: int = 1, budget_cut: bool = False, **flags) -> str:
+    """A trainer_state.json as a saved run writes it (its tensors are not read before these checks)."""
+    from leantune.cli_args import parse_run_config
+
+    config = {**parse_run_config(["--context_length", "128"]).flat(), **flags}
+    return json.dumps({"format_version": 1, "world_size": world_size, "global_step": 4, "config": config,
+                       "progress": {"budget_cut": budget_cut}, "train_steps": [], "epochs": []})
+
+
 GOOD = json.dumps({"prompt": "Say hi.", "completion": "Hi there, friend."})
 LONG_PROMPT = json.dumps({"prompt": "word " * 300, "completion": "ok"})
 
@@ -93,6 +102,15 @@ CASES = {
     "resume a final model": (["--resume_from_checkpoint", "{tmp}/final"], {"final/config.json": "{}"}, 2,
                              "no trainer_state.json there, so it is not a complete training state"),
     "missing config file": (["--config", "{tmp}/run.yaml"], {}, 2, "--config: file not found"),
+    "resume with another batch": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4", "--batch_size_training", "2"],
+                                  {"s/checkpoint-4/trainer_state.json": _state(batch_size_training=8)}, 2,
+                                  "--batch_size_training 8 -> 2"),
+    "resume with another process count": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4"],
+                                          {"s/checkpoint-4/trainer_state.json": _state(world_size=2)}, 2,
+                                          "saved by 2 process(es), resumed with 1"),
+    "resume past an early epoch end": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4", "--max_train_step", "20"],
+                                       {"s/checkpoint-4/trainer_state.json": _state(budget_cut=True, max_train_step=8)},
+                                       2, "ended its epoch early at --max_train_step 8"),
 }
 
 

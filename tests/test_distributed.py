@@ -143,7 +143,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, 
 @pytest.mark.parametrize("kind", ["lora-dropout", "full-accumulation"])
 def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_is_exact(kind, tiny_model_dir,
                                                                                         tmp_path):
-    """Only rank 1 gets the signal; the ranks agree after each step, save one training state and stop.
+    """Only rank 1 gets the signal; the ranks agree in each step, save one training state and stop.
 
     Resumed with two processes, every step's loss equals a two-process run never stopped: the
     optimizer state gathered from the shards and broadcast back, each rank's RNG (LoRA dropout
@@ -171,12 +171,13 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_i
     out = tmp_path / "out"
     stopped = torchrun([*common, "--output_dir", str(out)], timeout=120, pythonpath=str(inject))
     assert stopped.returncode != 0
-    assert (f"leantune: error on rank 0 of 2: stopped by a signal to another rank after step 2; training state "
-            f"saved to {out / 'checkpoint-2'}") in stopped.stderr
-    assert ("leantune: error on rank 1 of 2: stopped by SIGTERM after step 2; training state saved by rank 0"
+    # sent after step 2's last collective, the signal is agreed on in step 3, after which all stop
+    assert (f"leantune: error on rank 0 of 2: stopped by a signal to another rank after step 3; training state "
+            f"saved to {out / 'checkpoint-3'}") in stopped.stderr
+    assert ("leantune: error on rank 1 of 2: stopped by SIGTERM after step 3; training state saved by rank 0"
             in stopped.stderr)
     assert "exitcode  : 143" in stopped.stderr
-    assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
+    assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2, 3]
 
     resumed = torchrun([*common, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -11,6 +11,7 @@ import torch
 from leantune import finetuning
 from leantune.memory.oom import memory_fixes
 from leantune.cli_args import parse_run_config
+from leantune.precision import Precision
 from leantune.step import CausalLMLoss
 from leantune.train import Trainer
 
@@ -133,15 +134,25 @@ def test_save_total_limit_keeps_the_newest_states(tiny_model_dir, tmp_path):
     assert state["global_step"] == 5 and [s["step"] for s in state["train_steps"]] == [1, 2, 3, 4, 5]
 
 
-def test_overwrite_output_dir_starts_over(tiny_model_dir, tmp_path):
+def test_overwrite_output_dir_deletes_the_old_run_only_once_the_new_one_is_set_up(tiny_model_dir, tmp_path):
     argv = ["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path), "--max_train_step", "2",
             "--save_steps", "1", "--use_peft"]
     finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    old = sorted(p.name for p in tmp_path.iterdir())
+    assert {"checkpoint-1", "checkpoint-2", "adapter_model.safetensors"} <= set(old)
+    # refused (a missing data file): nothing of the old run is touched
+    refused = [*argv, "--overwrite_output_dir", "--dataset", "custom_dataset", "--data_path", str(tmp_path / "no.jsonl")]
+    assert finetuning.main(refused) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == old
+    # set up: the old states and model go, so no stale adapter sits beside the new run's outputs
     lines = []
-    finetuning.run(parse_run_config([*argv[:-3], "--max_train_step", "1", "--overwrite_output_dir", "--use_peft"]),
-                   log=lines.append)
-    assert f"--overwrite_output_dir: deleted 2 training state(s) checkpoint-* in {tmp_path}" in lines
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == []  # --save_steps off the second time
+    finetuning.run(parse_run_config([*argv[:-3], "--max_train_step", "1", "--overwrite_output_dir", "--use_peft",
+                                     "--save_model", "false"]), log=lines.append)
+    assert (f"--overwrite_output_dir: deleted 2 training state(s) checkpoint-* and 2 model file(s) of the previous "
+            f"run in {tmp_path}") in lines
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not any(name.startswith("checkpoint-") for name in left)
+    assert "adapter_model.safetensors" not in left and "adapter_config.json" not in left
 
 
 def test_no_sampler_thread_outlives_a_failed_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -153,3 +164,77 @@ def test_no_sampler_thread_outlives_a_failed_run(tiny_model_dir, tmp_path, monke
     assert [t.name for t in threading.enumerate() if t.name == "leantune-rss-sampler"] == []
     rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]  # setup and step 1, each a whole line
+
+
+FP16 = Precision(torch.device("cpu"), torch.float32, torch.float16, True, "CPU stand-in: --use_fp16")
+
+
+def test_fp16_scaler_state_resumes_exactly_and_a_skipped_step_lowers_the_scale(tiny_model_dir, tmp_path, monkeypatch):
+    """The --use_fp16 path (float16 autocast + GradScaler) on its CPU stand-in: scaler.pt is saved and
+    restored, and a skipped non-finite step with clipping leaves the scaler ready for the next step."""
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: FP16)
+    argv = ["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "6", "--num_epochs", "2", "--use_peft",
+            "--lora_dropout", "0.1", "--lr", "3e-3", "--gradient_clipping", "--save_steps", "3"]
+    finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / "a")]), log=lambda _line: None)
+    state = tmp_path / "a" / "checkpoint-3"
+    assert (state / "scaler.pt").is_file()
+    finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint",
+                                     str(state)]), log=lambda _line: None)
+    steps = [json.loads((tmp_path / run / "metrics.json").read_text())["train_steps"] for run in ("a", "b")]
+    assert [s["loss"] for s in steps[1]] == [s["loss"] for s in steps[0]]  # steps 4-6 redone from the state: equal
+    assert [s["grad_norm"] for s in steps[1]] == [s["grad_norm"] for s in steps[0]]
+
+    nan_loss_at(monkeypatch, {2})
+    scales = []
+    monkeypatch.setattr(Trainer, "_after_step", _remember_scale(Trainer._after_step, scales))
+    finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / "c"), "--skip_nonfinite_steps", "1"]),
+                   log=lambda _line: None)
+    assert len(scales) == 6 and scales[1] == scales[0] / 2  # the overflow halved the scale; steps 3-6 ran
+
+
+def _remember_scale(method, scales):
+    def wrapped(self):
+        scales.append(self.scaler.get_scale())
+        return method(self)
+    return wrapped
+
+
+def test_a_signal_before_training_starts_ends_the_run_at_once(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from leantune import preflight
+
+    original = preflight.check_model_shape
+
+    def signalled(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)  # as if preempted while the model's config is read
+        return original(cfg)
+
+    monkeypatch.setattr(preflight, "check_model_shape", signalled)
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 143 and err.strip() == "leantune: stopped by SIGTERM before training started; nothing was saved"
+    assert not list(tmp_path.glob("checkpoint-*"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone again
+
+
+def test_a_signal_during_validation_stops_at_the_end_of_the_epoch(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    original = Trainer.evaluate
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", signalled)
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path),
+                            "--num_epochs", "3", "--run_validation", "true", "--max_eval_step", "1"])
+    err = capsys.readouterr().err
+    assert code == 143
+    assert f"stopped by SIGTERM after step 4; training state saved to {tmp_path / 'checkpoint-4'}" in err
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 0  # epoch 1 done, validated
+    assert "val_loss" in state["epochs"][0]

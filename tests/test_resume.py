@@ -70,18 +70,20 @@ def test_sigkill_then_resume_gives_the_losses_of_a_run_never_stopped(kind, tiny_
     flags = LORA if kind == "lora" else []
     out = tmp_path / "run"
     argv = ["--model_name", str(tiny_model_dir), *COMMON, *flags, "--output_dir", str(out), "--save_steps", "2"]
-    # SIGKILL right after step 5 (epoch 2's second step): step 4's state is the newest saved one
-    killed = launch(argv, inject(tmp_path, "if step == 5: os.kill(os.getpid(), signal.SIGKILL)"))
+    # SIGKILL right after step 3 (epoch 1's last, a window of one batch): step 2's state is the newest saved
+    killed = launch(argv, inject(tmp_path, "if step == 3: os.kill(os.getpid(), signal.SIGKILL)"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
 
     resumed = launch([*argv, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoint-4'}: step 4, epoch 2, 2 batches into it" in resumed.stdout
+    assert f"resumed from {out / 'checkpoint-2'}: step 2, epoch 1, 4 batches into it" in resumed.stdout
     steps, values = losses(out)
     assert steps == uninterrupted[kind][0] == list(range(1, 7))  # 3 steps an epoch (2 + 2 + 1 batches)
-    assert values == uninterrupted[kind][1]  # exactly: float32 on the CPU, the same arithmetic
-    assert json.loads((out / "metrics.json").read_text())["summary"]["resumed_from"] == str(out / "checkpoint-4")
+    assert values == uninterrupted[kind][1]  # exactly: float32 on the CPU, the same arithmetic, across the epoch end
+    assert json.loads((out / "metrics.json").read_text())["summary"]["resumed_from"] == str(out / "checkpoint-2")
+    # step 6 is the last: saved once, as the end state (not also as a periodic state just before)
+    assert resumed.stdout.count("saved the training state of step 6") == 1
     # the end state is saved too, and the directory layout is the Hugging Face Trainer's
     final = out / "checkpoint-6"
     weights = "adapter_model.safetensors" if kind == "lora" else "model.safetensors"

@@ -25,15 +25,16 @@ from leantune.distributed.context import (SINGLE_PROCESS, DistContext, close_dis
 from leantune.distributed.fsdp import load_from_rank0, shard_model
 from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
-from leantune.memory.oom import oom_report
+from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, empty_model, load_model,
                                      load_tokenizer)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch, plan_for_run
 from leantune.planning.plan import format_bytes
-from leantune.preflight import preflight
-from leantune.stopping import NoStopRequest, OutOfMemory, RunStopped, StopRequest, TrainingInterrupted
+from leantune.preflight import clear_previous_run, preflight
+from leantune.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped, StopRequest,
+                               TrainingInterrupted)
 from leantune.step import CausalLMLoss, forward_backward
 from leantune.train import Trainer
 from leantune.training_state import TrainingStateStore, check_compatible, load_weights, read_state
@@ -212,7 +213,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
                   stop=NoStopRequest()) -> Trainer:
     """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads."""
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
-    resume = preflight(cfg, dist, log)
+    resume = preflight(cfg)
     device = choose_device(cfg.model)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
     if resume is not None:
@@ -227,6 +228,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         load_weights(resume, model, cfg.peft.use_peft)
     confirmed = confirm_the_batch(memory, model, precision, log)
     if confirmed.cfg.training.batch_size_training != memory.cfg.training.batch_size_training:
+        if resume is not None:  # backed off to a batch the saved run did not train with: refused by name
+            check_compatible(read_state(resume), confirmed.cfg, resume, dist.world_size)
         train_loader, val_loader = build_loaders(confirmed.cfg, tokenizer, log, dist)  # backed off to a smaller batch
     memory = confirmed
     cfg = memory.cfg
@@ -279,19 +282,27 @@ def run(cfg: RunConfig, log=print) -> dict:
         with StopRequest() as stop, contextlib.ExitStack() as stack:
             trainer = build_trainer(cfg, stack, dist.logger(log), dist, stop)
             stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
+            if cfg.output.overwrite_output_dir and dist.is_main:
+                clear_previous_run(cfg, log)
             results = trainer.train()
             trainer.save()
-    except torch.OutOfMemoryError as err:  # before training (loading, the batch check): no trainer to ask
-        failure = OutOfMemory(oom_report(err, cfg, choose_device(cfg.model), step=None))
-        if dist.distributed:
-            _end_this_rank(dist, failure)
-        raise failure from None
     except BaseException as err:
+        failure = _explained(err, cfg)
         if dist.distributed:
-            _end_this_rank(dist, err)
-        raise
-    close_distributed(dist)
-    return results
+            _end_this_rank(dist, failure or err)
+        if failure is None:
+            raise
+    else:
+        close_distributed(dist)
+        return results
+    raise failure  # outside the handler: the failed step's tensors are freed first
+
+
+def _explained(err: BaseException, cfg: RunConfig) -> OutOfMemory | None:
+    """An out-of-memory error outside the training loop (loading, the batch check, saving), explained."""
+    if isinstance(err, Exception) and is_out_of_memory(err):
+        return OutOfMemory(oom_report(err, cfg, choose_device(cfg.model), step=None))
+    return None
 
 
 def _end_this_rank(dist: DistContext, err: BaseException) -> None:
@@ -311,7 +322,7 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
 
 def exit_code(err: BaseException) -> int:
     """2: a flag to fix; 128+N: stopped by signal N; 1: anything else the message explains."""
-    if isinstance(err, RunStopped):
+    if isinstance(err, (RunStopped, InterruptedBeforeTraining)):
         return err.exit_code
     return 2 if isinstance(err, ConfigError) else 1
 
@@ -320,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse_run_config(argv)
         run(cfg)
-    except TrainingInterrupted as err:
+    except (TrainingInterrupted, InterruptedBeforeTraining) as err:
         print(f"leantune: {err}", file=sys.stderr)
         return err.exit_code
     except USER_ERRORS as err:

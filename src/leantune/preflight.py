@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from leantune.config import ConfigError, RunConfig
-from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.training_state import PREFIX, TrainingStateStore, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
@@ -20,9 +19,9 @@ MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetens
                "pytorch_model.bin", "adapter_model.bin")
 
 
-def preflight(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print) -> Optional[Path]:
+def preflight(cfg: RunConfig) -> Optional[Path]:
     """Refuse bad input early; returns the training state to resume from, if any."""
-    check_output_dir(cfg, dist, log)
+    check_output_dir(cfg)
     resume = None
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
@@ -30,7 +29,7 @@ def preflight(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[
     return resume
 
 
-def check_output_dir(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print) -> None:
+def check_output_dir(cfg: RunConfig) -> None:
     """A writable directory that holds no other run's model or training state (unless resuming or overwriting)."""
     out = Path(cfg.output.output_dir)
     if out.exists() and not out.is_dir():
@@ -49,9 +48,23 @@ def check_output_dir(cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Ca
         raise ConfigError(f"--output_dir {out}: holds another run's {held}. Continue that run with "
                           "--resume_from_checkpoint latest, start over with --overwrite_output_dir, or pick "
                           "another --output_dir")
-    if dist.is_main and states:
-        removed = TrainingStateStore(out).remove_all()
-        log(f"--overwrite_output_dir: deleted {len(removed)} training state(s) {PREFIX}* in {out}")
+
+
+def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> None:
+    """``--overwrite_output_dir``: the old run's training states and model go, once the new run is set up.
+
+    Not earlier: a new run refused for a bad flag or file must not have deleted anything.
+    Its logs and metrics stay until the new run's replace them.
+    """
+    out = Path(cfg.output.output_dir)
+    removed = TrainingStateStore(out).remove_all()
+    models = [path for path in out.glob("*") if path.name in MODEL_FILES or path.name == "adapter_config.json"
+              or (path.name.startswith("model-") and path.suffix == ".safetensors")]
+    for path in models:
+        path.unlink()
+    if removed or models:
+        log(f"--overwrite_output_dir: deleted {len(removed)} training state(s) {PREFIX}* and {len(models)} model "
+            f"file(s) of the previous run in {out}")
 
 
 def check_model_shape(cfg: RunConfig) -> None:

@@ -89,8 +89,13 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
                              after_forward)
 
 
-def host_float(value: torch.Tensor) -> float:
-    """A scalar tensor's value; NaN for a fake tensor (the planner runs this loop on shapes, not data)."""
-    if hasattr(value, "full_tensor"):  # a DTensor (FSDP's gradient norm): the value all ranks agree on
-        value = value.full_tensor()
-    return float("nan") if is_fake(value) else float(value)
+def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
+    """Several scalar tensors' values with one wait for the device (None stays None; fakes give NaN)."""
+    tensors = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values if v is not None]
+    if not tensors or any(is_fake(t) for t in tensors):
+        floats = [float("nan")] * len(tensors)
+    else:
+        device = tensors[0].device
+        floats = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist()
+    found = iter(floats)
+    return [None if v is None else next(found) for v in values]

@@ -26,6 +26,18 @@ class TrainingInterrupted(RunStopped):
         self.exit_code = 128 + signum  # what a shell reports for a process ended by that signal
 
 
+class InterruptedBeforeTraining(KeyboardInterrupt):
+    """SIGTERM or SIGINT while the run was still being set up: it ends there, with nothing to save.
+
+    A ``KeyboardInterrupt``, like Ctrl-C's default, so that no library's ``except Exception``
+    swallows it while weights load.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 class NonFiniteStep(RunStopped):
     """A step's loss or gradient norm was NaN or infinite, beyond --skip_nonfinite_steps."""
 
@@ -37,8 +49,10 @@ class OutOfMemory(RunStopped):
 class StopRequest:
     """Turns SIGTERM and SIGINT into a request the training loop honours after the current step.
 
-    The first signal only sets ``signum`` (the loop finishes the step, saves the training state,
-    writes the metrics and raises ``TrainingInterrupted``). A second one exits at once: every file
+    Until the training loop starts (``start_deferring``), a signal ends the run at once by raising
+    ``InterruptedBeforeTraining``: loading and planning can take minutes and hold nothing to save.
+    From then on the first signal only sets ``signum`` (the loop finishes the step, saves the
+    training state, writes the metrics and raises ``TrainingInterrupted``). A second one exits at once: every file
     leantune writes is written aside and renamed into place, so exiting mid-write leaves the last
     complete version of each. Handlers are installed only in the main thread of the main process
     (forked DataLoader workers inherit them and ignore the signal) and restored on exit.
@@ -48,8 +62,13 @@ class StopRequest:
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self.deferring = False
         self._previous: dict = {}
         self._pid = os.getpid()
+
+    def start_deferring(self) -> None:
+        """The training loop runs: from now on a signal waits for the end of the step."""
+        self.deferring = True
 
     @property
     def requested(self) -> bool:
@@ -75,6 +94,8 @@ class StopRequest:
         if os.getpid() != self._pid:  # a DataLoader worker: the main process decides
             return
         name = signal.Signals(signum).name
+        if not self.deferring:
+            raise InterruptedBeforeTraining(f"stopped by {name} before training started; nothing was saved", signum)
         if self.signum is not None:
             # os.write, not print: a handler may run in the middle of another print
             os.write(2, f"\nleantune: second {name}: exiting now; saved training states and metrics stay as "
@@ -91,3 +112,6 @@ class NoStopRequest:
     signum = None
     requested = False
     name = ""
+
+    def start_deferring(self) -> None:
+        pass

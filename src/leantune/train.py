@@ -26,13 +26,13 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.io import atomic_write_json, staged_directory
 from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
-from leantune.step import CausalLMLoss, StepResult, host_float, loss_and_backward
+from leantune.step import CausalLMLoss, StepResult, host_floats, loss_and_backward
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
-from leantune.memory.oom import oom_report
+from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.precision import Precision
 from leantune.stopping import NoStopRequest, NonFiniteStep, OutOfMemory, TrainingInterrupted
-from leantune.training_state import Progress, StateParts, TrainingStateStore, trainer_state
+from leantune.training_state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
 
 # Memory fields copied from the monitor's record into each step's metrics.
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
@@ -65,28 +65,41 @@ class Trainer:
         self.stop = stop  # a StopRequest: SIGTERM/SIGINT seen
         self.resumed_from: Optional[str] = None
         self.check_finite = check_finite  # off where the step only measures memory (random weights, fakes)
+        self._stop_agreed = False  # whether any rank was signalled, as of the last step
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
         """Every epoch from where ``progress`` stands (the start, or a resumed training state)."""
-        tc = self.cfg.training
+        self.stop.start_deferring()  # from here a signal waits for the end of the step
+        report = None
         try:
-            while self.progress.epoch < tc.num_epochs:
-                if self.progress.batches_in_epoch == 0 and self._batch_budget() == 0:
-                    break
-                summary = self.train_epoch(self.progress.epoch)
-                self.scheduler.step()
-                if tc.run_validation and self.val_loader is not None:
-                    summary.update(self.evaluate())
-                self.epochs.append(summary)
-                self.progress.next_epoch()
-                self.log(_epoch_line(summary))
-                self.write_metrics()
-        except torch.OutOfMemoryError as err:
-            raise OutOfMemory(self._oom_report(err)) from None
+            self._train_epochs()
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            report = self._oom_report(err)
+        if report is not None:  # raised outside the handler, so the failed step's tensors are freed first
+            raise OutOfMemory(report)
         if self.cfg.output.save_steps and self.steps:
             self.save_training_state()  # the end state: a later run may resume it with more epochs
         return self.results()
+
+    def _train_epochs(self) -> None:
+        tc, progress = self.cfg.training, self.progress
+        while progress.epoch < tc.num_epochs:
+            if progress.batches_in_epoch == 0 and self._batch_budget() == 0:
+                break
+            summary = self.train_epoch(progress.epoch)
+            progress.budget_cut = progress.batches_in_epoch < len(self.train_loader)  # --max_train_step ended it
+            self.scheduler.step()
+            if tc.run_validation and self.val_loader is not None:
+                summary.update(self.evaluate())
+            self.epochs.append(summary)
+            progress.next_epoch()
+            self.log(_epoch_line(summary))
+            self.write_metrics()
+            if progress.epoch < tc.num_epochs and self._batch_budget() != 0 and self._stop_agreed_now():
+                self._stop(*self._save_for_stop())  # a signal during the last step's tail or validation
 
     def train_epoch(self, epoch: int) -> dict:
         self.model.train()
@@ -131,18 +144,22 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device)
         for batch in window:
             loss_total += self.loss_step(batch, normaliser=normaliser)
-        grad_norm = self._clip_gradients()
-        loss = self.dist.sum(host_float(loss_total), self.device) / max(targets, 1)  # also waits for the device
+        # one wait for the device, before the optimizer may apply what is checked
+        loss_sum, grad_norm = host_floats(loss_total, self._gradient_norm())
+        input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
+        loss_sum, input_tokens, stops = self.dist.sum_all([loss_sum, input_tokens, float(self.stop.requested)],
+                                                          self.device)
+        self._stop_agreed = stops > 0  # every rank stops after the same step
+        loss = loss_sum / max(targets, 1)
         skipped = self._check_finite(loss, grad_norm, window) if self.check_finite else None
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._skip_optimizer_step()
         elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        input_tokens = int(self.dist.sum(sum(int(batch["attention_mask"].sum()) for batch in window), self.device))
-        return StepResult(loss, targets, input_tokens, time.perf_counter() - started, grad_norm, skipped)
+        return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped)
 
     def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
@@ -154,16 +171,17 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        loss_sum, targets = 0.0, 0
+        loss_total, targets = torch.zeros((), device=self.device), 0
         limit = self.cfg.training.max_eval_step
         for index, batch in enumerate(self.val_loader):
             if limit and index >= limit:
                 break
             with self.precision.autocast():
-                loss_sum += float(self.loss_model(batch["input_ids"].to(self.device), batch["labels"].to(self.device)))
+                loss_total += self.loss_model(batch["input_ids"].to(self.device), batch["labels"].to(self.device)).float()
             targets += count_targets(batch["labels"])
         self.model.train()
-        val_loss = self.dist.sum(loss_sum, self.device) / max(self.dist.sum(targets, self.device), 1)
+        loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait
+        val_loss = loss_sum / max(targets, 1)
         return {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}
 
     # ------------------------------------------------------------- helpers
@@ -194,24 +212,50 @@ class Trainer:
     def _after_step(self) -> None:
         """Save the training state every ``--save_steps``; on SIGTERM/SIGINT save it and stop."""
         step, every = len(self.steps), self.cfg.output.save_steps
-        saved_now = bool(every) and step % every == 0
-        saved = self.save_training_state() if saved_now else None
-        if not self._stop_requested():
-            return
-        if not saved_now:
-            saved = self.save_training_state()
-        self.write_metrics()
-        where = (f"training state saved to {saved}; resume by running the same command with "
-                 f"--resume_from_checkpoint {saved} (or latest)") if saved else \
-            "training state saved by rank 0; resume by running the same command with --resume_from_checkpoint latest"
-        raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; {where}",
-                                  self.stop.signum or signal.SIGTERM)
+        stopping = self._stop_agreed if self.dist.distributed else self.stop.requested
+        # the run's last step: the end-of-run save follows at once, and would write the same step again
+        periodic = bool(every) and step % every == 0 and (stopping or not self._run_ends_now())
+        saved = self.save_training_state() if periodic else None
+        if stopping:
+            self._stop(*((saved, None) if periodic else self._save_for_stop()))
 
-    def _stop_requested(self) -> bool:
+    def _stop_agreed_now(self) -> bool:
         if not self.dist.distributed:
             return self.stop.requested
-        # every rank must stop after the same step, or one would wait forever in the next collective
         return self.dist.sum(float(self.stop.requested), self.device) > 0
+
+    def _save_for_stop(self) -> tuple[Optional[Path], Optional[str]]:
+        try:
+            return self.save_training_state(), None
+        except OSError as err:  # a full disk must not turn a clean stop into a traceback
+            return None, f"the training state could not be saved ({err}); the last one saved stays"
+
+    def _stop(self, saved: Optional[Path], problem: Optional[str]) -> None:
+        self.write_metrics()
+        step = len(self.steps)
+        if problem:
+            where = problem
+        elif saved:
+            where = (f"training state saved to {saved}; resume by running the same command with "
+                     f"--resume_from_checkpoint {saved} (or latest)")
+        else:
+            where = "training state saved by rank 0; resume by running the same command with --resume_from_checkpoint latest"
+        raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; "
+                                  f"{where}", self.stop.signum or signal.SIGTERM)
+
+    def _run_ends_now(self) -> bool:
+        if self._batch_budget() == 0:
+            return True
+        progress = self.progress
+        return progress.epoch == self.cfg.training.num_epochs - 1 and progress.batches_in_epoch >= len(self.train_loader)
+
+    def _skip_optimizer_step(self) -> None:
+        """No update from this step; a GradScaler still records the overflow, lowering its scale."""
+        if self.scaler is not None:
+            if not self.cfg.training.gradient_clipping:  # clipping unscaled already
+                self.scaler.unscale_(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _check_finite(self, loss: float, grad_norm: Optional[float], window: list[dict]) -> Optional[str]:
         """None when the step is sound; else why it is skipped, or ``NonFiniteStep`` beyond the allowance."""
@@ -245,10 +289,10 @@ class Trainer:
             batches = min(batches, budget)
         return self.progress.epoch_steps + math.ceil(max(batches, 0) / self.cfg.training.gradient_accumulation_steps)
 
-    def _clip_gradients(self) -> Optional[float]:
-        """The gradient norm (clipped to the threshold with --gradient_clipping), None when it means nothing.
+    def _gradient_norm(self) -> Optional[torch.Tensor]:
+        """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.
 
-        Under a GradScaler without clipping, the gradients are still scaled: their norm is not computed.
+        None under a GradScaler without clipping: the gradients are still scaled, their norm means nothing.
         """
         tc = self.cfg.training
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -256,10 +300,10 @@ class Trainer:
             if self.scaler is not None:
                 return None
             grads = [p.grad for p in params if p.grad is not None]
-            return host_float(torch.nn.utils.get_total_norm(grads)) if grads else None
+            return torch.nn.utils.get_total_norm(grads) if grads else None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        return host_float(torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold))
+        return torch.nn.utils.clip_grad_norm_(params, tc.gradient_clipping_threshold)
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
         step = len(self.steps) + 1
@@ -296,7 +340,7 @@ class Trainer:
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.tokenizer, self.optimizer, self.scheduler,
-                          self.scaler, self.loss_model, self.dist)
+                          self.scaler, self.loss_model, self.dist, self.device)
 
     def save_training_state(self) -> Optional[Path]:
         """Everything needed to continue exactly from here, in ``OUTPUT_DIR/checkpoint-STEP``.
@@ -320,6 +364,8 @@ class Trainer:
         self.progress = Progress(**state["progress"])
         self.steps, self.epochs = state["train_steps"], state["epochs"]
         self.resumed_from = str(path)
+        if self.dist.is_main:
+            set_aside_newer(self.cfg.output.output_dir, state["global_step"], self.log)
         self.log(f"resumed from {path}: step {state['global_step']}, epoch {self.progress.epoch + 1}, "
                  f"{self.progress.batches_in_epoch} batches into it")
 

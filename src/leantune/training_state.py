@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,10 +40,11 @@ FORMAT_VERSION = 1
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Flags that change what the next step computes: resuming with another value would not continue
 # the same run, so it is refused. Others (epochs, step limit, logging, saving) may change.
-TRAJECTORY_FLAGS = ("model_name", "use_peft", "peft_method", "lora_r", "lora_alpha", "lora_dropout",
-                    "lora_target_modules", "dataset", "data_path", "batching_strategy", "context_length",
-                    "val_fraction", "batch_size_training", "gradient_accumulation_steps", "seed", "lr",
-                    "weight_decay", "gamma", "use_fp16", "model_dtype")
+TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "from_peft_checkpoint", "lora_r",
+                    "lora_alpha", "lora_dropout", "lora_target_modules", "dataset", "data_path", "batching_strategy",
+                    "context_length", "val_fraction", "batch_size_training", "gradient_accumulation_steps", "seed",
+                    "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
+                    "mixed_precision", "model_dtype", "loss_chunk_size")
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Progress:
     epoch_steps: int = 0
     epoch_time_s: float = 0.0
     nonfinite_skipped: int = 0
+    budget_cut: bool = False  # the last epoch ended early at --max_train_step (its scheduler step and validation ran)
 
     def next_epoch(self) -> None:
         self.epoch += 1
@@ -80,6 +83,31 @@ class StateParts:
     scaler: Optional[torch.amp.GradScaler]
     loss_model: torch.nn.Module
     dist: DistContext = SINGLE_PROCESS
+    device: torch.device = torch.device("cpu")  # whose RNG (beside the CPU's) is saved
+
+
+def recover_replaced(output_dir: str | Path) -> None:
+    """Put back a state that a crash left moved aside while a newer save of the same step replaced it."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return
+    for aside in root.glob(f".{PREFIX}*.replaced-*"):
+        target = root / aside.name[1:].split(".replaced-")[0]
+        if (aside / STATE_FILE).is_file() and not target.exists():
+            try:
+                os.replace(aside, target)
+            except OSError:  # another rank put it back first
+                pass
+
+
+def set_aside_newer(output_dir: str | Path, step: int, log: Callable[[str], None] = print) -> None:
+    """States newer than ``step`` belong to the run being abandoned by resuming an older one: renamed,
+    not deleted, so that 'latest' and --save_total_limit no longer see them."""
+    for newer_step, path in saved_states(output_dir):
+        if newer_step > step:
+            aside = path.with_name(f"{path.name}.abandoned-{int(time.time())}")
+            os.replace(path, aside)
+            log(f"resuming from step {step}: the newer {path.name} is kept as {aside.name}")
 
 
 def saved_states(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -94,6 +122,7 @@ def saved_states(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 def resolve_resume_path(value: str, output_dir: str | Path) -> Path:
     """The directory ``--resume_from_checkpoint`` names ('latest': the newest in ``output_dir``)."""
+    recover_replaced(output_dir)
     if value == "latest":
         states = saved_states(output_dir)
         if not states:
@@ -128,6 +157,10 @@ def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 
         raise ConfigError(f"--resume_from_checkpoint {path}: saved by {saved_world} process(es), resumed with "
                           f"{world_size}; each step's data would differ. Launch {saved_world} process(es)")
     saved, now = state["config"], cfg.flat()
+    if state["progress"].get("budget_cut") and saved.get("max_train_step") != now["max_train_step"]:
+        raise ConfigError(f"--resume_from_checkpoint {path}: the saved run ended its epoch early at --max_train_step "
+                          f"{saved.get('max_train_step')} (the epoch's scheduler step and validation ran), so it cannot "
+                          "continue exactly with another limit. Resume an earlier checkpoint-STEP, or keep the limit")
     changed = [f"--{name} {saved.get(name)!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
                if name in saved and _normal(saved[name]) != _normal(now[name])]
     if changed:
@@ -160,6 +193,7 @@ class TrainingStateStore:
 
     def _write(self, step: int, parts: StateParts, gathered: dict, trainer_state: dict) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
+        recover_replaced(self.root)
         self._remove_stale_staging()
         target = self.root / f"{PREFIX}{step}"
         staging = Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step}.saving-", dir=self.root))
@@ -192,16 +226,17 @@ class TrainingStateStore:
         state = read_state(path)
         distributed = parts.dist.distributed
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
-        optimizer = torch.load(path / "optimizer.pt", weights_only=True) if reads else {}
+        optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) if reads else {}
         set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
                                  options=StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed))
-        parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
                 raise ConfigError(f"--resume_from_checkpoint {path}: saved without a gradient scaler; resume with "
                                   "the saved precision flags")
-            parts.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-        restore_rng(torch.load(path / "rng_state.pth", weights_only=False)["ranks"][parts.dist.rank])
+            parts.scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
+        rng = torch.load(path / "rng_state.pth", map_location="cpu", weights_only=False)["ranks"]
+        restore_rng(rng[parts.dist.rank], parts.device)
         return state
 
     def remove_all(self) -> list[Path]:
@@ -235,7 +270,7 @@ def _gather(parts: StateParts) -> dict:
         from leantune.distributed.fsdp import full_state_dict
 
         weights = full_state_dict(parts.loss_model, trainable_only=parts.is_peft)
-    return {"optimizer": optimizer, "weights": weights, "rng": parts.dist.gather_object(capture_rng())}
+    return {"optimizer": optimizer, "weights": weights, "rng": parts.dist.gather_object(capture_rng(parts.device))}
 
 
 def load_weights(path: Path, model: torch.nn.Module, is_peft: bool) -> None:
@@ -267,10 +302,11 @@ def load_weights(path: Path, model: torch.nn.Module, is_peft: bool) -> None:
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
-def capture_rng() -> dict:
+def capture_rng(device: torch.device) -> dict:
+    """Python's, NumPy's, torch's CPU and the training device's RNG states (not every visible GPU's)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     try:
         import numpy
 
@@ -280,11 +316,11 @@ def capture_rng() -> dict:
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     if "numpy" in state:
         import numpy
 

@@ -37,6 +37,16 @@ class DistContext:
         dist.all_reduce(total)
         return float(total)
 
+    def sum_all(self, values: list[float], device: torch.device) -> list[float]:
+        """Each of ``values`` summed over all ranks, in one all-reduce."""
+        if not self.distributed:
+            return list(values)
+        import torch.distributed as dist
+
+        totals = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        return totals.tolist()
+
     def min_max(self, value: float, device: torch.device) -> tuple[float, float]:
         """The smallest and largest ``value`` over all ranks."""
         if not self.distributed:

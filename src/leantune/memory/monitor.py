@@ -28,10 +28,10 @@ class MemoryMonitor:
         self.device = device
         self.rows: list[dict] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        reset_peak_stats(device)  # before the thread starts: nothing to stop if it raises
         self._file = self.path.open("a" if append else "w", encoding="utf-8")
         self._sampler = RssSampler(interval).start()
         self._start = time.perf_counter()
-        reset_peak_stats(device)
 
     def record(self, step: int, phase: str = "train", breakdown: Optional[Callable[[], dict]] = None,
                **extra) -> dict:

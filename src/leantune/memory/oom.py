@@ -13,6 +13,17 @@ from leantune.config import RunConfig
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
 
 
+# Out-of-memory errors that are not torch.OutOfMemoryError: cuBLAS/cuDNN workspaces, pinned host
+# memory, and the CPU allocator all raise RuntimeErrors with one of these in the message.
+_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                "can't allocate memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(marker in str(err) for marker in _OOM_MARKERS))
+
+
 def memory_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     """Concrete flag changes, the ones that cost least throughput for the most memory first."""
     fixes = []
@@ -58,7 +69,7 @@ def dump_snapshot(device: torch.device, output_dir: str | Path) -> Optional[Path
 def oom_report(err: BaseException, cfg: RunConfig, device: torch.device, step: Optional[int],
                last_record: Optional[dict] = None, predicted_peak_bytes: Optional[int] = None) -> str:
     """The message printed when a run runs out of memory (the fixes numbered, in the order to try them)."""
-    where = f"at step {step}" if step is not None else "before the first step"
+    where = f"at step {step}" if step is not None else "outside a training step (loading, checking or saving)"
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     lines = [f"out of memory on {device} {where}: {first_line}"]
     if last_record:
