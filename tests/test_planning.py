@@ -334,7 +334,7 @@ def test_a_run_with_auto_mode_and_batch_trains_and_logs_the_breakdown(tiny_model
 
 
 def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
-    from leantune.train import _plan_check_line
+    from leantune.run_lines import plan_check_line as _plan_check_line
 
     line = _plan_check_line({"peak_allocated_mib": 1000.0}, predicted_bytes=1050 * 2**20)
     assert line == "memory check: step 2 peak allocated 1,000.0 MiB, plan predicted 1,050.0 MiB (+5.0%)"

@@ -29,6 +29,7 @@ from leantune.loss import causal_lm_loss_sum
 from leantune.step import CausalLMLoss, StepResult, host_floats, loss_and_backward
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
+from leantune import run_lines as lines
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.precision import Precision
 from leantune.stopping import NoStopRequest, NonFiniteStep, OutOfMemory, TrainingInterrupted
@@ -96,7 +97,7 @@ class Trainer:
                 summary.update(self.evaluate())
             self.epochs.append(summary)
             progress.next_epoch()
-            self.log(_epoch_line(summary))
+            self.log(lines.epoch_line(summary))
             self.write_metrics()
             if progress.epoch < tc.num_epochs and self._batch_budget() != 0 and self._stop_agreed_now():
                 self._stop(*self._save_for_stop())  # a signal during the last step's tail or validation
@@ -120,13 +121,13 @@ class Trainer:
                 progress.epoch_time_s, last = progress.epoch_time_s + now - last, now
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:,.0f}",
-                                mem=_memory_postfix(record))
+                                mem=lines.memory_postfix(record))
                 steps = progress.epoch_steps
                 if steps == 1 or steps % max(1, total // 10) == 0 or steps == total:
-                    write(_step_line(record, steps, total))
+                    write(lines.step_line(record, steps, total))
                 self._after_step()
         train_loss = progress.epoch_loss_sum / max(progress.epoch_targets, 1)
-        return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": _perplexity(train_loss),
+        return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": lines.perplexity(train_loss),
                 "steps": progress.epoch_steps, "time_s": progress.epoch_time_s}
 
     def train_step(self, window: list[dict]) -> StepResult:
@@ -182,7 +183,7 @@ class Trainer:
         self.model.train()
         loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait
         val_loss = loss_sum / max(targets, 1)
-        return {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}
+        return {"val_loss": val_loss, "val_perplexity": lines.perplexity(val_loss)}
 
     # ------------------------------------------------------------- helpers
     def _windows(self) -> Iterator[list[dict]]:
@@ -267,7 +268,7 @@ class Trainer:
             return None
         step, allowed = len(self.steps) + 1, self.cfg.training.skip_nonfinite_steps
         sources = [source for batch in window for row in batch.get("sources", []) for source in row]
-        what = f"step {step}: non-finite {' and '.join(problems)}; its batches hold {_describe_sources(sources)}"
+        what = f"step {step}: non-finite {' and '.join(problems)}; its batches hold {lines.describe_sources(sources)}"
         if self.progress.nonfinite_skipped >= allowed:
             hint = (f"{allowed} such step(s) were skipped already" if allowed else
                     "--skip_nonfinite_steps K skips up to K such steps")
@@ -315,7 +316,7 @@ class Trainer:
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         if step == 2 and self.predicted_peak_bytes and record.get("peak_allocated_mib"):
-            self.log(_plan_check_line(record, self.predicted_peak_bytes))
+            self.log(lines.plan_check_line(record, self.predicted_peak_bytes))
         return record
 
     # -------------------------------------------------------------- outputs
@@ -419,54 +420,3 @@ class Trainer:
                 continue
             low, high = self.dist.min_max(summary[name], self.device)
             self.log(f"  across {self.dist.world_size} ranks: {label} {low:,.1f} MiB (min) to {high:,.1f} MiB (max)")
-
-
-def _plan_check_line(record: dict, predicted_bytes: int) -> str:
-    """Step 2 (the first with optimizer state, as planned) measured against the plan."""
-    predicted, measured = predicted_bytes / 2**20, record["peak_allocated_mib"]
-    return (f"memory check: step 2 peak allocated {measured:,.1f} MiB, plan predicted {predicted:,.1f} MiB "
-            f"({(predicted / measured - 1) * 100:+.1f}%)")
-
-
-def _describe_sources(sources: list, shown: int = 24) -> str:
-    """'examples data.jsonl:4, 7, 9' (records by file and line), capped at ``shown`` of them."""
-    unique = list(dict.fromkeys(str(source) for source in sources))
-    if not unique:
-        return "no traceable examples"
-    files = {source.rsplit(":", 1)[0] for source in unique if ":" in source}
-    if len(files) == 1 and all(":" in source for source in unique):
-        text = f"examples {files.pop()}:" + ", ".join(source.rsplit(":", 1)[1] for source in unique[:shown])
-    else:
-        text = "examples " + ", ".join(unique[:shown])
-    return text + (f" and {len(unique) - shown} more" if len(unique) > shown else "")
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 50 else float("inf")
-
-
-def _memory_postfix(record: dict) -> str:
-    if record.get("peak_allocated_mib") is not None:
-        return f"{record['peak_allocated_mib']:.0f}MiB"
-    if record.get("cpu_rss_peak_mib") is not None:
-        return f"rss {record['cpu_rss_peak_mib']:.0f}MiB"
-    return "-"
-
-
-def _step_line(record: dict, step_in_epoch: int, total_in_epoch: int) -> str:
-    loss = f"{record['loss']:.4f}" if record["loss"] is not None else "non-finite (step skipped)"
-    line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {loss}, "
-            f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step")
-    if record.get("peak_allocated_mib") is not None:
-        line += f", peak {record['peak_allocated_mib']:.0f} MiB"
-    elif record.get("cpu_rss_peak_mib") is not None:
-        line += f", RSS {record['cpu_rss_peak_mib']:.0f} MiB"
-    return line
-
-
-def _epoch_line(summary: dict) -> str:
-    line = (f"epoch {summary['epoch']}: train loss {summary['train_loss']:.4f} "
-            f"(perplexity {summary['train_perplexity']:.2f}), {summary['steps']} steps in {summary['time_s']:.1f} s")
-    if "val_loss" in summary:
-        line += f"; validation loss {summary['val_loss']:.4f} (perplexity {summary['val_perplexity']:.2f})"
-    return line
