@@ -19,13 +19,14 @@ def _jsonl(lines):
     return "".join(line + "\n" for line in lines)
 
 
-def _state(world_size: int = 1, budget_cut: bool = False, **flags) -> str:
+def _state(world_size: int = 1, budget_cut: bool = False, batches_seen: int = 8, **flags) -> str:
     """A trainer_state.json as a saved run writes it (its tensors are not read before these checks)."""
     from leantune.cli_args import parse_run_config
 
     config = {**parse_run_config(["--context_length", "128"]).flat(), **flags}
     return json.dumps({"format_version": 1, "world_size": world_size, "global_step": 4, "config": config,
-                       "progress": {"budget_cut": budget_cut}, "train_steps": [], "epochs": []})
+                       "progress": {"budget_cut": budget_cut, "batches_seen": batches_seen}, "train_steps": [],
+                       "epochs": []})
 
 
 GOOD = json.dumps({"prompt": "Say hi.", "completion": "Hi there, friend."})
@@ -108,6 +109,11 @@ CASES = {
     "resume with another process count": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4"],
                                           {"s/checkpoint-4/trainer_state.json": _state(world_size=2)}, 2,
                                           "saved by 2 process(es), resumed with 1"),
+    "output dir is the model dir": (["--output_dir", "{model}"], {}, 2,
+                                    "is the --model_name directory; the run would write over what it reads"),
+    "resume with nothing left to train": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4", "--max_train_step", "8"],
+                                          {"s/checkpoint-4/trainer_state.json": _state(batches_seen=8)}, 2,
+                                          "has trained 8 batches already, so nothing would be trained"),
     "resume past an early epoch end": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4", "--max_train_step", "20"],
                                        {"s/checkpoint-4/trainer_state.json": _state(budget_cut=True, max_train_step=8)},
                                        2, "ended its epoch early at --max_train_step 8"),
@@ -128,7 +134,7 @@ def _materialise(tmp_path, files):
 def test_bad_input_is_refused_with_a_message_and_no_traceback(flags, files, code, text, tiny_model_dir, tmp_path,
                                                               capsys):
     _materialise(tmp_path, files)
-    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    flags = [flag.replace("{tmp}", str(tmp_path)).replace("{model}", str(tiny_model_dir)) for flag in flags]
     argv = ["--model_name", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--num_workers_dataloader",
             "0", "--context_length", "128", *flags]
     assert finetuning.main(argv) == code

@@ -185,11 +185,13 @@ def test_fp16_scaler_state_resumes_exactly_and_a_skipped_step_lowers_the_scale(t
     assert [s["grad_norm"] for s in steps[1]] == [s["grad_norm"] for s in steps[0]]
 
     nan_loss_at(monkeypatch, {2})
-    scales = []
-    monkeypatch.setattr(Trainer, "_after_step", _remember_scale(Trainer._after_step, scales))
-    finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / "c"), "--skip_nonfinite_steps", "1"]),
-                   log=lambda _line: None)
-    assert len(scales) == 6 and scales[1] == scales[0] / 2  # the overflow halved the scale; steps 3-6 ran
+    monkeypatch.setattr(Trainer, "_after_step", _remember_scale(Trainer._after_step, scales := []))
+    for clipping in ("true", "false"):  # unscaled by clipping already, or not
+        scales.clear()
+        finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / f"c-{clipping}"),
+                                         "--skip_nonfinite_steps", "1", "--gradient_clipping", clipping]),
+                       log=lambda _line: None)
+        assert len(scales) == 6 and scales[1] == scales[0] / 2  # the overflow halved the scale; steps 3-6 ran
 
 
 def _remember_scale(method, scales):
@@ -238,3 +240,19 @@ def test_a_signal_during_validation_stops_at_the_end_of_the_epoch(tiny_model_dir
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["progress"]["epoch"] == 1 and state["progress"]["batches_in_epoch"] == 0  # epoch 1 done, validated
     assert "val_loss" in state["epochs"][0]
+
+
+def test_a_signal_during_the_last_validation_lets_the_run_finish(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    original = Trainer.evaluate
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # nothing but saving is left: the run completes
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", signalled)
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path),
+                            "--run_validation", "true", "--max_eval_step", "1"])
+    assert code == 0 and (tmp_path / "model.safetensors").is_file()

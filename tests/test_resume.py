@@ -95,16 +95,16 @@ def test_sigkill_then_resume_gives_the_losses_of_a_run_never_stopped(kind, tiny_
 def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tiny_model_dir, tmp_path, uninterrupted):
     out = tmp_path / "run"
     argv = ["--model_name", str(tiny_model_dir), *COMMON, *LORA, "--output_dir", str(out)]  # no --save_steps
-    # the signal arrives while step 3 is being finished; the loop sees it after that step
-    stopped = launch(argv, inject(tmp_path, "if step == 3: os.kill(os.getpid(), signal.SIGTERM)"))
+    # the signal arrives while step 5 (mid epoch 2) is being finished; the loop sees it after that step
+    stopped = launch(argv, inject(tmp_path, "if step == 5: os.kill(os.getpid(), signal.SIGTERM)"))
     assert stopped.returncode == 128 + signal.SIGTERM
     assert "SIGTERM received: finishing this step, then saving the training state" in stopped.stderr
-    assert (f"leantune: stopped by SIGTERM after step 3; training state saved to {out / 'checkpoint-3'}; resume by "
+    assert (f"leantune: stopped by SIGTERM after step 5; training state saved to {out / 'checkpoint-5'}; resume by "
             "running the same command with --resume_from_checkpoint") in stopped.stderr
     assert "Traceback" not in stopped.stderr
-    assert losses(out)[0] == [1, 2, 3]  # the metrics of the steps done are written
+    assert losses(out)[0] == [1, 2, 3, 4, 5]  # the metrics of the steps done are written
 
-    resumed = launch([*argv, "--resume_from_checkpoint", str(out / "checkpoint-3")])
+    resumed = launch([*argv, "--resume_from_checkpoint", str(out / "checkpoint-5")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(out) == uninterrupted["lora"]
 

@@ -301,7 +301,7 @@ def run(cfg: RunConfig, log=print) -> dict:
 def _explained(err: BaseException, cfg: RunConfig) -> OutOfMemory | None:
     """An out-of-memory error outside the training loop (loading, the batch check, saving), explained."""
     if isinstance(err, Exception) and is_out_of_memory(err):
-        return OutOfMemory(oom_report(err, cfg, choose_device(cfg.model), step=None))
+        return OutOfMemory(oom_report(err, cfg, choose_device(cfg.model)))
     return None
 
 
@@ -313,7 +313,7 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
     """
     import traceback
 
-    if not isinstance(err, USER_ERRORS):
+    if not isinstance(err, (*USER_ERRORS, InterruptedBeforeTraining)):
         traceback.print_exception(err, file=sys.stderr)
     print(f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}", file=sys.stderr, flush=True)
     sys.stdout.flush()

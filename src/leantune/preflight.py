@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from leantune.config import ConfigError, RunConfig
-from leantune.training_state import PREFIX, TrainingStateStore, resolve_resume_path, saved_states
+from leantune.training_state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
 MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json",
@@ -34,10 +34,14 @@ def check_output_dir(cfg: RunConfig) -> None:
     out = Path(cfg.output.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {out}: is a file; give a directory")
+    for flag in ("model_name", "tokenizer_name"):
+        _refuse_same_dir(out, getattr(cfg.model, flag), flag)
+    _refuse_same_dir(out, cfg.peft.from_peft_checkpoint, "from_peft_checkpoint")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"--output_dir {out}: cannot create it ({err.strerror}); pick a writable directory") from None
+    recover_replaced(out)  # a state a crash left aside counts as one
     states = saved_states(out)
     models = [name for name in MODEL_FILES if (out / name).is_file()]
     if not (states or models) or cfg.output.resume_from_checkpoint:
@@ -48,6 +52,13 @@ def check_output_dir(cfg: RunConfig) -> None:
         raise ConfigError(f"--output_dir {out}: holds another run's {held}. Continue that run with "
                           "--resume_from_checkpoint latest, start over with --overwrite_output_dir, or pick "
                           "another --output_dir")
+
+
+def _refuse_same_dir(out: Path, other: Optional[str], flag: str) -> None:
+    """What the run reads must not be where it writes (and --overwrite_output_dir deletes)."""
+    if other and Path(other).expanduser().is_dir() and Path(other).expanduser().resolve() == out.resolve():
+        raise ConfigError(f"--output_dir {out}: is the --{flag} directory; the run would write over what it reads. "
+                          "Pick another --output_dir")
 
 
 def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> None:

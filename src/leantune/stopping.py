@@ -63,11 +63,19 @@ class StopRequest:
     def __init__(self):
         self.signum: Optional[int] = None
         self.deferring = False
+        self._closed = False
         self._previous: dict = {}
         self._pid = os.getpid()
 
     def start_deferring(self) -> None:
-        """The training loop runs: from now on a signal waits for the end of the step."""
+        """The training loop runs: from now on a signal waits for the end of the step.
+
+        A signal seen during setup whose exception was swallowed (a library's ``except
+        BaseException``, a finalizer) ends the run here, before any step.
+        """
+        if self.signum is not None:
+            raise InterruptedBeforeTraining(f"stopped by {self.name} before training started; nothing was saved",
+                                            self.signum)
         self.deferring = True
 
     @property
@@ -86,15 +94,17 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closed = True  # a signal now must not raise in the middle of restoring the handlers
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
-        if os.getpid() != self._pid:  # a DataLoader worker: the main process decides
+        if os.getpid() != self._pid or self._closed:  # a DataLoader worker (the main process decides), or done
             return
         name = signal.Signals(signum).name
         if not self.deferring:
+            self.signum = signum
             raise InterruptedBeforeTraining(f"stopped by {name} before training started; nothing was saved", signum)
         if self.signum is not None:
             # os.write, not print: a handler may run in the middle of another print

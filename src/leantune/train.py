@@ -67,6 +67,8 @@ class Trainer:
         self.resumed_from: Optional[str] = None
         self.check_finite = check_finite  # off where the step only measures memory (random weights, fakes)
         self._stop_agreed = False  # whether any rank was signalled, as of the last step
+        self._steps_at_start = 0  # steps already in the metrics when this process started (resumed)
+        self.activity = "before the first step"  # what an out-of-memory report says was running
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -81,7 +83,7 @@ class Trainer:
             report = self._oom_report(err)
         if report is not None:  # raised outside the handler, so the failed step's tensors are freed first
             raise OutOfMemory(report)
-        if self.cfg.output.save_steps and self.steps:
+        if self.cfg.output.save_steps and len(self.steps) > self._steps_at_start:
             self.save_training_state()  # the end state: a later run may resume it with more epochs
         return self.results()
 
@@ -139,6 +141,7 @@ class Trainer:
         whether the run may go on).
         """
         started = time.perf_counter()
+        self.activity = f"at step {len(self.steps) + 1}"
         self.optimizer.zero_grad(set_to_none=True)
         targets = int(self.dist.sum(sum(count_targets(batch["labels"]) for batch in window), self.device))
         normaliser = max(targets, 1) / self.dist.world_size
@@ -171,6 +174,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        self.activity = f"in validation after step {len(self.steps)}"
         self.model.eval()
         loss_total, targets = torch.zeros((), device=self.device), 0
         limit = self.cfg.training.max_eval_step
@@ -215,10 +219,10 @@ class Trainer:
         step, every = len(self.steps), self.cfg.output.save_steps
         stopping = self._stop_agreed if self.dist.distributed else self.stop.requested
         # the run's last step: the end-of-run save follows at once, and would write the same step again
-        periodic = bool(every) and step % every == 0 and (stopping or not self._run_ends_now())
-        saved = self.save_training_state() if periodic else None
         if stopping:
-            self._stop(*((saved, None) if periodic else self._save_for_stop()))
+            self._stop(*self._save_for_stop())
+        if every and step % every == 0 and not self._run_ends_now():
+            self.save_training_state()
 
     def _stop_agreed_now(self) -> bool:
         if not self.dist.distributed:
@@ -245,6 +249,9 @@ class Trainer:
                                   f"{where}", self.stop.signum or signal.SIGTERM)
 
     def _run_ends_now(self) -> bool:
+        """No step and no validation follow: the end-of-run save comes next."""
+        if self.cfg.training.run_validation and self.val_loader is not None:
+            return False  # a failure in the last validation must not cost the last step
         if self._batch_budget() == 0:
             return True
         progress = self.progress
@@ -351,6 +358,7 @@ class Trainer:
         if self.state_store is None:
             return None
         step = len(self.steps)
+        self.activity = f"saving the training state of step {step}"
         path = self.state_store.save(step, self.state_parts(),
                                      trainer_state(step, self.progress, self.steps, self.epochs, self.cfg))
         self.log(f"saved the training state of step {step} to {path}")
@@ -364,6 +372,7 @@ class Trainer:
         state = self.state_store.load(path, self.state_parts())
         self.progress = Progress(**state["progress"])
         self.steps, self.epochs = state["train_steps"], state["epochs"]
+        self._steps_at_start = len(self.steps)
         self.resumed_from = str(path)
         if self.dist.is_main:
             set_aside_newer(self.cfg.output.output_dir, state["global_step"], self.log)
@@ -372,7 +381,7 @@ class Trainer:
 
     def _oom_report(self, err: BaseException) -> str:
         last = self.monitor.rows[-1] if getattr(self.monitor, "rows", None) else None
-        return oom_report(err, self.cfg, self.device, len(self.steps) + 1, last, self.predicted_peak_bytes)
+        return oom_report(err, self.cfg, self.device, self.activity, last, self.predicted_peak_bytes)
 
     def write_metrics(self) -> Optional[Path]:
         if not self.cfg.output.save_metrics or not self.dist.is_main:

@@ -92,6 +92,8 @@ def recover_replaced(output_dir: str | Path) -> None:
     if not root.is_dir():
         return
     for aside in root.glob(f".{PREFIX}*.replaced-*"):
+        if ".deleting-" in aside.name:  # being deleted, perhaps half: never put back
+            continue
         target = root / aside.name[1:].split(".replaced-")[0]
         if (aside / STATE_FILE).is_file() and not target.exists():
             try:
@@ -105,7 +107,7 @@ def set_aside_newer(output_dir: str | Path, step: int, log: Callable[[str], None
     not deleted, so that 'latest' and --save_total_limit no longer see them."""
     for newer_step, path in saved_states(output_dir):
         if newer_step > step:
-            aside = path.with_name(f"{path.name}.abandoned-{int(time.time())}")
+            aside = path.with_name(f"{path.name}.abandoned-{time.time_ns()}-{os.getpid()}")
             os.replace(path, aside)
             log(f"resuming from step {step}: the newer {path.name} is kept as {aside.name}")
 
@@ -157,6 +159,10 @@ def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 
         raise ConfigError(f"--resume_from_checkpoint {path}: saved by {saved_world} process(es), resumed with "
                           f"{world_size}; each step's data would differ. Launch {saved_world} process(es)")
     saved, now = state["config"], cfg.flat()
+    seen, limit = state["progress"].get("batches_seen", 0), now["max_train_step"]
+    if limit and limit <= seen:
+        raise ConfigError(f"--max_train_step {limit}: the saved state at {path} has trained {seen} batches already, "
+                          f"so nothing would be trained; give a larger limit (or 0: none)")
     if state["progress"].get("budget_cut") and saved.get("max_train_step") != now["max_train_step"]:
         raise ConfigError(f"--resume_from_checkpoint {path}: the saved run ended its epoch early at --max_train_step "
                           f"{saved.get('max_train_step')} (the epoch's scheduler step and validation ran), so it cannot "
@@ -193,8 +199,7 @@ class TrainingStateStore:
 
     def _write(self, step: int, parts: StateParts, gathered: dict, trainer_state: dict) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
-        recover_replaced(self.root)
-        self._remove_stale_staging()
+        self._remove_stale_staging()  # check_output_dir put back what a crash left aside
         target = self.root / f"{PREFIX}{step}"
         staging = Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step}.saving-", dir=self.root))
         try:
@@ -341,12 +346,12 @@ def _replace_dir(staging: Path, target: Path) -> None:
     os.replace(staging, target)
     _fsync_entry(target.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_dir(old)
 
 
 def _remove_dir(path: Path) -> None:
     """Delete a training state so that no half-deleted one is ever visible under its name."""
-    hidden = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    hidden = path.with_name(f".{path.name.lstrip('.')}.deleting-{os.getpid()}")
     os.replace(path, hidden)
     shutil.rmtree(hidden, ignore_errors=True)
 

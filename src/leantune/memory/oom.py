@@ -24,9 +24,11 @@ def is_out_of_memory(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and any(marker in str(err) for marker in _OOM_MARKERS))
 
 
-def memory_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
+def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = False) -> list[str]:
     """Concrete flag changes, the ones that cost least throughput for the most memory first."""
     fixes = []
+    if in_validation and cfg.training.val_batch_size > 1:
+        fixes.append(f"a smaller validation batch: --val_batch_size {cfg.training.val_batch_size // 2}")
     mode, tc = cfg.checkpointing.mode, cfg.training
     if mode is None:
         fixes.append("recompute activations instead of keeping them: --enable_activation_checkpointing")
@@ -66,10 +68,13 @@ def dump_snapshot(device: torch.device, output_dir: str | Path) -> Optional[Path
     return path
 
 
-def oom_report(err: BaseException, cfg: RunConfig, device: torch.device, step: Optional[int],
+def oom_report(err: BaseException, cfg: RunConfig, device: torch.device,
+               where: str = "outside the training loop (loading, checking or saving)",
                last_record: Optional[dict] = None, predicted_peak_bytes: Optional[int] = None) -> str:
-    """The message printed when a run runs out of memory (the fixes numbered, in the order to try them)."""
-    where = f"at step {step}" if step is not None else "outside a training step (loading, checking or saving)"
+    """The message printed when a run runs out of memory (the fixes numbered, in the order to try them).
+
+    ``where``: what was running ("at step 3", "in validation after step 4", ...).
+    """
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     lines = [f"out of memory on {device} {where}: {first_line}"]
     if last_record:
@@ -84,7 +89,8 @@ def oom_report(err: BaseException, cfg: RunConfig, device: torch.device, step: O
         if snapshot:
             lines.append(f"memory snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)")
     lines.append("to fit, try in this order:")
-    lines += [f"  {i}. {fix}" for i, fix in enumerate(memory_fixes(cfg, device), start=1)]
+    fixes = memory_fixes(cfg, device, in_validation=where.startswith("in validation"))
+    lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, start=1)]
     lines.append("  `leantune plan` with the same flags and --memory_budget_gb shows each mode's predicted peak; "
                  "--activation_checkpointing_mode auto picks the one that fits")
     lines.append("no training state was saved for the failed step; the last saved one (if any) is intact")

@@ -1,0 +1,52 @@
+"""The training-state directory's bookkeeping: crash repair, abandoned states, out-of-memory recognition."""
+
+from __future__ import annotations
+
+import torch
+
+from leantune.memory.oom import is_out_of_memory, memory_fixes
+from leantune.cli_args import parse_run_config
+from leantune.training_state import STATE_FILE, recover_replaced, saved_states, set_aside_newer
+
+
+def _state(path, step: int):
+    path.mkdir(parents=True)
+    (path / STATE_FILE).write_text(f'{{"global_step": {step}}}')
+    return path
+
+
+def test_a_state_moved_aside_by_an_interrupted_replace_is_put_back(tmp_path):
+    _state(tmp_path / "checkpoint-2", 2)
+    _state(tmp_path / ".checkpoint-4.replaced-123", 4)  # the crash hit between the two renames
+    _state(tmp_path / ".checkpoint-6.replaced-9.deleting-9", 6)  # half deleted: never put back
+    _state(tmp_path / ".checkpoint-2.replaced-7", 2)  # its replacement exists: stays aside
+    recover_replaced(tmp_path)
+    assert [step for step, _ in saved_states(tmp_path)] == [2, 4]
+    assert (tmp_path / ".checkpoint-6.replaced-9.deleting-9").exists()
+
+
+def test_resuming_an_older_state_sets_the_newer_ones_aside(tmp_path):
+    for step in (2, 4, 6):
+        _state(tmp_path / f"checkpoint-{step}", step)
+    lines = []
+    set_aside_newer(tmp_path, 2, lines.append)
+    assert [step for step, _ in saved_states(tmp_path)] == [2]  # 'latest' and rotation see only these
+    assert sorted(p.name.split(".abandoned-")[0] for p in tmp_path.glob("*.abandoned-*")) == ["checkpoint-4",
+                                                                                               "checkpoint-6"]
+    assert len(lines) == 2 and lines[0].startswith("resuming from step 2: the newer checkpoint-4 is kept as")
+
+
+def test_out_of_memory_is_recognised_in_its_several_forms():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                                         "memory: you tried to allocate 1099511627776 bytes"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # only the allocators' errors
+
+
+def test_an_out_of_memory_in_validation_suggests_a_smaller_validation_batch_first():
+    cfg = parse_run_config(["--val_batch_size", "8", "--use_peft", "--enable_activation_checkpointing"])
+    fixes = memory_fixes(cfg, torch.device("cuda"), in_validation=True)
+    assert fixes[0] == "a smaller validation batch: --val_batch_size 4"
