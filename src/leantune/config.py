@@ -244,6 +244,9 @@ class OutputConfig:
     output_dir: str = field(default="out/leantune", metadata=_help("Where the model, metrics and memory log go."))
     save_model: bool = field(default=True, metadata=_help("Save the adapter (LoRA) or the full model at the end."))
     save_metrics: bool = field(default=False, metadata=_help("Write per-step metrics to metrics.json."))
+    peak_tflops: Optional[float] = field(default=None, metadata=_help(
+        "The device's peak dense bf16 TFLOP/s for MFU and HFU (default: a table of common GPUs; on the CPU or an "
+        "unknown GPU no MFU is reported unless this is given)."))
     save_steps: int = field(default=0, metadata=_help(
         "Save the training state (weights or adapter, optimizer, scheduler, scaler, RNG states, data position) "
         "to OUTPUT_DIR/checkpoint-STEP every this many optimizer steps and at the end; 0: only when stopped "
@@ -259,6 +262,8 @@ class OutputConfig:
 
     def __post_init__(self):
         _require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
+        _require(self.peak_tflops is None or 0 < self.peak_tflops < float("inf"), "peak_tflops",
+                 f"must be a positive number of TFLOP/s (got {self.peak_tflops})")
         _require(self.save_steps >= 0, "save_steps", f"must be 0 (save only when stopped) or more (got {self.save_steps})")
         _require(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
                  f"must keep at least 1 training state (got {self.save_total_limit})")

@@ -23,7 +23,7 @@ from leantune.data.batching import NothingToLearn
 from leantune.distributed.context import (SINGLE_PROCESS, DistContext, close_distributed, init_distributed,
                                           launched_world_size)
 from leantune.distributed.fsdp import load_from_rank0, shard_model
-from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
+from leantune.loss import ChunkedCrossEntropy, causal_lm_loss_sum, effective_chunk_size
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.loading import (ModelLoadError, attach_lora, count_parameters, empty_model, load_model,
@@ -33,6 +33,7 @@ from leantune.precision import Precision, choose_device, choose_precision
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch, plan_for_run
 from leantune.planning.plan import format_bytes
 from leantune.preflight import clear_previous_run, preflight
+from leantune.report.flops import TokenFlops, count_token_flops, device_peak_tflops
 from leantune.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped, StopRequest,
                                TrainingInterrupted)
 from leantune.step import CausalLMLoss, forward_backward
@@ -56,9 +57,7 @@ def checkpoint_policy(cfg: RunConfig):
 
 def loss_function(cfg: RunConfig, vocab_size: int):
     """Chunked cross-entropy when asked for (by default whenever checkpointing is on), else plain."""
-    chunk = cfg.training.loss_chunk_size
-    if chunk is None:
-        chunk = auto_chunk_size(vocab_size) if cfg.checkpointing.mode else 0
+    chunk = effective_chunk_size(cfg.training.loss_chunk_size, cfg.checkpointing.mode is not None, vocab_size)
     return ChunkedCrossEntropy(chunk) if chunk > 0 else causal_lm_loss_sum
 
 
@@ -240,12 +239,29 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if dist.distributed:
         shard(loss_model, cfg, dist, device, precision, log)
     store = TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log)
+    peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)
     trainer = Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
                       predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist,
-                      state_store=store, stop=stop)
+                      state_store=store, stop=stop, token_flops=token_flops(cfg, device, peak_tflops, log),
+                      peak_tflops=peak_tflops)
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
     return trainer
+
+
+def token_flops(cfg: RunConfig, device: torch.device, peak_tflops: float | None, log=print) -> TokenFlops | None:
+    """FLOPs per token of the run's step, when a peak is known to measure them against (MFU, HFU)."""
+    if not peak_tflops:
+        return None
+    try:
+        flops = count_token_flops(cfg, device)
+    except Exception as err:  # an aid: a model the tracer cannot follow must not stop the run
+        log(f"mfu: not reported ({type(err).__name__}: {str(err).splitlines()[0]})")
+        return None
+    recompute = flops.hardware / flops.model - 1 if flops.model else 0.0
+    log(f"mfu: against {peak_tflops:,.1f} TFLOP/s peak; {flops.model / 1e9:,.3f} GFLOPs per token "
+        f"(+{recompute:.0%} recomputed by checkpointing, counted in HFU only)")
+    return flops
 
 
 def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,

@@ -25,6 +25,8 @@ Two implementations with the same result:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,13 @@ def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: t
     targets = labels[:, 1:].to(logits.device)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def effective_chunk_size(requested: Optional[int], checkpointing: bool, vocab_size: int) -> int:
+    """``--loss_chunk_size`` as a run uses it: unset means chunked when checkpointing is on, plain (0) otherwise."""
+    if requested is None:
+        return auto_chunk_size(vocab_size) if checkpointing else 0
+    return requested
 
 
 def auto_chunk_size(vocab_size: int) -> int:

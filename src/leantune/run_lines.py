@@ -41,6 +41,8 @@ def step_line(record: dict, step_in_epoch: int, total_in_epoch: int) -> str:
     loss = f"{record['loss']:.4f}" if record["loss"] is not None else "non-finite (step skipped)"
     line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {loss}, "
             f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step")
+    if record.get("mfu") is not None:
+        line += f", MFU {record['mfu']:.1%}"
     if record.get("peak_allocated_mib") is not None:
         line += f", peak {record['peak_allocated_mib']:.0f} MiB"
     elif record.get("cpu_rss_peak_mib") is not None:

@@ -31,6 +31,7 @@ from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
 from leantune import run_lines as lines
 from leantune.memory.oom import is_out_of_memory, oom_report
+from leantune.report.flops import TokenFlops
 from leantune.precision import Precision
 from leantune.stopping import NoStopRequest, NonFiniteStep, OutOfMemory, TrainingInterrupted
 from leantune.training_state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
@@ -46,7 +47,8 @@ class Trainer:
                  monitor, loss_fn: Callable = causal_lm_loss_sum, log: Callable[[str], None] = print,
                  predicted_peak_bytes: Optional[int] = None, loss_model: Optional[CausalLMLoss] = None,
                  dist: DistContext = SINGLE_PROCESS, state_store: Optional[TrainingStateStore] = None,
-                 stop=NoStopRequest(), check_finite: bool = True):
+                 stop=NoStopRequest(), check_finite: bool = True, token_flops: Optional[TokenFlops] = None,
+                 peak_tflops: Optional[float] = None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.precision, self.monitor, self.log = precision, monitor, log
@@ -68,6 +70,7 @@ class Trainer:
         self.check_finite = check_finite  # off where the step only measures memory (random weights, fakes)
         self._stop_agreed = False  # whether any rank was signalled, as of the last step
         self._steps_at_start = 0  # steps already in the metrics when this process started (resumed)
+        self.token_flops, self.peak_tflops = token_flops, peak_tflops  # both known: MFU and HFU per step
         self.activity = "before the first step"  # what an out-of-memory report says was running
 
     # ----------------------------------------------------------------- loop
@@ -318,6 +321,9 @@ class Trainer:
         memory = self.monitor.record(step, breakdown=lambda: persistent_bytes(self.model, self.optimizer))
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
+        if self.token_flops is not None and self.peak_tflops:
+            record.update(self.token_flops.utilisation(result.input_tokens, result.step_time_s, self.peak_tflops,
+                                                       self.dist.world_size))
         if not result.skipped:
             del record["skipped"]
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
@@ -343,6 +349,8 @@ class Trainer:
                 "timed_steps": len(timed),
                 "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
                 "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+                "median_mfu": statistics.median(s["mfu"] for s in timed) if timed and "mfu" in timed[0] else None,
+                "median_hfu": statistics.median(s["hfu"] for s in timed) if timed and "hfu" in timed[0] else None,
                 "resumed_from": self.resumed_from,
                 "skipped_nonfinite_steps": self.progress.nonfinite_skipped}
 

@@ -1,0 +1,1 @@
+"""How well a run used its device: FLOPs per token, the device's peak, MFU and HFU."""
