@@ -10,7 +10,29 @@ COMMANDS = {
     "finetune": "fine-tune a model (the same flags as python -m leantune.finetuning)",
     "plan": "predict a run's peak memory per checkpointing mode, without allocating it (same flags as finetune)",
     "make-tiny-model": "build the tiny local Llama and its tokenizer in DIR (no download)",
+    "report": "plot and summarise runs: leantune report OUTPUT_DIR [OUTPUT_DIR ...] [--out DIR]",
 }
+
+
+def _report(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from leantune.report.plots import ReportError, load_run, write_report
+
+    parser = argparse.ArgumentParser(prog="leantune report", description=COMMANDS["report"])
+    parser.add_argument("runs", nargs="+", help="output directories of runs (with metrics.json)")
+    parser.add_argument("--out", help="where report.png and report.md go (default: the run's directory, or the "
+                                      "current one for several runs)")
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(path) for path in args.runs]
+        out = Path(args.out) if args.out else (Path(args.runs[0]) if len(runs) == 1 else Path("."))
+        png, md = write_report(runs, out, "report" if len(runs) == 1 else "comparison")
+    except ReportError as err:
+        print(f"leantune: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {png} and {md}")
+    return 0
 
 
 def _make_tiny_model(argv: Sequence[str]) -> int:
@@ -51,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(rest)
     if command == "make-tiny-model":
         return _make_tiny_model(rest)
+    if command == "report":
+        return _report(rest)
     print(f"leantune: error: unknown command {command!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

@@ -12,12 +12,17 @@ from pathlib import Path
 
 def atomic_write_json(path: str | Path, data) -> None:
     """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
+    atomic_write_text(path, json.dumps(data, indent=2))
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -351,6 +351,7 @@ class Trainer:
                 "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
                 "median_mfu": statistics.median(s["mfu"] for s in timed) if timed and "mfu" in timed[0] else None,
                 "median_hfu": statistics.median(s["hfu"] for s in timed) if timed and "hfu" in timed[0] else None,
+                "predicted_peak_mib": self.predicted_peak_bytes / 2**20 if self.predicted_peak_bytes else None,
                 "resumed_from": self.resumed_from,
                 "skipped_nonfinite_steps": self.progress.nonfinite_skipped}
 
@@ -427,8 +428,26 @@ class Trainer:
         self.write_metrics()
         for line in self.monitor.summary_lines():
             self.log(line)
+        if self.monitor.rows and self.dist.is_main and self.steps:
+            self._write_report()
         if self.dist.distributed and not failed and hasattr(self.monitor, "summary"):
             self._log_rank_spread(self.monitor.summary())
+
+    def _write_report(self) -> None:
+        """report.png and report.md beside memory.jsonl (a run with memory monitoring); never fails the run."""
+        from leantune.report.plots import ReportError, RunData, write_report
+
+        run = RunData(Path(self.cfg.output.output_dir).name, self.steps, self.epochs, self.results(),
+                      self.cfg.flat(), [row for row in self.monitor.rows if row.get("phase") == "train"])
+        try:
+            png, md = write_report([run], Path(self.cfg.output.output_dir))
+        except ReportError as err:
+            self.log(f"report: not drawn ({err})")
+            return
+        except Exception as err:  # a plotting failure must not hide how the run itself ended
+            self.log(f"report: not drawn ({type(err).__name__}: {err})")
+            return
+        self.log(f"report: {png} and {md} (leantune report DIR [DIR ...] compares runs)")
 
     def _log_rank_spread(self, summary: dict) -> None:
         """The smallest and largest of each rank's peaks (a collective: every rank calls it)."""
