@@ -50,7 +50,8 @@ def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file
     assert "--use_peft" in fixes[4]
     # what is on disk is whole: the metrics of steps 1-2, the states of steps 1-2, nothing hidden or partial
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json",
+                                                     "report.md", "report.png"]  # the report of the steps done
 
 
 def test_fixes_follow_the_run_they_are_for():
