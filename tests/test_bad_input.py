@@ -109,6 +109,8 @@ CASES = {
     "resume with another process count": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4"],
                                           {"s/checkpoint-4/trainer_state.json": _state(world_size=2)}, 2,
                                           "saved by 2 process(es), resumed with 1"),
+    "memory snapshot on the CPU": (["--memory_snapshot"], {}, 2,
+                                   "--memory_snapshot: records the CUDA allocator's history; this run is on cpu"),
     "output dir is the model dir": (["--output_dir", "{model}"], {}, 2,
                                     "is the --model_name directory; the run would write over what it reads"),
     "resume with nothing left to train": (["--resume_from_checkpoint", "{tmp}/s/checkpoint-4", "--max_train_step", "8"],

@@ -26,7 +26,6 @@ COOKBOOK_ONLY_FLAGS = {
     "num_freeze_layers": "layer freezing is not supported",
     "freeze_LLM_only": "vision models are not supported",
     "one_gpu": "leantune trains on one device unless torchrun starts several processes with --enable_fsdp",
-    "use_wandb": "Weights & Biases logging is not supported; use --save_metrics",
     "use_profiler": "the profiler hook is not supported yet",
     "flop_counter": "FLOP counting is on the roadmap (MFU report)",
     "save_optimizer": "the optimizer is part of the training state saved with --save_steps N",

@@ -208,6 +208,9 @@ class MemoryConfig:
     memory_budget_gb: Optional[float] = field(default=None, metadata=_help(
         "Memory the run may use, in GiB (2**30 bytes), for --activation_checkpointing_mode auto, "
         "--auto_batch_size and leantune plan. Default on a GPU: its free memory less 5%%; on the CPU it must be given."))
+    memory_snapshot: bool = field(default=False, metadata=_help(
+        "CUDA: record the allocator's history over the first 3 steps and write OUTPUT_DIR/memory_snapshot.pickle "
+        "(open it in https://pytorch.org/memory_viz); an out-of-memory error also writes one."))
     auto_batch_size: bool = field(default=False, metadata=_help(
         "Train with the largest batch whose predicted peak fits the budget (confirmed by one real step first)."))
     target_global_batch_size: Optional[int] = field(default=None, metadata=_help(
@@ -247,6 +250,11 @@ class OutputConfig:
     peak_tflops: Optional[float] = field(default=None, metadata=_help(
         "The device's peak dense bf16 TFLOP/s for MFU and HFU (default: a table of common GPUs; on the CPU or an "
         "unknown GPU no MFU is reported unless this is given)."))
+    use_tensorboard: bool = field(default=False, metadata=_help(
+        "Log the per-step and per-epoch metrics (metrics.json's names) to OUTPUT_DIR/tensorboard."))
+    use_wandb: bool = field(default=False, metadata=_help(
+        "Log the metrics to Weights & Biases (offline unless WANDB_MODE=online), as llama-cookbook's flag."))
+    wandb_project: str = field(default="leantune", metadata=_help("The Weights & Biases project with --use_wandb."))
     save_steps: int = field(default=0, metadata=_help(
         "Save the training state (weights or adapter, optimizer, scheduler, scaler, RNG states, data position) "
         "to OUTPUT_DIR/checkpoint-STEP every this many optimizer steps and at the end; 0: only when stopped "

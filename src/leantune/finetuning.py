@@ -34,6 +34,7 @@ from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batc
 from leantune.planning.plan import format_bytes
 from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, count_token_flops, device_peak_tflops
+from leantune.report.loggers import MetricLoggers
 from leantune.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped, StopRequest,
                                TrainingInterrupted)
 from leantune.step import CausalLMLoss, forward_backward
@@ -214,6 +215,11 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     resume = preflight(cfg)
     device = choose_device(cfg.model)
+    if cfg.memory.memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
+                          "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
+    loggers = MetricLoggers.for_run(cfg, dist.is_main)  # a missing logger package is refused here, early
+    stack.callback(loggers.close)
     memory = apply_memory_plan(cfg, device, log)  # auto mode / auto batch, decided before any weight loads
     if resume is not None:
         check_compatible(read_state(resume), memory.cfg, resume, dist.world_size)
@@ -243,7 +249,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     trainer = Trainer(cfg, model, tokenizer, train_loader, val_loader, precision, monitor, log=log,
                       predicted_peak_bytes=predicted_peak(memory, device, log), loss_model=loss_model, dist=dist,
                       state_store=store, stop=stop, token_flops=token_flops(cfg, device, peak_tflops, log),
-                      peak_tflops=peak_tflops)
+                      peak_tflops=peak_tflops, loggers=loggers)
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
     return trainer

@@ -30,11 +30,14 @@ from leantune.step import CausalLMLoss, StepResult, host_floats, loss_and_backwa
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.structure import unwrap_model
 from leantune import run_lines as lines
-from leantune.memory.oom import is_out_of_memory, oom_report
+from leantune.memory.oom import dump_snapshot, is_out_of_memory, oom_report
 from leantune.report.flops import TokenFlops
+from leantune.report.loggers import MetricLoggers
 from leantune.precision import Precision
 from leantune.stopping import NoStopRequest, NonFiniteStep, OutOfMemory, TrainingInterrupted
 from leantune.training_state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
+
+SNAPSHOT_STEPS = 3  # --memory_snapshot: the first steps, optimizer state's creation and a steady step included
 
 # Memory fields copied from the monitor's record into each step's metrics.
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
@@ -48,7 +51,7 @@ class Trainer:
                  predicted_peak_bytes: Optional[int] = None, loss_model: Optional[CausalLMLoss] = None,
                  dist: DistContext = SINGLE_PROCESS, state_store: Optional[TrainingStateStore] = None,
                  stop=NoStopRequest(), check_finite: bool = True, token_flops: Optional[TokenFlops] = None,
-                 peak_tflops: Optional[float] = None):
+                 peak_tflops: Optional[float] = None, loggers: Optional[MetricLoggers] = None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.precision, self.monitor, self.log = precision, monitor, log
@@ -71,12 +74,17 @@ class Trainer:
         self._stop_agreed = False  # whether any rank was signalled, as of the last step
         self._steps_at_start = 0  # steps already in the metrics when this process started (resumed)
         self.token_flops, self.peak_tflops = token_flops, peak_tflops  # both known: MFU and HFU per step
+        self.loggers = loggers or MetricLoggers()
+        # --memory_snapshot on CUDA: the allocator's history over the first steps, then written out
+        self.snapshot_steps = SNAPSHOT_STEPS if cfg.memory.memory_snapshot and self.device.type == "cuda" else 0
         self.activity = "before the first step"  # what an out-of-memory report says was running
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
         """Every epoch from where ``progress`` stands (the start, or a resumed training state)."""
         self.stop.start_deferring()  # from here a signal waits for the end of the step
+        if self.snapshot_steps and len(self.steps) < self.snapshot_steps:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         report = None
         try:
             self._train_epochs()
@@ -101,6 +109,7 @@ class Trainer:
             if tc.run_validation and self.val_loader is not None:
                 summary.update(self.evaluate())
             self.epochs.append(summary)
+            self.loggers.log_epoch(summary, len(self.steps))
             progress.next_epoch()
             self.log(lines.epoch_line(summary))
             self.write_metrics()
@@ -220,12 +229,20 @@ class Trainer:
     def _after_step(self) -> None:
         """Save the training state every ``--save_steps``; on SIGTERM/SIGINT save it and stop."""
         step, every = len(self.steps), self.cfg.output.save_steps
+        if self.snapshot_steps and step == self.snapshot_steps:
+            self._write_memory_snapshot()
         stopping = self._stop_agreed if self.dist.distributed else self.stop.requested
         # the run's last step: the end-of-run save follows at once, and would write the same step again
         if stopping:
             self._stop(*self._save_for_stop())
         if every and step % every == 0 and not self._run_ends_now():
             self.save_training_state()
+
+    def _write_memory_snapshot(self) -> None:
+        path = dump_snapshot(self.device, self.cfg.output.output_dir, "memory_snapshot.pickle")
+        torch.cuda.memory._record_memory_history(enabled=None)  # recording costs time on every allocation
+        self.log(f"memory snapshot of steps 1-{self.snapshot_steps}: {path} (drag it into https://pytorch.org/memory_viz)"
+                 if path else "memory snapshot: could not be written")
 
     def _stop_agreed_now(self) -> bool:
         if not self.dist.distributed:
@@ -328,6 +345,7 @@ class Trainer:
             del record["skipped"]
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
+        self.loggers.log_step(record)
         if step == 2 and self.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(lines.plan_check_line(record, self.predicted_peak_bytes))
         return record

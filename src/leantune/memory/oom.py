@@ -52,11 +52,11 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     return fixes
 
 
-def dump_snapshot(device: torch.device, output_dir: str | Path) -> Optional[Path]:
+def dump_snapshot(device: torch.device, output_dir: str | Path, name: str = SNAPSHOT_NAME) -> Optional[Path]:
     """The CUDA allocator's snapshot (open it in https://pytorch.org/memory_viz), written whole or not at all."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    path = Path(output_dir) / SNAPSHOT_NAME
+    path = Path(output_dir) / name
     partial = path.with_name(f".{path.name}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

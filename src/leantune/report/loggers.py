@@ -1,0 +1,87 @@
+"""Optional metric loggers (TensorBoard, Weights & Biases) with the names ``metrics.json`` uses.
+
+Each step record's numeric fields (``loss``, ``tokens_per_s``, ``mfu``, ``peak_allocated_mib``, ...)
+are logged under those same names at the record's global ``step``; each epoch summary's
+(``train_loss``, ``val_loss``, ...) at the step that ended the epoch. A logger whose package is
+missing is an error naming what to install, raised before any heavy work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from leantune.config import ConfigError, RunConfig
+
+# Fields of a step record that are counters or labels, not metrics to plot.
+SKIPPED = {"step", "epoch"}
+
+
+def numeric(record: dict) -> dict:
+    return {k: float(v) for k, v in record.items()
+            if k not in SKIPPED and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("--use_tensorboard: needs the tensorboard package: pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, values: dict, step: int) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, cfg: RunConfig, log_dir: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--use_wandb: needs the wandb package: pip install wandb (runs offline without a "
+                              "network: WANDB_MODE=offline, synced later with `wandb sync`)") from None
+        mode = os.environ.get("WANDB_MODE", "offline")  # no network is the safe default; set online to stream
+        self.run = wandb.init(project=cfg.output.wandb_project, dir=str(log_dir), mode=mode, config=cfg.flat())
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricLoggers:
+    """The loggers a run asked for (none: every call does nothing)."""
+
+    def __init__(self, loggers: Optional[list] = None):
+        self.loggers = loggers or []
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, is_main: bool = True) -> "MetricLoggers":
+        if not is_main:  # rank 0 logs for all
+            return cls()
+        out = Path(cfg.output.output_dir)
+        loggers = []
+        if cfg.output.use_tensorboard:
+            loggers.append(TensorBoardLogger(out / "tensorboard"))
+        if cfg.output.use_wandb:
+            loggers.append(WandbLogger(cfg, out))
+        return cls(loggers)
+
+    def log_step(self, record: dict) -> None:
+        for logger in self.loggers:
+            logger.log(numeric(record), record["step"])
+
+    def log_epoch(self, summary: dict, step: int) -> None:
+        for logger in self.loggers:
+            logger.log(numeric(summary), step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
