@@ -30,6 +30,7 @@ def test_the_peak_comes_from_the_flag_or_the_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in (("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H200", 989.5),
                        ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 366.5), ("NVIDIA L4", 121.0),
+                       ("NVIDIA H200 NVL", 835.5), ("NVIDIA L40", None), ("NVIDIA A10G", None), ("NVIDIA A10", 125.0),
                        ("Some Future GPU", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert device_peak_tflops(torch.device("cuda")) == peak, name

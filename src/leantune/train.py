@@ -239,8 +239,13 @@ class Trainer:
             self.save_training_state()
 
     def _write_memory_snapshot(self) -> None:
-        path = dump_snapshot(self.device, self.cfg.output.output_dir, "memory_snapshot.pickle")
+        """Write what the allocator recorded (after step 3, or when the run ends sooner) and stop recording."""
+        if not self.snapshot_steps:
+            return
+        name = "memory_snapshot.pickle" if self.dist.is_main else f"memory_snapshot.rank{self.dist.rank}.pickle"
+        path = dump_snapshot(self.device, self.cfg.output.output_dir, name)
         torch.cuda.memory._record_memory_history(enabled=None)  # recording costs time on every allocation
+        self.snapshot_steps = 0
         self.log(f"memory snapshot of steps 1-{self.snapshot_steps}: {path} (drag it into https://pytorch.org/memory_viz)"
                  if path else "memory snapshot: could not be written")
 
@@ -367,8 +372,8 @@ class Trainer:
                 "timed_steps": len(timed),
                 "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
                 "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
-                "median_mfu": statistics.median(s["mfu"] for s in timed) if timed and "mfu" in timed[0] else None,
-                "median_hfu": statistics.median(s["hfu"] for s in timed) if timed and "hfu" in timed[0] else None,
+                "median_mfu": _median(s.get("mfu") for s in timed),
+                "median_hfu": _median(s.get("hfu") for s in timed),
                 "predicted_peak_mib": self.predicted_peak_bytes / 2**20 if self.predicted_peak_bytes else None,
                 "resumed_from": self.resumed_from,
                 "skipped_nonfinite_steps": self.progress.nonfinite_skipped}
@@ -443,6 +448,7 @@ class Trainer:
 
         After a failure no collective is attempted: the other ranks may never join it.
         """
+        self._write_memory_snapshot()  # a run shorter than the snapshot's steps, or one that failed in them
         self.write_metrics()
         for line in self.monitor.summary_lines():
             self.log(line)
@@ -474,3 +480,9 @@ class Trainer:
                 continue
             low, high = self.dist.min_max(summary[name], self.device)
             self.log(f"  across {self.dist.world_size} ranks: {label} {low:,.1f} MiB (min) to {high:,.1f} MiB (max)")
+
+
+def _median(values) -> Optional[float]:
+    """The median of the values that exist (a resumed run's two parts may not both have them)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

@@ -21,9 +21,10 @@ from leantune.config import RunConfig
 
 # Dense bfloat16 Tensor Core peak of one GPU, TFLOP/s, from NVIDIA's datasheets (which quote the
 # sparse figure first; these are half of it): H100/H200 SXM 1,979 -> 989.5; H100 PCIe 1,513 -> 756.5;
-# H100 NVL 1,671 -> 835.5; A100 624 -> 312; L40S 733 -> 366.5; L4 242.5 -> 121; A10 250 -> 125.
+# H100 and H200 NVL 1,671 -> 835.5; A100 624 -> 312; L40S 733 -> 366.5; L4 242.5 -> 121; A10 250 -> 125.
 # Matched against torch.cuda.get_device_name(), longest key first.
 PEAK_BF16_TFLOPS = {
+    "H200 NVL": 835.5,
     "H200": 989.5,
     "H100 NVL": 835.5,
     "H100 PCIe": 756.5,
@@ -33,6 +34,8 @@ PEAK_BF16_TFLOPS = {
     "L4": 121.0,
     "A10": 125.0,
 }
+# Names that contain a key above but are other GPUs (A10G, L40): unknown rather than wrong.
+_NOT_IN_TABLE = ("A10G", "L40 ", "L40-")
 
 
 def device_peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
@@ -42,8 +45,11 @@ def device_peak_tflops(device: torch.device, override: Optional[float] = None) -
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
+    if any(other in f"{name} " for other in _NOT_IN_TABLE):
+        return None
+    words = f" {name.replace('-', ' ')} "
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
+        if f" {key} " in words:
             return PEAK_BF16_TFLOPS[key]
     return None
 

@@ -9,6 +9,7 @@ missing is an error naming what to install, raised before any heavy work.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -75,13 +76,20 @@ class MetricLoggers:
         return cls(loggers)
 
     def log_step(self, record: dict) -> None:
-        for logger in self.loggers:
-            logger.log(numeric(record), record["step"])
+        self._each(lambda logger: logger.log(numeric(record), record["step"]))
 
     def log_epoch(self, summary: dict, step: int) -> None:
-        for logger in self.loggers:
-            logger.log(numeric(summary), step)
+        self._each(lambda logger: logger.log(numeric(summary), step))
 
     def close(self) -> None:
-        for logger in self.loggers:
-            logger.close()
+        self._each(lambda logger: logger.close())
+        self.loggers = []
+
+    def _each(self, call) -> None:
+        """A logger that fails (full disk, service error) is dropped with a warning; training goes on."""
+        for logger in list(self.loggers):
+            try:
+                call(logger)
+            except Exception as err:
+                warnings.warn(f"{type(logger).__name__} failed and is turned off: {err}", stacklevel=2)
+                self.loggers.remove(logger)

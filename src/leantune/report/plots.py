@@ -93,6 +93,7 @@ def plot_runs(runs: list[RunData], png: Path) -> Path:
     """Memory, loss, tokens/s and MFU (or step time) over steps, one line per run, in one PNG."""
     plt = _pyplot()
     single = len(runs) == 1
+    with_mfu = all(_series(run.steps, "mfu")[0] for run in runs)  # one unit on the panel for every run
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     for run in runs:
         plot_memory(axes[0][0], run, single)
@@ -103,7 +104,7 @@ def plot_runs(runs: list[RunData], png: Path) -> Path:
         if val:
             axes[0][1].plot(*zip(*val), "o--", label=f"{label + ': ' if label else ''}validation loss")
         axes[1][0].plot(*_series(run.steps, "tokens_per_s"), label=label)
-        if _series(run.steps, "mfu")[0]:
+        if with_mfu:
             steps, mfu = _series(run.steps, "mfu")
             axes[1][1].plot(steps, [100 * v for v in mfu], label=label)
             axes[1][1].set_ylabel("MFU (%)")
@@ -197,7 +198,11 @@ def write_report(runs: list[RunData], out_dir: Path, stem: str = "report") -> tu
     """``stem``.png (when matplotlib is there) and ``stem``.md in ``out_dir``; returns their paths."""
     from leantune.io import atomic_write_text
 
-    png = plot_runs(runs, out_dir / f"{stem}.png")
     md = out_dir / f"{stem}.md"
+    try:
+        png = plot_runs(runs, out_dir / f"{stem}.png")
+    except ReportError:
+        atomic_write_text(md, markdown(runs, None))  # the summary needs no matplotlib
+        raise
     atomic_write_text(md, markdown(runs, png))
     return png, md
