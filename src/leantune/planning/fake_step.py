@@ -233,7 +233,11 @@ class FlopCountingTracker(StorageTracker):
     def __init__(self, round_to: int = 1):
         super().__init__(round_to)
         self.flops = 0
-        self._formulas = {**flop_registry, **_cpu_attention_flops()}
+        aten = torch.ops.aten
+        # torch's table lacks the in-place forms; the chunked loss accumulates the LM head's weight
+        # gradient with addmm_ in float32, and leaving it out made a checkpointed run look cheaper
+        in_place = {aten.addmm_: flop_registry[aten.addmm], aten.baddbmm_: flop_registry[aten.baddbmm]}
+        self._formulas = {**flop_registry, **in_place, **_cpu_attention_flops()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
