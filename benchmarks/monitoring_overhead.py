@@ -31,12 +31,7 @@ from leantune.memory.stats import cpu_rss_bytes
 
 def sample_seconds(samples: int = 2000) -> float:
     """Median time of one RSS sample, what the sampler thread does each time it wakes."""
-    times = []
-    for _ in range(samples):
-        started = time.perf_counter()
-        cpu_rss_bytes()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(_seconds(cpu_rss_bytes) for _ in range(samples))
 
 
 def timed_steps(trainer, windows, count: int) -> list[float]:
