@@ -129,3 +129,42 @@ def test_monitoring_overhead_benchmark_interleaves_and_writes_its_record(tiny_mo
     assert 0 < record["record_s"] and 0 < record["sampler_cpu_share"] < 1
     assert "noise floor" in capsys.readouterr().out
     assert [t.name for t in threading.enumerate() if t.name == "leantune-rss-sampler"] == []  # every sampler stopped
+
+
+def test_memory_budget_benchmark_finds_each_largest_fitting_batch_and_times_it(tmp_path, capsys):
+    """Issue #11's benchmark at toy size: leantune's modes, auto and the Hugging Face Trainer under one budget."""
+    bench = _load("benchmarks/memory_budget.py")
+    out = tmp_path / "budget.json"
+    assert bench.main(["--preset", "tiny", "--budget_mib", "60", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                       "--scan_batches", "1,2", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    scan = [r for r in records if r["tool"] == "leantune_batch_scan"]
+    assert [(r["mode"], r["batch_size"]) for r in scan] == [("none", 1), ("none", 2)]
+    assert all(r["tokens_per_s"] == pytest.approx(r["batch_size"] * 64 / r["step_time_s"]) for r in scan)
+    records = [r for r in records if r not in scan]
+    assert [(r["tool"], r["mode"]) for r in records] == [
+        ("leantune", "none"), ("leantune", "full"), ("leantune", "selective_ops"), ("leantune", "auto"),
+        ("hf_trainer", "none"), ("hf_trainer", "full")]
+    budget = 60 * 2**20
+    for r in records:
+        assert {"tool", "mode", "batch_size", "peak_bytes", "tokens_per_s"} <= r.keys()
+        assert r["batch_size"] >= 1 and r["fits"] and r["peak_bytes"] <= budget, r
+        assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * 64 / r["step_time_s"])
+        if r["mode"] != "auto":  # measured: the answer fits and the next batch does not
+            measured = {int(b): nbytes for b, nbytes in r["measured_bytes"].items()}
+            assert measured[r["batch_size"]] == r["peak_bytes"] <= budget < measured[r["batch_size"] + 1], r
+    by = {(r["tool"], r["mode"]): r for r in records}
+    # checkpointing buys batch under the same budget, and the planner's guess was the leantune search's start
+    assert by[("leantune", "full")]["batch_size"] > by[("leantune", "none")]["batch_size"]
+    assert by[("leantune", "none")]["first_guess"] >= 1
+    assert by[("leantune", "auto")]["checkpointing"] in ("none", "full", "selective_ops", "every_n")
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "targets (issue #11):" in printed and "  auto chose " in printed
+    assert "batch scan, leantune none (budget ignored): batch 1 " in printed
+
+
+def test_memory_budget_benchmark_needs_a_budget_on_the_cpu(capsys):
+    bench = _load("benchmarks/memory_budget.py")
+    assert bench.main(["--preset", "tiny", "--device", "cpu"]) == 2
+    assert "--budget_mib: the CPU has no memory size" in capsys.readouterr().err

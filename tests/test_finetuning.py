@@ -72,7 +72,7 @@ RECORDED_LOSSES = [7.602627, 7.395796, 7.22809, 7.151184, 7.015286, 6.921575,
 # Reproducing float32 on another machine (BLAS kernels, thread count: 1 thread moves the last
 # digit by up to 2e-6 here) gets 2e-5.
 MACHINE_TOL = 2e-5
-# The chunked cross-entropy (the default loss once checkpointing is on) equals the plain loss only
+# The chunked cross-entropy (the default loss) equals the plain loss only
 # within float32 rounding; over these 12 steps its losses stay within 1.3e-6 of the plain run
 # (measured max deviation: full, every_n, selective_ops 1.22e-6; chunked-loss-only 0.94e-6).
 # 5e-6 budgets that rounding drift on top of MACHINE_TOL.
@@ -80,7 +80,7 @@ CHUNKED_ROUNDING = 5e-6
 
 GOLDEN_CASES = {
     # Plain loss, and the same arithmetic recomputed: losses equal to the last digit here.
-    "plain": ([], MACHINE_TOL),
+    "plain": (["--loss_chunk_size", "0"], MACHINE_TOL),
     "full-reentrant-plain-loss": (["--enable_activation_checkpointing", "--activation_checkpointing_use_reentrant",
                                    "--loss_chunk_size", "0"], MACHINE_TOL),
     # The chunked loss: equal within float32 rounding.
@@ -90,6 +90,7 @@ GOLDEN_CASES = {
     "selective_ops": (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"],
                       MACHINE_TOL + CHUNKED_ROUNDING),
     "chunked-loss-only": (["--loss_chunk_size", "100"], MACHINE_TOL + CHUNKED_ROUNDING),
+    "default-loss-no-checkpointing": ([], MACHINE_TOL + CHUNKED_ROUNDING),
 }
 
 
@@ -204,7 +205,11 @@ def test_the_loss_in_force_is_printed(tiny_model_dir, tmp_path):
     assert any(line.startswith("loss: chunked cross-entropy") for line in lines)
     lines.clear()
     _run(["--model_name", str(tiny_model_dir), "--max_train_step", "1", "--save_model", "false",
-          "--run_validation", "false", "--output_dir", str(tmp_path), *FAST], lines)
+          "--run_validation", "false", "--output_dir", str(tmp_path), "--overwrite_output_dir", *FAST], lines)
+    assert any(line.startswith("loss: chunked cross-entropy") for line in lines)  # also without checkpointing
+    lines.clear()
+    _run(["--model_name", str(tiny_model_dir), "--max_train_step", "1", "--save_model", "false", "--loss_chunk_size",
+          "0", "--run_validation", "false", "--output_dir", str(tmp_path), "--overwrite_output_dir", *FAST], lines)
     assert any(line.startswith("loss: plain cross-entropy") for line in lines)
 
 

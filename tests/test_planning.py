@@ -375,3 +375,35 @@ def _small_layer_params():
     from leantune.planning.fake_step import meta_model
 
     return list(decoder_layers(meta_model(model_config("small"), torch.float32))[0].parameters())
+
+
+def _stub_plans(monkeypatch, fits: dict):
+    """``largest_batch`` answering from ``fits``: mode -> (batch, FLOPs per token)."""
+    from types import SimpleNamespace
+
+    import leantune.planning.choose as choose
+
+    def largest(cfg, config, device, mode, budget):
+        batch, per_token = fits.get(mode, (0, 0))
+        return batch, SimpleNamespace(flops=per_token * batch * 128, traced_tokens=batch * 128) if batch else None
+
+    monkeypatch.setattr(choose, "largest_batch", largest)
+    return choose
+
+
+@pytest.mark.parametrize("fits, chosen", [
+    # none fits a batch: no recompute beats a bigger batch bought with recompute
+    ({"none": (2, 100), "selective_ops": (4, 100), "every_n": (8, 115), "full": (16, 133)}, ("none", 2)),
+    # none does not fit: the mode that recomputes least, at its largest batch
+    ({"selective_ops": (3, 100), "every_n": (8, 115), "full": (16, 133)}, ("selective_ops", 3)),
+    ({"every_n": (8, 115), "full": (16, 133)}, ("every_n", 8)),
+    ({"full": (16, 133)}, ("full", 16)),
+])
+def test_auto_mode_and_batch_pick_the_least_compute_per_token(monkeypatch, fits, chosen):
+    choose = _stub_plans(monkeypatch, fits)
+    cfg = flags("--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
+                "--auto_batch_size", "--memory_budget_gb", "1")
+    lines: list[str] = []
+    run_cfg, _ = choose.choose_mode_and_batch(cfg, None, torch.device("cpu"), 2**30, lines.append)
+    assert ((run_cfg.checkpointing.mode or "none"), run_cfg.training.batch_size_training) == chosen
+    assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen[0]} (batch {chosen[1]} in 1.00 GiB")

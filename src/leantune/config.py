@@ -83,7 +83,7 @@ class TrainingConfig:
     run_validation: bool = field(default=True, metadata=_help("Validate after each epoch."))
     loss_chunk_size: Optional[int] = field(default=None, metadata=_help(
         "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
-        "0: plain loss; default: chunked (about 64 MiB of logits a chunk) when checkpointing is on, plain otherwise."))
+        "0: plain loss; default: chunked, about 64 MiB of float32 logits a chunk (with or without checkpointing)."))
     skip_nonfinite_steps: int = field(default=0, metadata=_help(
         "Optimizer steps whose loss or gradient norm is NaN/inf that may be skipped (with a warning each) "
         "before the run stops; 0: stop at the first one, naming the step and its examples."))

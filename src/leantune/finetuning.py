@@ -57,8 +57,8 @@ def checkpoint_policy(cfg: RunConfig):
 
 
 def loss_function(cfg: RunConfig, vocab_size: int):
-    """Chunked cross-entropy when asked for (by default whenever checkpointing is on), else plain."""
-    chunk = effective_chunk_size(cfg.training.loss_chunk_size, cfg.checkpointing.mode is not None, vocab_size)
+    """Chunked cross-entropy unless `--loss_chunk_size 0` asks for the plain loss."""
+    chunk = effective_chunk_size(cfg.training.loss_chunk_size, vocab_size)
     return ChunkedCrossEntropy(chunk) if chunk > 0 else causal_lm_loss_sum
 
 
@@ -137,12 +137,12 @@ def build_loaders(cfg: RunConfig, tokenizer, log=print, dist: DistContext = SING
 def confirm_step(model, cfg: RunConfig, precision: Precision) -> Callable[[int], int]:
     """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
 
-    Measured by the allocator on a GPU (reserved, plus the CUDA context the budget includes) and
-    by a ``StorageTracker`` on the CPU. The random state is restored and the gradients dropped
-    after (also when it fails), so the run that follows is the one it would have been without it.
+    Measured by ``StepPeakMeter``: the allocator on a GPU (reserved, plus the CUDA context the
+    budget includes), the storage tracker on the CPU. The random state is restored and the
+    gradients dropped after (also when it fails), so the run that follows is the one it would
+    have been without it.
     """
-    from leantune.memory.tracker import StorageTracker
-    from leantune.planning.plan import CUDA_CONTEXT_BYTES
+    from leantune.memory.step_peak import StepPeakMeter
 
     device = precision.device
 
@@ -152,15 +152,9 @@ def confirm_step(model, cfg: RunConfig, precision: Precision) -> Callable[[int],
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
+                with StepPeakMeter(device, model) as meter:
                     forward_backward(model, head, ids, ids, loss_fn, precision)
-                    return torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES
-                tracker = StorageTracker()
-                tracker.register_model(model)
-                with tracker:
-                    forward_backward(model, head, ids, ids, loss_fn, precision)
-                return tracker.peak_bytes
+                return meter.budget_bytes_used
         finally:
             model.zero_grad(set_to_none=True)
 

@@ -44,11 +44,14 @@ def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: t
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def effective_chunk_size(requested: Optional[int], checkpointing: bool, vocab_size: int) -> int:
-    """``--loss_chunk_size`` as a run uses it: unset means chunked when checkpointing is on, plain (0) otherwise."""
-    if requested is None:
-        return auto_chunk_size(vocab_size) if checkpointing else 0
-    return requested
+def effective_chunk_size(requested: Optional[int], vocab_size: int) -> int:
+    """``--loss_chunk_size`` as a run uses it: unset means chunked (``auto_chunk_size``); 0 is the plain loss.
+
+    Chunked by default with or without checkpointing: it computes nothing twice (float32 and
+    bfloat16), is no slower, and without checkpointing the plain loss's logits are close to half
+    of what a row of a LoRA step holds (``benchmarks/memory_budget.py``).
+    """
+    return auto_chunk_size(vocab_size) if requested is None else requested
 
 
 def auto_chunk_size(vocab_size: int) -> int:

@@ -15,8 +15,8 @@ import torch
 from leantune.config import ConfigError, RunConfig
 from leantune.planning.fake_step import run_config_for_mode
 from leantune.planning.plan import (ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
-                                    format_bytes, format_flops, largest_batch, modes_to_plan, plan_modes, recompute_rank, run_mode,
-                                    with_batch)
+                                    flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
+                                    plan_modes, recompute_rank, run_mode, with_batch)
 
 
 @dataclass
@@ -82,10 +82,19 @@ def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: s
     return batch, plan
 
 
+# FLOP counts within this share of the cheapest count as a tie (the loss's chunks, rounding).
+COST_TIE = 0.02
+
+
 def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int,
                           log) -> tuple[RunConfig, ModePlan]:
-    """Both automatic: the mode whose largest fitting batch is largest (ties: the one that recomputes less).
+    """Both automatic: the mode and batch predicted to train the most tokens per second within the budget.
 
+    Each mode's largest fitting batch is found, then the one that computes the fewest FLOPs per
+    token (recompute included) wins; near-ties (``COST_TIE``) go to the mode that recomputes less
+    by design (``selective_ops`` recomputes elementwise ops, which the FLOP count leaves out), then
+    to the larger batch. A bigger batch bought with recompute is slower per token wherever the
+    device is busy already at the smaller one (``benchmarks/memory_budget.py`` measures it).
     ``offload`` is left out: its plan is derived, not traced, so a batch search would rest on it.
     """
     found = {}
@@ -94,14 +103,18 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
             batch, plan = largest_batch(cfg, config, device, mode, budget)
             if batch:
                 found[mode] = (batch, plan)
-    log("largest batch that fits, per mode: " + ", ".join(f"{m} {b}" for m, (b, _) in found.items()))
     if not found:
         raise ConfigError(f"--auto_batch_size: not even the smallest batch x {cfg.data.context_length} fits "
                           f"--memory_budget_gb ({format_bytes(budget)}) in any mode; shorten --context_length or "
                           "use --use_peft")
-    best = max(found, key=lambda m: (found[m][0], -recompute_rank(m)))
+    cheapest = min(flops_per_token(plan) for _, plan in found.values())
+    log("largest batch that fits, per mode: " + ", ".join(
+        f"{m} {b} ({flops_per_token(p) / cheapest - 1:+.0%} FLOPs per token)" for m, (b, p) in found.items()))
+    near = [m for m, (_, plan) in found.items() if flops_per_token(plan) <= cheapest * (1 + COST_TIE)]
+    best = max(near, key=lambda m: (-recompute_rank(m), found[m][0]))
     batch, plan = found[best]
-    log(f"activation checkpointing: auto chose {best} (it fits the largest batch, {batch}, in {format_bytes(budget)})")
+    log(f"activation checkpointing: auto chose {best} (batch {batch} in {format_bytes(budget)}: the least "
+        "recompute per token of the modes' largest fitting batches)")
     return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 

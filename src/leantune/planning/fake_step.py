@@ -46,6 +46,7 @@ class StepTrace:
     checkpointing: str  # the policy as the run would describe it
     stage_peaks: dict  # the largest total in each stage: forward, loss, backward, optimizer
     stage_breakdowns: dict = dataclasses.field(default_factory=dict)  # bytes per category at each stage's peak
+    tokens: int = 0  # in the traced window: batches x rows x context
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -212,7 +213,8 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
             hook.remove()
     return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
                      layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
-                     dict(tracker.stage_peaks), dict(tracker.stage_breakdowns))
+                     dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
+                     sum(batch["input_ids"].numel() for batch in step.window))
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:

@@ -67,6 +67,7 @@ class ModePlan:
     fragmentation_bytes: int = 0
     optimizer_step_peak_bytes: int = 0  # the peak while the optimizer steps (with the GPU's context and workspace)
     flops: int = 0  # of the whole step, recompute included
+    traced_tokens: int = 0  # the tokens of the traced step (``flops`` are theirs)
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
@@ -81,7 +82,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
                     trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
                     b["activation"], b["loss"], b["temporary"], b["buffer"] + b["input"],
                     optimizer_step_peak_bytes=trace.stage_peaks.get("optimizer", 0), flops=trace.flops,
-                    stage_breakdowns=trace.stage_breakdowns)
+                    traced_tokens=trace.tokens, stage_breakdowns=trace.stage_breakdowns)
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
@@ -180,6 +181,11 @@ def choose_mode(plans: list[ModePlan]) -> Optional[ModePlan]:
     if not fitting:
         return None
     return min(fitting, key=lambda p: (p.recompute_flops, recompute_rank(p.mode)))
+
+
+def flops_per_token(plan: ModePlan) -> float:
+    """The step's FLOPs (recompute included) per token trained: what a mode and batch cost in compute."""
+    return plan.flops / plan.traced_tokens if plan.traced_tokens else float("inf")
 
 
 def recompute_rank(mode: str) -> int:

@@ -80,7 +80,7 @@ def count_token_flops(cfg: RunConfig, device: torch.device) -> TokenFlops:
     config = model_config(cfg.model.model_name)
     # Both traces use the run's loss (the chunked one computes its logits' gradient in forward, so it
     # counts other FLOPs than the plain one): only the recompute may differ between them.
-    chunk = effective_chunk_size(cfg.training.loss_chunk_size, cfg.checkpointing.mode is not None, config.vocab_size)
+    chunk = effective_chunk_size(cfg.training.loss_chunk_size, config.vocab_size)
     one_row = dataclasses.replace(
         cfg, training=dataclasses.replace(cfg.training, batch_size_training=1, gradient_accumulation_steps=1,
                                           loss_chunk_size=chunk),

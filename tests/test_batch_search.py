@@ -1,0 +1,59 @@
+"""The measured batch search: the answer fits, the next batch does not, in few measured steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from leantune.planning.search import largest_fitting_batch
+
+
+def linear(fixed: int, per_row: int, calls: list):
+    def measure(batch: int) -> int:
+        calls.append(batch)
+        return fixed + per_row * batch
+    return measure
+
+
+@pytest.mark.parametrize("guess", [1, 5, 7, 40, 1000])
+def test_a_linear_peak_is_found_from_any_first_guess(guess):
+    calls: list[int] = []
+    found = largest_fitting_batch(linear(100, 10, calls), budget=175, first_guess=guess, limit=256)
+    assert found.batch_size == 7 and found.peak_bytes == 170
+    assert found.measured[8] == 180 or 8 not in found.measured and max(found.measured) < 7  # 8 shown not to fit
+    assert 8 in found.measured
+    assert len(calls) == len(set(calls)) <= 4  # each batch measured once; a line needs two points and a check
+
+
+def test_the_planners_exact_guess_costs_two_steps():
+    calls: list[int] = []
+    assert largest_fitting_batch(linear(100, 10, calls), budget=175, first_guess=7).batch_size == 7
+    assert calls == [7, 8]
+
+
+def test_nothing_fits_and_the_limit_caps_the_search():
+    calls: list[int] = []
+    assert largest_fitting_batch(linear(100, 10, calls), budget=50, first_guess=3).batch_size == 0
+    assert 1 in calls
+    assert largest_fitting_batch(linear(0, 1, []), budget=10**9, first_guess=2, limit=16).batch_size == 16
+
+
+def test_a_peak_that_is_not_linear_still_gives_a_measured_answer():
+    steps = {b: (100 if b <= 5 else 1000) for b in range(1, 65)}  # a jump: lines mispredict it
+    calls: list[int] = []
+    found = largest_fitting_batch(lambda b: calls.append(b) or steps[b], budget=500, first_guess=1, limit=64)
+    assert found.batch_size == 5 and found.measured[6] == 1000
+    assert len(calls) == len(set(calls))
+
+
+def test_a_flat_peak_between_near_batches_doubles_instead_of_trusting_the_line():
+    calls: list[int] = []
+    found = largest_fitting_batch(lambda b: calls.append(b) or (100 if b < 20 else 10**6), budget=500,
+                                  first_guess=1, limit=256)
+    assert found.batch_size == 19
+    assert len(calls) < 12
+
+
+def test_two_misfits_on_a_flat_line_go_down_to_batch_one():
+    calls: list[int] = []
+    found = largest_fitting_batch(lambda b: calls.append(b) or 1000, budget=500, first_guess=9, limit=64)
+    assert found.batch_size == 0 and 0 not in calls and calls[-1] == 1

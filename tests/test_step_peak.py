@@ -1,0 +1,35 @@
+"""StepPeakMeter: one meter for any trainer's step — what existed at the start plus what the step made."""
+
+from __future__ import annotations
+
+import torch
+
+from leantune.memory.step_peak import StepPeakMeter
+
+MIB = 2**20
+
+
+def test_the_cpu_meter_counts_the_model_its_optimizer_state_and_what_the_step_allocates():
+    model = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of float32 weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 256)).sum().backward()
+    optimizer.step()  # state: two 256 KiB moments and a step count
+    state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values())
+    with StepPeakMeter(torch.device("cpu"), model, optimizer) as meter:
+        block = torch.empty(MIB, dtype=torch.uint8)
+        del block
+        after_free = torch.empty(MIB // 2, dtype=torch.uint8)  # the freed MiB is no longer counted
+    start = 2 * 256 * 256 * 4 + state  # weights + their gradient (kept from the step) + the state
+    assert meter.peak_bytes == start + MIB
+    assert meter.budget_bytes_used == meter.peak_bytes and meter.reserved_bytes is None
+    del after_free
+
+
+def test_another_models_tensors_are_not_counted():
+    """Several configurations stay resident while one is measured (the CPU benchmark interleaves them)."""
+    measured, other = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    batch = torch.ones(2, 64)
+    with StepPeakMeter(torch.device("cpu"), measured, inputs=[batch]) as meter:
+        out = measured(batch)
+    assert other.weight.numel() and meter.peak_bytes == 64 * 64 * 4 + 2 * batch.untyped_storage().nbytes()
+    assert out.untyped_storage().nbytes() == batch.untyped_storage().nbytes()
