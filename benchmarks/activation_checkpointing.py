@@ -76,7 +76,7 @@ class Case:
 def case_config(args, kind: str, mode: str, loss: str) -> RunConfig:
     """The leantune run config of one case, through the same flag parser as ``leantune finetune``."""
     vocab = PRESETS[args.preset]["shape"]["vocab_size"]
-    # An explicit chunk size: leantune's default would give the plain loss to the `none` mode.
+    # An explicit chunk size, so that each case names its loss (``--losses chunked,plain``) whatever the default.
     chunk = (args.loss_chunk_size or auto_chunk_size(vocab)) if loss == "chunked" else 0
     flags = ["--device", args.device, "--loss_chunk_size", str(chunk)]
     flags += ["--use_peft"] if kind == "lora" else []

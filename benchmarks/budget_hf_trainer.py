@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 from transformers.trainer_callback import PrinterCallback
 
 from leantune.config import RunConfig
-from leantune.memory.step_peak import StepPeakMeter
+from leantune.memory.oom import is_out_of_memory
+from leantune.memory.step_peak import DOESNT_FIT, StepPeakMeter
 from leantune.precision import Precision
 
 
@@ -80,8 +81,10 @@ class HFTrainerCase:
             callback.trainer = trainer
             trainer.train()
             return callback.meter.budget_bytes_used
-        except torch.OutOfMemoryError:
-            return _doesnt_fit()
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            return DOESNT_FIT
         finally:
             callback.stop()
             self.model.zero_grad(set_to_none=True)
@@ -101,18 +104,14 @@ class HFTrainerCase:
         return self._turns.take_turn()
 
     def finish(self) -> None:
-        """Let the Trainer end its run, wait for it, and free its memory."""
+        """End the Trainer's run (also early: it stops after the step it is in), wait for it, free its memory."""
         if self._turns is not None:
             self._turns.release()
             self._thread.join()
-            self._turns.raise_error()
+            self._turns = self._thread = None
         self.model = None
         _release(self.device)
         self._workdir.cleanup()
-
-
-def _doesnt_fit() -> int:
-    return 2**62  # more than any budget: the step did not fit
 
 
 def _release(device: torch.device) -> None:
@@ -145,7 +144,11 @@ class _MeasureSecondStep(TrainerCallback):
 
 
 class _Turns(TrainerCallback):
-    """Holds the Trainer's thread between steps; ``take_turn`` lets one step run and returns its time."""
+    """Holds the Trainer's thread between steps; ``take_turn`` lets one step run and returns its time.
+
+    ``release`` ends the run early (an error elsewhere, Ctrl-C, or the last turn taken): the thread
+    then stops waiting and asks the Trainer to stop after the step it is in.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -153,14 +156,15 @@ class _Turns(TrainerCallback):
         self._started = 0.0
         self._last_time = 0.0
         self._error: Optional[BaseException] = None
-        self._finished = False
+        self._finished = self._stopping = False
 
     def run(self, trainer: Trainer) -> None:
         try:
             self._go.acquire()  # the first turn
-            trainer.train()
-        except BaseException as err:  # reported to the main thread by take_turn / raise_error
-            self._error = err
+            if not self._stopping:
+                trainer.train()
+        except BaseException as err:  # raised in the main thread by take_turn
+            self._error = err.with_traceback(None)  # the traceback's frames would keep the model's tensors alive
         finally:
             self._finished = True
             self._done.release()
@@ -172,21 +176,21 @@ class _Turns(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         _sync(self.device)
         self._last_time = time.perf_counter() - self._started
-        self._done.release()
-        self._go.acquire()  # wait here until the next turn (or the end)
+        if not self._stopping:
+            self._done.release()
+            self._go.acquire()  # wait here until the next turn (or the end)
+        if self._stopping:
+            control.should_training_stop = True
 
     def take_turn(self) -> float:
         if self._finished:
             raise RuntimeError("the Hugging Face Trainer's run has ended already")
         self._go.release()
         self._done.acquire()
-        self.raise_error()
+        if self._error is not None:
+            raise self._error
         return self._last_time
 
     def release(self) -> None:
-        if not self._finished:
-            self._go.release()
-
-    def raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"Hugging Face Trainer: {type(self._error).__name__}: {self._error}") from self._error
+        self._stopping = True
+        self._go.release()

@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # budget_hf_trainer, n
 from budget_report import check_targets, plot, print_table  # noqa: E402
 from leantune.cli_args import parse_run_config  # noqa: E402
 from leantune.config import ConfigError, RunConfig  # noqa: E402
-from leantune.memory.step_peak import StepPeakMeter  # noqa: E402
+from leantune.memory.oom import is_out_of_memory  # noqa: E402
+from leantune.memory.step_peak import DOESNT_FIT, StepPeakMeter  # noqa: E402
 from leantune.models.presets import PRESETS as SHAPES  # noqa: E402
 from leantune.planning.search import largest_fitting_batch  # noqa: E402
 from leantune.precision import choose_device, choose_precision  # noqa: E402
@@ -56,17 +57,24 @@ CONTEXT = {"tiny": 64, "small": 256, "Llama-3.2-1B": 2048}
 LEANTUNE_MODES = ("none", "full", "selective_ops", "auto")
 
 
+def model_config(preset: str, tokenizer):
+    """The preset's ``LlamaConfig`` with the tokenizer's special tokens (the Llama-3 shapes carry their own ids)."""
+    from transformers import LlamaConfig
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    return LlamaConfig(**{**SHAPES[preset], **ids}, use_cache=False)
+
+
 def save_model(preset: str, directory: Path, seed: int) -> Path:
     """A Llama of the preset's shape with random weights and the tiny tokenizer, saved as a hub model is."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from leantune.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = LlamaConfig(**SHAPES[preset], use_cache=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    LlamaForCausalLM(model_config(preset, tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -112,7 +120,7 @@ class LeantuneCase:
         self.device = self.trainer.device
         self.checkpointing = self.trainer.cfg.checkpointing.mode or "none"
         self.chosen_batch = self.trainer.cfg.training.batch_size_training  # auto's choice
-        self._offset, self._warm = 0, False
+        self._offset = 0
 
     def _window(self, batch: int) -> list[dict]:
         picked = [self.rows[(self._offset + i) % len(self.rows)] for i in range(batch)]
@@ -121,21 +129,20 @@ class LeantuneCase:
         return [{**window, "sources": [[] for _ in picked]}]
 
     def measure(self, batch: int) -> int:
+        """Bytes the second of two steps at ``batch`` counts against the budget, as for the Trainer (the
+        first makes the optimizer state and brings the GPU allocator's cache to its steady state)."""
         try:
-            if not self._warm:  # the optimizer state exists from the first step on
-                self.trainer.train_step(self._window(1))
-                self._warm = True
+            self.trainer.train_step(self._window(batch))
             window = self._window(batch)
             with StepPeakMeter(self.device, self.trainer.model, self.trainer.optimizer) as meter:
                 self.trainer.train_step(window)
             return meter.budget_bytes_used
-        except torch.OutOfMemoryError:
-            return 2**62
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            return DOESNT_FIT
         finally:
-            window = None
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(self.device)
 
     def start(self, batch: int, steps: int) -> None:
         self._batch = batch
@@ -145,22 +152,29 @@ class LeantuneCase:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()
-        self.trainer.train_step(window)  # ends with a host read of the loss: the step is done
+        self.trainer.train_step(window)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the optimizer step is queued after the host read of the loss
         return time.perf_counter() - started
 
     def finish(self) -> None:
         self._stack.close()
         self.trainer = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(self.device)
+
+
+def release(device: torch.device) -> None:
+    """Free what the last step left (and, on a GPU, hand the cache back) before the next measurement."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class AtBatch:
     """One more batch size timed on a configuration that is timed already (the batch scan)."""
 
     def __init__(self, case: LeantuneCase, batch: int):
-        self.case, self.batch = case, batch
+        self.case, self.batch, self.device = case, batch, case.device
 
     def start(self, batch: int, steps: int) -> None:
         pass
@@ -181,10 +195,11 @@ class _Nothing:
 
 def search(case, args, guess: int) -> dict:
     """The largest batch whose measured step fits the budget, from ``guess`` (the planner's, or 1)."""
-    budget = args.budget_mib * MIB
-    found = largest_fitting_batch(case.measure, budget, guess, limit=args.max_batch)
+    found = largest_fitting_batch(case.measure, args.budget_mib * MIB, guess, limit=args.max_batch)
+    # a batch that ran out of memory is "oom"; at --max_batch the memory was not what stopped the search
     return {"batch_size": found.batch_size, "peak_bytes": found.peak_bytes, "first_guess": guess,
-            "measured_bytes": {str(b): v for b, v in sorted(found.measured.items()) if v < 2**62}}
+            "batch_limited": found.batch_size == args.max_batch,
+            "measured_bytes": {str(b): "oom" if v >= DOESNT_FIT else v for b, v in sorted(found.measured.items())}}
 
 
 def planned_batch(cfg: RunConfig, mode: str, args, device: torch.device) -> int:
@@ -214,8 +229,9 @@ def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: li
             return _Nothing(), record
         peak = case.measure(case.chosen_batch)
         fits = peak <= args.budget_mib * MIB
-        record.update(checkpointing=case.checkpointing, batch_size=case.chosen_batch if fits else 0, peak_bytes=peak,
-                      auto_lines=[line for line in case.lines if "auto chose" in line or "confirmed" in line])
+        record.update(checkpointing=case.checkpointing, batch_size=case.chosen_batch if fits else 0,
+                      peak_bytes=None if peak >= DOESNT_FIT else peak,
+                      auto_lines=[line for line in case.lines if "auto chose" in line or line.startswith("batch size:")])
     else:
         case = LeantuneCase(mode, cfg, rows)
         record.update(checkpointing=mode, **search(case, args, planned_batch(cfg, mode, args, device)))
@@ -224,14 +240,26 @@ def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: li
 
 
 def time_steps(pairs: list[tuple], args) -> None:
-    """``--warmup`` then ``--steps`` timed steps per configuration, the configurations taking turns step by step."""
+    """``--warmup`` then ``--steps`` timed steps per configuration, the configurations taking turns step by step.
+
+    A configuration that runs out of memory while timed (a scanned batch over the budget, a step
+    that needs more than the one measured) is recorded as such and left out of the later turns.
+    """
     running = [(case, record) for case, record in pairs if record["batch_size"]]
     for case, record in running:
         case.start(record["batch_size"], args.warmup + args.steps)
         record["step_times_s"] = []
     for index in range(args.warmup + args.steps):
-        for case, record in running:
-            seconds = case.step()
+        for case, record in list(running):
+            try:
+                seconds = case.step()
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                record["timing_error"] = "out of memory while timed"
+                running.remove((case, record))
+                release(case.device)
+                continue
             if index >= args.warmup:
                 record["step_times_s"].append(seconds)
     for case, record in running:
@@ -265,7 +293,8 @@ def measure_all(args, model_dir: Path, workdir: Path, rows: list[dict], device: 
         time_steps(pairs, args)
     finally:
         for case, _ in pairs:
-            case.finish()
+            with contextlib.suppress(Exception):  # one failing to close must not keep the others' memory
+                case.finish()
     return records
 
 

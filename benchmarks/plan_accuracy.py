@@ -116,7 +116,7 @@ def measure_gpu_case(kind: str, mode: str, batch: int, context: int) -> dict:
 
     flags = ["--model_name", "Llama-3.2-1B", "--batch_size_training", str(batch), "--context_length", str(context)]
     flags += ["--use_peft"] if kind == "lora" else []
-    if mode != "none":  # leantune's default loss for each: chunked with checkpointing, plain without
+    if mode != "none":  # leantune's default loss for each: chunked
         flags += ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
     cfg = parse_run_config(flags)
     config, device = model_config("Llama-3.2-1B"), torch.device("cuda")

@@ -10,7 +10,7 @@ median step time (the first, warm-up, step left out) and the final loss. The mea
 trainer's own (``build_model`` and ``forward_backward``, the meter read in its ``after_forward`` hook).
 Losses are the same with and without checkpointing: it changes memory and time, not the maths.
 Both runs use the plain loss (``--loss_chunk_size 0``) so that only checkpointing differs; by
-default leantune also chunks the loss when checkpointing is on (docs/activation_checkpointing_modes.md).
+default leantune chunks the loss, with or without checkpointing (docs/activation_checkpointing_modes.md).
 """
 
 from __future__ import annotations

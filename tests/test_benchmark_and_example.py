@@ -60,7 +60,7 @@ def test_benchmark_cases_are_configured_by_leantunes_flags():
     lora = bench.case_config(args, "lora", "every_n", "chunked")
     assert lora.peft.use_peft and lora.checkpointing.mode == "every_n"
     assert lora.checkpointing.activation_checkpointing_every_n == 3
-    assert lora.training.loss_chunk_size == auto_chunk_size(2048)  # chunked even where leantune's default is plain
+    assert lora.training.loss_chunk_size == auto_chunk_size(2048)  # the case names its loss explicitly
     full = bench.case_config(args, "full", "none", "plain")
     assert not full.peft.use_peft and full.checkpointing.mode is None and full.training.loss_chunk_size == 0
     # What choose_precision makes of them on a bf16 GPU (described, never touched): LoRA's frozen
@@ -168,3 +168,52 @@ def test_memory_budget_benchmark_needs_a_budget_on_the_cpu(capsys):
     bench = _load("benchmarks/memory_budget.py")
     assert bench.main(["--preset", "tiny", "--device", "cpu"]) == 2
     assert "--budget_mib: the CPU has no memory size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "Llama-3.2-1B"])
+def test_memory_budget_benchmark_builds_every_presets_config(preset):
+    """The GPU default (Llama-3.2-1B) carries its own token ids; the benchmark's tokenizer's replace them."""
+    from leantune.models.tiny import build_tokenizer
+
+    bench = _load("benchmarks/memory_budget.py")
+    tokenizer = build_tokenizer()
+    config = bench.model_config(preset, tokenizer)
+    assert config.bos_token_id == tokenizer.bos_token_id and config.pad_token_id == tokenizer.pad_token_id
+    assert config.hidden_size == bench.SHAPES[preset]["hidden_size"] and config.use_cache is False
+    assert bench.CONTEXT[preset] <= config.max_position_embeddings
+
+
+def _hf_case(tiny_model_dir, tmp_path):
+    bench = _load("benchmarks/memory_budget.py")
+    from budget_hf_trainer import HFTrainerCase
+
+    from leantune.cli_args import parse_run_config
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--context_length", "64", "--device",
+                            "cpu", "--output_dir", str(tmp_path / "hf")])
+    return HFTrainerCase(str(tiny_model_dir), cfg, choose_precision(cfg, torch.device("cpu")), bench.full_rows(cfg),
+                         checkpointing=False)
+
+
+def test_the_hf_trainer_takes_turns_and_ends_early_when_released(tiny_model_dir, tmp_path):
+    """Its thread steps only when given a turn, and finish() ends a run whose turns were not all taken."""
+    case = _hf_case(tiny_model_dir, tmp_path)
+    case.start(batch=2, steps=5)
+    thread = case._thread
+    assert case.step() > 0 and case.step() > 0  # two of the five steps
+    finisher = threading.Thread(target=case.finish)
+    finisher.start()
+    finisher.join(timeout=60)
+    assert not finisher.is_alive() and not thread.is_alive()
+    assert case.model is None
+
+
+def test_an_error_in_the_hf_trainers_step_reaches_the_caller(tiny_model_dir, tmp_path):
+    case = _hf_case(tiny_model_dir, tmp_path)
+    case.start(batch=2, steps=3)
+    case.step()
+    case.model.get_base_model().model.layers[0].self_attn.q_proj.forward = None  # the next step fails
+    with pytest.raises(TypeError):
+        case.step()
+    case.finish()

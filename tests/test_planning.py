@@ -398,6 +398,9 @@ def _stub_plans(monkeypatch, fits: dict):
     ({"selective_ops": (3, 100), "every_n": (8, 115), "full": (16, 133)}, ("selective_ops", 3)),
     ({"every_n": (8, 115), "full": (16, 133)}, ("every_n", 8)),
     ({"full": (16, 133)}, ("full", 16)),
+    # FLOP counts within 2% are a tie, won by the mode that recomputes less; beyond it, the fewer FLOPs win
+    ({"none": (2, 101.9), "selective_ops": (4, 100)}, ("none", 2)),
+    ({"every_n": (8, 103), "full": (16, 100)}, ("full", 16)),
 ])
 def test_auto_mode_and_batch_pick_the_least_compute_per_token(monkeypatch, fits, chosen):
     choose = _stub_plans(monkeypatch, fits)

@@ -33,3 +33,18 @@ def test_another_models_tensors_are_not_counted():
         out = measured(batch)
     assert other.weight.numel() and meter.peak_bytes == 64 * 64 * 4 + 2 * batch.untyped_storage().nbytes()
     assert out.untyped_storage().nbytes() == batch.untyped_storage().nbytes()
+
+
+def test_on_a_gpu_the_allocator_is_read_and_the_budget_counts_reserved_plus_the_context(monkeypatch):
+    from leantune.planning.plan import CUDA_CONTEXT_BYTES
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * MIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * MIB)
+    with StepPeakMeter(torch.device("cuda"), torch.nn.Linear(2, 2)) as meter:
+        calls.append("step")
+    assert calls == ["sync", "reset", "step", "sync"]  # the step's queued work is waited for on both sides
+    assert meter.peak_bytes == 3 * MIB and meter.reserved_bytes == 4 * MIB
+    assert meter.budget_bytes_used == 4 * MIB + CUDA_CONTEXT_BYTES

@@ -47,9 +47,11 @@ def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: t
 def effective_chunk_size(requested: Optional[int], vocab_size: int) -> int:
     """``--loss_chunk_size`` as a run uses it: unset means chunked (``auto_chunk_size``); 0 is the plain loss.
 
-    Chunked by default with or without checkpointing: it computes nothing twice (float32 and
-    bfloat16), is no slower, and without checkpointing the plain loss's logits are close to half
-    of what a row of a LoRA step holds (``benchmarks/memory_budget.py``).
+    Chunked by default, with or without checkpointing: in float32 and bfloat16 it computes nothing
+    twice and is no slower, and without checkpointing the plain loss's logits are about a third of what
+    a row of a LoRA step holds (``benchmarks/memory_budget.py``). Under float16 loss scaling the
+    chunks are recomputed in backward (one more LM-head matmul per token): ``0`` avoids that
+    where memory is ample.
     """
     return auto_chunk_size(vocab_size) if requested is None else requested
 

@@ -5,8 +5,9 @@
 * on a GPU, from the caching allocator: ``max_memory_allocated`` over the step (everything the
   process holds on the device, weights included) and ``max_memory_reserved``;
 * on the CPU, which has no allocator counters, with ``StorageTracker``: the storages that exist
-  when the step starts (parameters, buffers, gradients, optimizer state, the batch; each counted
-  once) plus every storage an operator creates during the step, from creation until freed.
+  when the step starts (parameters, buffers, gradients, optimizer state, and ``inputs`` when
+  given; each counted once) plus every storage an operator creates during the step, from
+  creation until freed.
   Other tensors in the process are not counted (several models may stay resident while one is
   measured) unless the step writes into them in place: an op's output is filed when first seen.
 
@@ -24,6 +25,8 @@ from typing import Iterable, Optional
 import torch
 
 from leantune.memory.tracker import StorageTracker
+
+DOESNT_FIT = 2**62  # bytes "needed" by a step that ran out of memory: more than any budget
 
 
 class StepPeakMeter:

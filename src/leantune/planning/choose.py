@@ -88,13 +88,14 @@ COST_TIE = 0.02
 
 def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int,
                           log) -> tuple[RunConfig, ModePlan]:
-    """Both automatic: the mode and batch predicted to train the most tokens per second within the budget.
+    """Both automatic: the least recompute that fits one row, at that mode's largest fitting batch.
 
-    Each mode's largest fitting batch is found, then the one that computes the fewest FLOPs per
-    token (recompute included) wins; near-ties (``COST_TIE``) go to the mode that recomputes less
-    by design (``selective_ops`` recomputes elementwise ops, which the FLOP count leaves out), then
-    to the larger batch. A bigger batch bought with recompute is slower per token wherever the
-    device is busy already at the smaller one (``benchmarks/memory_budget.py`` measures it).
+    Each mode's largest fitting batch is found; the fewest FLOPs per token (recompute included)
+    win, near-ties (``COST_TIE``) going to the mode that recomputes less by design
+    (``selective_ops`` recomputes elementwise ops, which the FLOP count leaves out). Nothing here
+    models how tokens/s grows with the batch: where it does not grow (the CPU, measured by
+    ``benchmarks/memory_budget.py``), a bigger batch bought with recompute only costs time. On a
+    GPU, where a small batch may leave it idle, that is still to be measured.
     ``offload`` is left out: its plan is derived, not traced, so a batch search would rest on it.
     """
     found = {}
@@ -108,13 +109,14 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
                           f"--memory_budget_gb ({format_bytes(budget)}) in any mode; shorten --context_length or "
                           "use --use_peft")
     cheapest = min(flops_per_token(plan) for _, plan in found.values())
+    extra = {m: flops_per_token(p) / cheapest - 1 if 0 < cheapest < float("inf") else 0.0
+             for m, (_, p) in found.items()}
     log("largest batch that fits, per mode: " + ", ".join(
-        f"{m} {b} ({flops_per_token(p) / cheapest - 1:+.0%} FLOPs per token)" for m, (b, p) in found.items()))
-    near = [m for m, (_, plan) in found.items() if flops_per_token(plan) <= cheapest * (1 + COST_TIE)]
-    best = max(near, key=lambda m: (-recompute_rank(m), found[m][0]))
+        f"{m} {b} ({extra[m]:+.0%} FLOPs per token)" for m, (b, _) in found.items()))
+    best = min((m for m in found if extra[m] <= COST_TIE), key=recompute_rank)
     batch, plan = found[best]
     log(f"activation checkpointing: auto chose {best} (batch {batch} in {format_bytes(budget)}: the least "
-        "recompute per token of the modes' largest fitting batches)")
+        "recompute per token of the modes that fit)")
     return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 

@@ -27,17 +27,21 @@ class BatchSearch:
         return self.measured.get(self.batch_size)
 
 
-def _proposal(measured: dict[int, int], budget: int, low: int, high: int) -> int:
-    """The batch the line through the two measured batches nearest the boundary says fits (in (low, high))."""
+def _proposal(measured: dict[int, int], budget: int, low: int, high: int) -> tuple[int, bool]:
+    """The batch to measure next, in (low, high), and whether the line put the boundary at or below ``low``.
+
+    From the line through the two measured batches nearest the budget; a flat line, or one past a
+    known misfit, doubles (no misfit known yet) or bisects instead.
+    """
     near = sorted(measured, key=lambda b: (abs(measured[b] - budget), b))[:2]
     if len(near) < 2:
-        return low + 1 if low else 1
+        return (low + 1 if low else 1), False
     (b1, p1), (b2, p2) = sorted((b, measured[b]) for b in near)
     slope = (p2 - p1) / (b2 - b1)
     guess = b1 + int((budget - p1) // slope) if slope > 0 else None
     if guess is None or guess >= high:
-        return max(low + 1, min(2 * low, (low + high) // 2))  # a flat line, or one past a known misfit: double, or bisect
-    return max(guess, low + 1)  # at or below a known fit: the boundary is next to it
+        return max(low + 1, min(2 * low, (low + high) // 2)), False
+    return max(guess, low + 1), guess <= low
 
 
 def largest_fitting_batch(measure: Callable[[int], int], budget: int, first_guess: int = 1,
@@ -49,17 +53,24 @@ def largest_fitting_batch(measure: Callable[[int], int], budget: int, first_gues
     """
     measured: dict[int, int] = {}
     low, high = 0, limit + 1  # the largest batch known to fit, the smallest known not to
-    batch = min(max(1, first_guess), limit)
+    batch, stride, from_below = min(max(1, first_guess), limit), 1, False
     while high - low > 1:
         measured[batch] = measure(batch)
-        if measured[batch] <= budget:
+        fitted = measured[batch] <= budget
+        if fitted:
             low = batch
         else:
-            high = batch
+            high, stride = batch, 1
         if high - low <= 1:
             break
         if len(measured) == 1 and low:
             batch = low + 1  # a second point just above the first: the slope, and maybe the answer
-        else:
-            batch = _proposal(measured, budget, low, high)
+            continue
+        undershot = from_below and fitted  # the line said "the boundary is here" and the next batch fit too
+        batch, from_below = _proposal(measured, budget, low, high)
+        if from_below and undershot:
+            # It keeps doing so (peaks in steps, as the GPU allocator rounds them): gallop up from the
+            # last fit (2, 4, 8, ... above it, never past the middle of a known range) instead of one by one.
+            stride *= 2
+            batch = max(low + 1, min(low + stride, limit if high > limit else (low + high) // 2))
     return BatchSearch(low, measured)
