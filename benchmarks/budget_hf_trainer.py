@@ -154,7 +154,7 @@ class _Turns(TrainerCallback):
         self.device = device
         self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
         self._started = 0.0
-        self._last_time = 0.0
+        self._last_time: Optional[float] = None
         self._error: Optional[BaseException] = None
         self._finished = self._stopping = False
 
@@ -185,10 +185,13 @@ class _Turns(TrainerCallback):
     def take_turn(self) -> float:
         if self._finished:
             raise RuntimeError("the Hugging Face Trainer's run has ended already")
+        self._last_time = None  # set by on_step_end: a run that ends instead of stepping leaves it unset
         self._go.release()
         self._done.acquire()
         if self._error is not None:
             raise self._error
+        if self._last_time is None:
+            raise RuntimeError("the Hugging Face Trainer's run ended before another step (all its steps were taken)")
         return self._last_time
 
     def release(self) -> None:

@@ -217,3 +217,12 @@ def test_an_error_in_the_hf_trainers_step_reaches_the_caller(tiny_model_dir, tmp
     with pytest.raises(TypeError):
         case.step()
     case.finish()
+
+
+def test_a_turn_beyond_the_hf_trainers_last_step_is_an_error_not_an_old_time(tiny_model_dir, tmp_path):
+    case = _hf_case(tiny_model_dir, tmp_path)
+    case.start(batch=2, steps=2)
+    assert case.step() > 0 and case.step() > 0
+    with pytest.raises(RuntimeError, match="ended before another step"):
+        case.step()
+    case.finish()

@@ -33,7 +33,10 @@ def _proposal(measured: dict[int, int], budget: int, low: int, high: int) -> tup
     From the line through the two measured batches nearest the budget; a flat line, or one past a
     known misfit, doubles (no misfit known yet) or bisects instead.
     """
-    near = sorted(measured, key=lambda b: (abs(measured[b] - budget), b))[:2]
+    if low in measured and high in measured:
+        near = [low, high]  # the boundary lies between them: the line through them points into the gap
+    else:  # nearest the budget; among equal peaks (a flat stretch) the largest batches
+        near = sorted(measured, key=lambda b: (abs(measured[b] - budget), -b))[:2]
     if len(near) < 2:
         return (low + 1 if low else 1), False
     (b1, p1), (b2, p2) = sorted((b, measured[b]) for b in near)
