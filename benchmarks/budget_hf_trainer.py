@@ -89,7 +89,7 @@ class HFTrainerCase:
             callback.stop()
             self.model.zero_grad(set_to_none=True)
             trainer = callback.trainer = None
-            _release(self.device)
+            release(self.device)
 
     # ------------------------------------------------------------- timed steps, in turns
     def start(self, batch: int, steps: int) -> None:
@@ -110,11 +110,12 @@ class HFTrainerCase:
             self._thread.join()
             self._turns = self._thread = None
         self.model = None
-        _release(self.device)
+        release(self.device)
         self._workdir.cleanup()
 
 
-def _release(device: torch.device) -> None:
+def release(device: torch.device) -> None:
+    """Free what the last step left (and, on a GPU, hand the cache back) before the next measurement."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import platform
 import statistics
@@ -43,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # budget_hf_trainer, next to this file
 
+from budget_hf_trainer import HFTrainerCase, release  # noqa: E402
 from budget_report import check_targets, plot, print_table  # noqa: E402
 from leantune.cli_args import parse_run_config  # noqa: E402
 from leantune.config import ConfigError, RunConfig  # noqa: E402
@@ -163,13 +163,6 @@ class LeantuneCase:
         release(self.device)
 
 
-def release(device: torch.device) -> None:
-    """Free what the last step left (and, on a GPU, hand the cache back) before the next measurement."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class AtBatch:
     """One more batch size timed on a configuration that is timed already (the batch scan)."""
 
@@ -216,8 +209,6 @@ def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: li
     cfg = parse_run_config(run_flags(args, model_dir, mode if tool == "leantune" else "none", workdir / f"{tool}-{mode}"))
     record = {"tool": tool, "mode": mode}
     if tool == "hf_trainer":
-        from budget_hf_trainer import HFTrainerCase
-
         case = HFTrainerCase(str(model_dir), cfg, choose_precision(cfg, device), rows, checkpointing=mode == "full")
         record.update(checkpointing=mode, **search(case, args, 1))
     elif mode == "auto":
