@@ -36,14 +36,15 @@ from pathlib import Path
 
 import torch
 
+from leantune.build.model import loss_function, prepare_model
+from leantune.checkpointing.modes import planned_modes
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
-from leantune.finetuning import loss_function, prepare_model
 from leantune.loss import auto_chunk_size
 from leantune.memory.meter import ActivationMeter
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.step import forward_backward
+from leantune.training.step import forward_backward
 
 PRESETS = {
     "tiny": dict(shape=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -55,7 +56,7 @@ PRESETS = {
                                     tie_word_embeddings=True, rope_theta=500000.0,
                                     max_position_embeddings=131072), batch_size=4, context_length=2048),
 }
-ALL_MODES = ("none", "full", "every_n", "selective_ops", "offload")
+ALL_MODES = tuple(planned_modes(on_gpu=True))  # offload is skipped on a machine without CUDA
 MIB = 2**20
 
 

@@ -38,11 +38,10 @@ def measure(preset: str, kind: str, batch: int, context: int, steps: int) -> dic
     flags = ["--model_name", preset, "--batch_size_training", str(batch), "--context_length", str(context),
              "--enable_activation_checkpointing", *(["--use_peft"] if kind == "lora" else [])]
     step = prepare_step(parse_run_config(flags), model_config(preset), torch.device("cpu"), "full", fake=False)
-    trainer = step.trainer
-    step_s = median_seconds(lambda: trainer.train_step(step.window), steps)
-    read_s = median_seconds(lambda: persistent_bytes(trainer.model, trainer.optimizer), 200)
+    step_s = median_seconds(step.run, steps)
+    read_s = median_seconds(lambda: persistent_bytes(step.model, step.optimizer), 200)
     return {"preset": preset, "kind": kind, "batch_size": batch, "context_length": context,
-            "parameters": sum(1 for _ in trainer.model.parameters()), "step_s": step_s, "breakdown_s": read_s,
+            "parameters": sum(1 for _ in step.model.parameters()), "step_s": step_s, "breakdown_s": read_s,
             "share_of_step": read_s / step_s}
 
 

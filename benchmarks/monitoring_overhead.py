@@ -95,7 +95,7 @@ def _seconds(fn) -> float:
 
 
 def _result():
-    from leantune.step import StepResult
+    from leantune.training.step import StepResult
 
     return StepResult(loss=1.0, target_tokens=1, input_tokens=1, step_time_s=1.0, grad_norm=None)
 

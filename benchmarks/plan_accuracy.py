@@ -11,7 +11,7 @@ that ``leantune plan`` traces on fake tensors (``trace_step(..., fake=True)``) i
 2. ``profiler``: the same step on real tensors counted by nothing of leantune's: the bytes of
    the storages alive before it (parameters, buffers, gradients, optimizer state, the batch; each
    storage once) plus the peak of the running sum of the PyTorch profiler's allocation and free
-   events during ``Trainer.train_step``. This also checks the tracker itself.
+   events during the planned ``TrainStep.run``. This also checks the tracker itself.
 
 error = predicted / measured - 1. The precisions: ``float32`` is the CPU target; ``bf16`` is a
 CUDA target traced on the CPU (bf16 autocast, bf16 LoRA base, foreach AdamW), which is how the

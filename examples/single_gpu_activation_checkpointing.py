@@ -21,11 +21,12 @@ import tempfile
 import torch
 
 from leantune.cli_args import parse_run_config
-from leantune.finetuning import build_model, loss_function, run
+from leantune.build.model import build_model, loss_function
+from leantune.finetuning import run
 from leantune.memory.meter import ActivationMeter
 from leantune.models.structure import unwrap_model
 from leantune.precision import choose_precision
-from leantune.step import forward_backward
+from leantune.training.step import forward_backward
 
 
 def measure_activations(cfg, batch: int, seq: int) -> tuple[int, int]:

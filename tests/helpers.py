@@ -6,7 +6,7 @@ import torch
 
 from leantune.loss import causal_lm_loss_sum
 from leantune.memory.meter import ActivationMeter
-from leantune.step import forward_hidden
+from leantune.training.step import forward_hidden
 
 
 def make_batch(vocab: int, batch: int = 2, seq: int = 64, seed: int = 0):

@@ -11,7 +11,7 @@ from leantune.config import PeftSettings
 from leantune.loss import causal_lm_loss_sum
 from leantune.memory.meter import ActivationMeter
 from leantune.models.loading import attach_lora
-from leantune.step import forward_hidden
+from leantune.training.step import forward_hidden
 
 from helpers import activation_bytes, gradients, make_batch, with_lora
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, LayerMix,
-                                    OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing, policy_for_mode)
+                                    OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing)
+from leantune.checkpointing.modes import MODES, mode_choices, planned_modes, policy_class, policy_from_config
+from leantune.cli_args import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 
@@ -91,7 +95,7 @@ def test_reentrant_is_refused_where_it_cannot_work(policy):
 
 def test_unknown_mode_name():
     with pytest.raises(ValueError, match="unknown activation checkpointing mode 'some'"):
-        policy_for_mode("some")
+        policy_class("some")
 
 
 def test_modes_combine_with_the_chunked_loss(load_tiny):
@@ -123,7 +127,6 @@ def test_a_layer_mix_sits_between_its_parts(load_tiny, use_lora):
 
 def test_layer_mix_flags_and_errors(load_tiny):
     from leantune.checkpointing.policies import format_layer_mix, parse_layer_mix
-    from leantune.cli_args import parse_run_config
     from leantune.config import ConfigError
 
     assert parse_layer_mix("full=2, selective_ops=1,none=1") == ("full", "full", "selective_ops", "none")
@@ -139,3 +142,21 @@ def test_layer_mix_flags_and_errors(load_tiny):
             parse_run_config(argv)
     with pytest.raises(CheckpointingError, match="names 3 layers, the model has 2"):
         apply_activation_checkpointing(load_tiny(), LayerMix(layers=("full",) * 3))
+
+
+def test_every_registered_mode_is_offered_documented_and_built_from_its_flags():
+    """The registry is the one list of modes: the flag offers each, the docs describe each, its flags build it."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "activation_checkpointing_modes.md").read_text()
+    choices = next(a.choices for a in build_parser()._actions if "--activation_checkpointing_mode" in a.option_strings)
+    assert tuple(choices) == mode_choices() == (*MODES, "auto")
+    own_flag_values = {"activation_checkpointing_every_n": "3", "activation_checkpointing_layers": "full=1,none=1",
+                       "activation_offload_max_pinned_gb": "1.5"}
+    for name, cls in MODES.items():
+        assert f"| `{name}`" in docs, f"{name}: add its row to docs/activation_checkpointing_modes.md"
+        flags = [f for flag in cls.own_flags for f in (f"--{flag}", own_flag_values[flag])]
+        cfg = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", name, *flags])
+        policy = policy_from_config(cfg.checkpointing)
+        assert type(policy) is cls and policy.name == name
+        assert (name in planned_modes(on_gpu=True)) == cls.planned
+        assert (name in planned_modes(on_gpu=False)) == (cls.planned and not cls.gpu_only)
+    assert planned_modes(on_gpu=True) == ["none", "full", "every_n", "selective_ops", "offload"]

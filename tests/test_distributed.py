@@ -126,7 +126,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, 
     (inject / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import leantune.train as train\n"
+        "    import leantune.training.loop as train\n"
         "    step = train.Trainer.train_step\n"
         "    def failing(self, window):\n"
         "        if len(self.steps) == 1:\n"
@@ -161,7 +161,7 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_i
     (inject / "sitecustomize.py").write_text(
         "import os, signal\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import leantune.train as train\n"
+        "    import leantune.training.loop as train\n"
         "    after = train.Trainer._after_step\n"
         "    def signalled(self):\n"
         "        if len(self.steps) == 2:\n"

@@ -12,8 +12,8 @@ from leantune import finetuning
 from leantune.memory.oom import memory_fixes
 from leantune.cli_args import parse_run_config
 from leantune.precision import Precision
-from leantune.step import CausalLMLoss
-from leantune.train import Trainer
+from leantune.training.step import CausalLMLoss
+from leantune.training.loop import Trainer
 
 FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--val_fraction", "0.99",
         "--run_validation", "false", "--save_metrics"]
@@ -197,7 +197,7 @@ def test_fp16_scaler_state_resumes_exactly_and_a_skipped_step_lowers_the_scale(t
 
 def _remember_scale(method, scales):
     def wrapped(self):
-        scales.append(self.scaler.get_scale())
+        scales.append(self.step.scaler.get_scale())
         return method(self)
     return wrapped
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import leantune.finetuning as finetuning
+from leantune.build.model import build_model
 from leantune.cli_args import parse_run_config
 from leantune.precision import Precision
 
@@ -58,7 +59,7 @@ def test_gpu_default_precision_trains_like_float32(tiny_model_dir, tmp_path, mon
 def test_the_lora_base_is_stored_in_the_compute_dtype(tiny_model_dir, monkeypatch):
     precision = STAND_INS["bf16-autocast-bf16-base"]
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft"])
-    model, _ = finetuning.build_model(cfg, precision, log=lambda _line: None)
+    model, _ = build_model(cfg, precision, log=lambda _line: None)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}  # adapters train in float32

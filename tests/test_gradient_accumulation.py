@@ -16,11 +16,11 @@ import torch
 
 from helpers import make_batch
 from leantune.cli_args import parse_run_config
-from leantune.finetuning import build_model, loss_function
+from leantune.build.model import build_model, loss_function
 from leantune.labels import count_targets
-from leantune.memory.monitor import CurrentMemoryProbe
 from leantune.precision import choose_precision
-from leantune.train import Trainer
+from leantune.build.step import build_train_step
+from leantune.training.step import CausalLMLoss, TrainStep
 
 SEQ = 64
 RTOL, ATOL = 1e-5, 1e-7  # float32: the 2B batch sums in another order, so not bit-exact
@@ -42,8 +42,8 @@ def _concat(a: dict, b: dict) -> dict:
     return {key: torch.cat([a[key], b[key]]) for key in a}
 
 
-def _trainers(tiny_model_dir, flags: list[str]) -> tuple[Trainer, Trainer]:
-    """Two trainers on identical copies of one model, built the way a run builds them."""
+def _trainers(tiny_model_dir, flags: list[str]) -> tuple[TrainStep, TrainStep]:
+    """Two training steps on identical copies of one model, built the way a run builds them."""
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--lora_dropout", "0", "--lr", "1e-3",
                             "--gradient_clipping", "false", "--num_workers_dataloader", "0", *flags])
     device = torch.device("cpu")
@@ -60,14 +60,13 @@ def _trainers(tiny_model_dir, flags: list[str]) -> tuple[Trainer, Trainer]:
     loss_fn = loss_function(cfg, vocab)
 
     def make(m):
-        return Trainer(cfg, m, tokenizer, None, None, precision, CurrentMemoryProbe(device), loss_fn=loss_fn,
-                       log=lambda _line: None)
+        return build_train_step(cfg, CausalLMLoss(m, loss_fn), precision, log=lambda _line: None)
 
     return make(model), make(copy.deepcopy(model))
 
 
-def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+def _grads(step: TrainStep) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in step.loss_model.model.named_parameters() if p.requires_grad}
 
 
 def _windows(vocab: int) -> tuple[dict, dict]:
@@ -87,13 +86,13 @@ CASES = {
 @pytest.mark.parametrize("flags", CASES.values(), ids=CASES.keys())
 def test_two_batches_of_b_give_the_gradients_of_one_batch_of_2b(tiny_model_dir, flags):
     accumulating, single = _trainers(tiny_model_dir, flags)
-    vocab = accumulating.model.get_output_embeddings().weight.shape[0]
+    vocab = accumulating.loss_model.model.get_output_embeddings().weight.shape[0]
     first, second = _windows(vocab)
     assert (count_targets(first["labels"]), count_targets(second["labels"])) == (112, 38)
 
-    two = accumulating.train_step([first, second])  # real window: normaliser = 150 for both batches
+    two = accumulating.run([first, second])  # real window: normaliser = 150 for both batches
     grads_two = _grads(accumulating)
-    one = single.train_step([_concat(first, second)])
+    one = single.run([_concat(first, second)])
     grads_one = _grads(single)
 
     assert two.target_tokens == one.target_tokens == 150
@@ -111,12 +110,12 @@ def test_two_batches_of_b_give_the_gradients_of_one_batch_of_2b(tiny_model_dir, 
 def test_per_batch_means_would_give_other_gradients(tiny_model_dir, flags):
     """Dividing each batch by its own target count (then by the window's length) is not equivalent."""
     per_batch_mean, single = _trainers(tiny_model_dir, flags)
-    first, second = _windows(per_batch_mean.model.get_output_embeddings().weight.shape[0])
+    first, second = _windows(per_batch_mean.loss_model.model.get_output_embeddings().weight.shape[0])
 
     per_batch_mean.optimizer.zero_grad(set_to_none=True)
     for batch in (first, second):  # what a per-batch-mean trainer would do with this window
         per_batch_mean.loss_step(batch, normaliser=2 * count_targets(batch["labels"]))
-    single.train_step([_concat(first, second)])
+    single.run([_concat(first, second)])
     wrong, right = _grads(per_batch_mean), _grads(single)
 
     differs = [name for name in right if not torch.allclose(wrong[name], right[name], rtol=1e-2, atol=1e-6)]

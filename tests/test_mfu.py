@@ -10,7 +10,14 @@ import torch
 
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import run
-from leantune.report.flops import PEAK_BF16_TFLOPS, TokenFlops, count_token_flops, device_peak_tflops
+from leantune.models.presets import model_config
+from leantune.planning.flops import count_token_flops
+from leantune.report.flops import PEAK_BF16_TFLOPS, TokenFlops, device_peak_tflops
+
+
+def _token_flops(argv: list[str]) -> TokenFlops:
+    cfg = parse_run_config(argv)
+    return count_token_flops(cfg, model_config(cfg.model.model_name), torch.device("cpu"))
 
 
 def test_mfu_arithmetic_against_a_hand_computed_case():
@@ -39,13 +46,13 @@ def test_the_peak_comes_from_the_flag_or_the_table(monkeypatch):
 
 def test_recompute_counts_in_hfu_only(tiny_model_dir):
     common = ["--model_name", str(tiny_model_dir), "--context_length", "128"]
-    none = count_token_flops(parse_run_config(common), torch.device("cpu"))
-    full = count_token_flops(parse_run_config([*common, "--enable_activation_checkpointing"]), torch.device("cpu"))
+    none = _token_flops(common)
+    full = _token_flops([*common, "--enable_activation_checkpointing"])
     assert none.model == none.hardware > 0
     assert full.hardware > full.model  # the recomputed forward
     # MFU's FLOPs are the model's, whatever the mode and loss (the chunked loss's addmm_ counted too)
     assert full.model == pytest.approx(none.model, rel=0.01)
-    lora = count_token_flops(parse_run_config([*common, "--use_peft"]), torch.device("cpu"))
+    lora = _token_flops([*common, "--use_peft"])
     assert lora.model < none.model  # no weight gradients for the frozen base
 
 
@@ -57,7 +64,7 @@ def test_a_run_with_a_peak_records_mfu_and_hfu_per_step(tiny_model_dir, tmp_path
     results = run(parse_run_config(argv), log=lines.append)
     assert any(line.startswith("mfu: against 1.0 TFLOP/s peak;") for line in lines)
     steps = json.loads((tmp_path / "metrics.json").read_text())["train_steps"]
-    flops = count_token_flops(parse_run_config(argv), torch.device("cpu"))
+    flops = _token_flops(argv)
     for step in steps:
         seconds, tokens = step["step_time_s"], step["input_tokens"]
         assert step["mfu"] == pytest.approx(flops.model * tokens / seconds / 1e12)

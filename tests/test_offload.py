@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from leantune.checkpointing import OffloadCheckpointing, apply_activation_checkpointing
+from leantune.checkpointing import OffloadCheckpointing, apply_activation_checkpointing, policy_from_config
 from leantune.checkpointing.offload import ActivationOffloader, PinnedBufferPool, _Saved, default_max_pinned_bytes
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
@@ -206,12 +206,10 @@ OFFLOAD = ["--enable_activation_checkpointing", "--activation_checkpointing_mode
 
 
 def test_the_cap_flag_reaches_the_policy():
-    from leantune.finetuning import checkpoint_policy
-
     cfg = parse_run_config(OFFLOAD + ["--activation_offload_max_pinned_gb", "2.5"])
     assert cfg.checkpointing.activation_offload_max_pinned_gb == 2.5
-    assert checkpoint_policy(cfg).max_pinned_bytes == int(2.5 * 2**30)
-    assert checkpoint_policy(parse_run_config(OFFLOAD)).max_pinned_bytes is None  # the default, set by bind
+    assert policy_from_config(cfg.checkpointing).max_pinned_bytes == int(2.5 * 2**30)
+    assert policy_from_config(parse_run_config(OFFLOAD).checkpointing).max_pinned_bytes is None  # the default, set by bind
 
 
 @pytest.mark.parametrize("argv, message", [

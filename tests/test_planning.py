@@ -11,7 +11,8 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.memory.tracker import StorageTracker, persistent_bytes
 from leantune.models.presets import HUB_IDS, PRESETS, ModelShapeError, model_config, preset_name
-from leantune.planning.choose import MemoryPlan, apply_memory_plan, confirm_batch
+from leantune.planning.choose import MemoryPlan, apply_memory_plan
+from leantune.planning.confirm import confirm_batch
 from leantune.planning.fake_step import trace_step
 from leantune.planning.plan import MIB, choose_mode, largest_batch, plan_modes, with_batch
 
@@ -109,7 +110,7 @@ def test_gpu_target_traces_the_gpu_precision(monkeypatch):
 
 def _tiny_lora_params():
     from leantune.models.loading import attach_lora
-    from leantune.planning.fake_step import meta_model
+    from leantune.models.facts import meta_model
 
     return list(attach_lora(meta_model(model_config("tiny"), torch.float32), flags("--use_peft").peft).named_parameters())
 
@@ -150,7 +151,7 @@ def test_auto_mode_takes_the_least_recompute_that_fits(capsys):
     assert peaks["none"] > peaks["selective_ops"]  # so a budget at selective_ops' peak leaves none out
     cfg = flags(*lora, "--activation_checkpointing_mode", "auto", "--memory_budget_gb",
                 str(peaks["selective_ops"] / 2**30))
-    memory = apply_memory_plan(cfg, CPU, log=print)
+    memory = apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=print)
     assert memory.cfg.checkpointing.mode == "selective_ops" and memory.plan.peak_bytes == peaks["selective_ops"]
     assert "auto chose selective_ops" in capsys.readouterr().out
 
@@ -158,7 +159,7 @@ def test_auto_mode_takes_the_least_recompute_that_fits(capsys):
 def test_auto_batch_keeps_the_global_batch_and_is_the_largest_that_fits():
     cfg = flags("--use_peft", "--enable_activation_checkpointing", "--auto_batch_size", "--target_global_batch_size",
                 "12", "--memory_budget_gb", str(40 * MIB / 2**30))
-    memory = apply_memory_plan(cfg, CPU, log=lambda *_: None)
+    memory = apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None)
     batch, accumulation = memory.cfg.training.batch_size_training, memory.cfg.training.gradient_accumulation_steps
     assert batch * accumulation == 12
     assert memory.plan.fits and memory.plan.batch_size == batch
@@ -178,7 +179,7 @@ def test_auto_finds_a_layer_mix_between_selective_and_full(capsys):
     auto = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "256",
                              "--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
                              "auto", "--memory_budget_gb", str(budget / 2**30)])
-    memory = apply_memory_plan(auto, CPU, log=print)
+    memory = apply_memory_plan(auto, model_config(auto.model.model_name), CPU, log=print)
     resolved, plan = memory.cfg, memory.plan
     assert resolved.checkpointing.mode == "layer_mix", capsys.readouterr().out
     layers = resolved.checkpointing.activation_checkpointing_layers
@@ -191,13 +192,14 @@ def test_auto_mode_fails_with_the_table_when_nothing_fits():
     cfg = flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
                 "--memory_budget_gb", str(55 * MIB / 2**30))
     with pytest.raises(ConfigError, match="no mode fits") as err:
-        apply_memory_plan(cfg, CPU, log=lambda *_: None)
+        apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None)
     assert "predicted peak" in str(err.value) and "--batch_size_training" in str(err.value)
 
 
 def test_auto_needs_a_budget_on_the_cpu():
     with pytest.raises(ConfigError, match="--memory_budget_gb"):
-        apply_memory_plan(flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"), CPU)
+        apply_memory_plan(flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"),
+                          model_config("tiny"), CPU)
 
 
 def test_confirm_step_backs_off_once_on_oom():
@@ -222,7 +224,7 @@ def test_confirm_step_backs_off_once_on_oom():
 
 
 def test_the_real_confirm_step_leaves_the_run_as_it_was(load_tiny):
-    from leantune.finetuning import confirm_step
+    from leantune.planning.confirm import confirm_step
     from leantune.precision import choose_precision
 
     cfg = flags("--use_peft")
@@ -334,7 +336,7 @@ def test_a_run_with_auto_mode_and_batch_trains_and_logs_the_breakdown(tiny_model
 
 
 def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
-    from leantune.run_lines import plan_check_line as _plan_check_line
+    from leantune.training.lines import plan_check_line as _plan_check_line
 
     line = _plan_check_line({"peak_allocated_mib": 1000.0}, predicted_bytes=1050 * 2**20)
     assert line == "memory check: step 2 peak allocated 1,000.0 MiB, plan predicted 1,050.0 MiB (+5.0%)"
@@ -365,14 +367,14 @@ def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
 
 
 def _small_params():
-    from leantune.planning.fake_step import meta_model
+    from leantune.models.facts import meta_model
 
     return list(meta_model(model_config("small"), torch.float32).parameters())
 
 
 def _small_layer_params():
     from leantune.models.structure import decoder_layers
-    from leantune.planning.fake_step import meta_model
+    from leantune.models.facts import meta_model
 
     return list(decoder_layers(meta_model(model_config("small"), torch.float32))[0].parameters())
 
@@ -383,7 +385,7 @@ def _stub_plans(monkeypatch, fits: dict):
 
     import leantune.planning.choose as choose
 
-    def largest(cfg, config, device, mode, budget):
+    def largest(cfg, config, device, mode, budget, traces=None):
         batch, per_token = fits.get(mode, (0, 0))
         return batch, SimpleNamespace(flops=per_token * batch * 128, traced_tokens=batch * 128) if batch else None
 

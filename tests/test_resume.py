@@ -29,7 +29,7 @@ def inject(tmp_path, body: str):
     folder.mkdir(exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import os, signal\n"
-        "import leantune.train as _train\n"
+        "import leantune.training.loop as _train\n"
         "_original = _train.Trainer._after_step\n"
         "def _after_step(self):\n"
         "    step = len(self.steps)\n"

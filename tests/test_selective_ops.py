@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from leantune.checkpointing import SelectiveOps, apply_activation_checkpointing
 from leantune.checkpointing import selective
-from leantune.step import forward_hidden
+from leantune.training.step import forward_hidden
 
 from helpers import activation_bytes, gradients, make_batch
 

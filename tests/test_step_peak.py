@@ -36,7 +36,7 @@ def test_another_models_tensors_are_not_counted():
 
 
 def test_on_a_gpu_the_allocator_is_read_and_the_budget_counts_reserved_plus_the_context(monkeypatch):
-    from leantune.planning.plan import CUDA_CONTEXT_BYTES
+    from leantune.memory.stats import CUDA_CONTEXT_BYTES
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))

@@ -14,7 +14,7 @@ from leantune.cli_args import parse_run_config
 from leantune.finetuning import build_trainer
 from leantune.loss import causal_lm_loss_sum
 from leantune.precision import choose_precision
-from leantune.step import forward_backward
+from leantune.training.step import forward_backward
 
 from helpers import make_batch
 

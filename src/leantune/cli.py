@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
+
+from leantune.finetuning import main as finetune_main
+from leantune.models.tiny import TINY_SHAPE, make_tiny_model
+from leantune.planning.cli import main as plan_main
+from leantune.report.plots import ReportError, load_run, write_report
 
 COMMANDS = {
     "finetune": "fine-tune a model (the same flags as python -m leantune.finetuning)",
@@ -15,10 +21,6 @@ COMMANDS = {
 
 
 def _report(argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from leantune.report.plots import ReportError, load_run, write_report
-
     parser = argparse.ArgumentParser(prog="leantune report", description=COMMANDS["report"])
     parser.add_argument("runs", nargs="+", help="output directories of runs (with metrics.json)")
     parser.add_argument("--out", help="where report.png and report.md go (default: the run's directory, or the "
@@ -36,8 +38,6 @@ def _report(argv: Sequence[str]) -> int:
 
 
 def _make_tiny_model(argv: Sequence[str]) -> int:
-    from leantune.models.tiny import TINY_SHAPE, make_tiny_model
-
     parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=COMMANDS["make-tiny-model"])
     parser.add_argument("dir", help="output directory (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
@@ -64,12 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "finetune":
-        from leantune.finetuning import main as finetune_main
-
         return finetune_main(rest)
     if command == "plan":
-        from leantune.planning.cli import main as plan_main
-
         return plan_main(rest)
     if command == "make-tiny-model":
         return _make_tiny_model(rest)

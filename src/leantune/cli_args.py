@@ -27,7 +27,8 @@ COOKBOOK_ONLY_FLAGS = {
     "freeze_LLM_only": "vision models are not supported",
     "one_gpu": "leantune trains on one device unless torchrun starts several processes with --enable_fsdp",
     "use_profiler": "the profiler hook is not supported yet",
-    "flop_counter": "FLOP counting is on the roadmap (MFU report)",
+    "flop_counter": "leantune counts every step's FLOPs itself: MFU and HFU per step on a GPU it knows, or with "
+                    "--peak_tflops T",
     "save_optimizer": "the optimizer is part of the training state saved with --save_steps N",
     "dist_checkpoint_root_folder": "distributed checkpoints are on the roadmap",
     "dist_checkpoint_folder": "distributed checkpoints are on the roadmap",

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
-from leantune.models.tiny import DEFAULT_MODEL_NAME
+from leantune.checkpointing.modes import AUTO, MODES, mode_choices, mode_help, owner_of_flag, policy_class
+from leantune.checkpointing.policies import LayerMix, parse_layer_mix
+
+# The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
+DEFAULT_MODEL_NAME = "leantune-tiny-llama"
+# --activation_checkpointing_mode's values, from the registry of modes (plus auto).
+CheckpointingMode = Literal[mode_choices()]
 
 
 class ConfigError(ValueError):
@@ -130,14 +136,8 @@ class CheckpointingConfig:
         "Recompute decoder-layer activations in backward instead of keeping them (less memory, more compute)."))
     activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
         "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
-    activation_checkpointing_mode: Optional[Literal["full", "every_n", "selective_ops", "offload", "layer_mix",
-                                                    "auto"]] = field(
-        default=None, metadata=_help(
-            "full (default): recompute every decoder layer; every_n: checkpoint one layer in N; selective_ops: "
-            "save attention and projection outputs, recompute the cheap ops (LoRA-aware); offload: full, with the "
-            "layers' saved inputs in pinned host memory (CUDA); layer_mix: a choice per layer "
-            "(--activation_checkpointing_layers); auto: the mode, per-layer mix or none with the least recompute "
-            "whose predicted peak fits --memory_budget_gb, chosen before the weights load."))
+    activation_checkpointing_mode: Optional[CheckpointingMode] = field(default=None, metadata=_help(
+        f"Default {next(iter(MODES))}. {mode_help()}"))
     activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
         "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
     activation_checkpointing_layers: Optional[str] = field(default=None, metadata=_help(
@@ -148,55 +148,57 @@ class CheckpointingConfig:
         "exceed it stay on the accelerator. Default: a quarter of host RAM, shared by the processes on the host."))
 
     def __post_init__(self):
-        mode, every_n = self.activation_checkpointing_mode, self.activation_checkpointing_every_n
-        max_pinned = self.activation_offload_max_pinned_gb
-        layers = self.activation_checkpointing_layers
-        if mode is None and every_n is not None:
-            mode = self.activation_checkpointing_mode = "every_n"
-        if mode is None and layers is not None:
-            mode = self.activation_checkpointing_mode = "layer_mix"
+        mode = self.activation_checkpointing_mode
+        if mode is None:  # a mode's own flag alone selects it (--activation_checkpointing_every_n 4: every_n)
+            mode = self.activation_checkpointing_mode = next(
+                (name for name, cls in MODES.items() if cls.implied_by and getattr(self, cls.implied_by) is not None),
+                None)
         if not self.enable_activation_checkpointing:
             _require(mode is None, "activation_checkpointing_mode",
                      f"{mode} has no effect without --enable_activation_checkpointing; add it")
-            _require(max_pinned is None, "activation_offload_max_pinned_gb",
-                     "applies to --activation_checkpointing_mode offload; add --enable_activation_checkpointing")
+            _require(self.activation_offload_max_pinned_gb is None, "activation_offload_max_pinned_gb",
+                     f"applies to --activation_checkpointing_mode {owner_of_flag('activation_offload_max_pinned_gb')}; "
+                     "add --enable_activation_checkpointing")
             return
-        _require(max_pinned is None or mode == "offload", "activation_offload_max_pinned_gb",
-                 f"applies to --activation_checkpointing_mode offload, not {mode or 'full'}")
-        _require(max_pinned is None or 0 < max_pinned < float("inf"), "activation_offload_max_pinned_gb",
-                 f"must be a positive number of GiB (got {max_pinned})")
-        _require(every_n is None or mode == "every_n", "activation_checkpointing_every_n",
-                 f"applies to --activation_checkpointing_mode every_n, not {mode}")
-        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
-                 f"must be at least 1 (got {every_n})")
-        _require(layers is None or mode == "layer_mix", "activation_checkpointing_layers",
-                 f"applies to --activation_checkpointing_mode layer_mix, not {mode}")
-        _require(mode != "layer_mix" or layers is not None, "activation_checkpointing_layers",
-                 "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")
-        if layers is not None:
-            from leantune.checkpointing.policies import parse_layer_mix
-
-            try:
-                parse_layer_mix(layers)
-            except ValueError as err:
-                raise ConfigError(f"--activation_checkpointing_layers: {err}") from None
-        if self.activation_checkpointing_use_reentrant and mode == "auto":
-            raise ConfigError("--activation_checkpointing_mode auto: chooses among non-reentrant modes; "
+        self._check_own_flags(mode or next(iter(MODES)))
+        self._check_values()
+        if self.activation_checkpointing_use_reentrant and mode == AUTO:
+            raise ConfigError(f"--activation_checkpointing_mode {AUTO}: chooses among non-reentrant modes; "
                               "drop --activation_checkpointing_use_reentrant")
         if self.activation_checkpointing_use_reentrant and mode is not None:
-            from leantune.checkpointing.policies import policy_for_mode
-
             try:  # the policy classes know which of them work reentrant
-                policy_for_mode(mode, use_reentrant=True, layers=layers)
+                policy_class(mode).from_config(self)
             except ValueError as err:
                 raise ConfigError(f"--activation_checkpointing_mode {mode}: {err}") from None
+
+    def _check_own_flags(self, mode: str) -> None:
+        """A mode's own flag (every_n's N, layer_mix's layers, offload's cap) only with that mode, and the reverse."""
+        for cls in MODES.values():
+            for flag in cls.own_flags:
+                _require(getattr(self, flag) is None or mode == cls.name, flag,
+                         f"applies to --activation_checkpointing_mode {cls.name}, not {mode}")
+        _require(mode != LayerMix.name or self.activation_checkpointing_layers is not None,
+                 "activation_checkpointing_layers",
+                 "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")
+
+    def _check_values(self) -> None:
+        max_pinned, every_n = self.activation_offload_max_pinned_gb, self.activation_checkpointing_every_n
+        _require(max_pinned is None or 0 < max_pinned < float("inf"), "activation_offload_max_pinned_gb",
+                 f"must be a positive number of GiB (got {max_pinned})")
+        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
+                 f"must be at least 1 (got {every_n})")
+        if self.activation_checkpointing_layers is not None:
+            try:
+                parse_layer_mix(self.activation_checkpointing_layers)
+            except ValueError as err:
+                raise ConfigError(f"--activation_checkpointing_layers: {err}") from None
 
     @property
     def mode(self) -> Optional[str]:
         """The mode in force: None when checkpointing is off, ``full`` unless another was chosen."""
         if not self.enable_activation_checkpointing:
             return None
-        return self.activation_checkpointing_mode or "full"
+        return self.activation_checkpointing_mode or next(iter(MODES))
 
 
 @dataclass

@@ -12,21 +12,21 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from leantune.config import ConfigError, RunConfig
-from leantune.training_state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
+from leantune.models.facts import ModelFacts, run_model_facts
+from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
 MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json",
                "pytorch_model.bin", "adapter_model.bin")
 
 
-def preflight(cfg: RunConfig) -> Optional[Path]:
-    """Refuse bad input early; returns the training state to resume from, if any."""
+def preflight(cfg: RunConfig) -> tuple[Optional[Path], ModelFacts]:
+    """Refuse bad input early; returns the training state to resume from (if any) and the model's facts."""
     check_output_dir(cfg)
     resume = None
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
-    check_model_shape(cfg)
-    return resume
+    return resume, check_model_shape(cfg)
 
 
 def check_output_dir(cfg: RunConfig) -> None:
@@ -78,25 +78,10 @@ def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> No
             f"file(s) of the previous run in {out}")
 
 
-def check_model_shape(cfg: RunConfig) -> None:
-    """The context length and LoRA targets against the model's config, read without loading a weight."""
-    import torch
-
-    from leantune.models.loading import ModelLoadError, check_lora_targets, empty_model
-    from leantune.models.structure import unwrap_model
-
-    try:
-        model = empty_model(cfg.model, torch.float32)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read the model's config from {cfg.model.model_name!r}: {err}. Pass a local "
-                             "directory saved with save_pretrained, or a hub id with network access") from None
-    check_context_length(cfg, unwrap_model(model).config)
+def check_model_shape(cfg: RunConfig) -> ModelFacts:
+    """The context length and LoRA targets against the model's config, read once here without loading a weight."""
+    facts = run_model_facts(cfg.model)
+    facts.check_context_length(cfg.data.context_length)
     if cfg.peft.use_peft and not cfg.peft.from_peft_checkpoint:
-        check_lora_targets(model, cfg.peft.lora_target_modules)
-
-
-def check_context_length(cfg: RunConfig, config) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and cfg.data.context_length > limit:
-        raise ConfigError(f"--context_length {cfg.data.context_length}: the model handles at most {limit} positions "
-                          f"(max_position_embeddings); use --context_length {limit} or less")
+        facts.check_lora_targets(cfg.peft.lora_target_modules)
+    return facts

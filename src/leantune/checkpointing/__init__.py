@@ -1,4 +1,5 @@
-"""Activation checkpointing: one entry point (``apply_activation_checkpointing``) and policy objects."""
+"""Activation checkpointing: one entry point (``apply_activation_checkpointing``), policy objects, and the
+registry of modes (``modes``) that the config, the planner, the OOM advice and the FLOP count read."""
 
 from leantune.checkpointing.apply import (
     CheckpointingError,
@@ -6,12 +7,13 @@ from leantune.checkpointing.apply import (
     apply_activation_checkpointing,
     inspect_checkpointing,
 )
-from leantune.checkpointing.policies import (MODES, CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
-                                             OffloadCheckpointing, SelectiveOps, policy_for_mode)
+from leantune.checkpointing.modes import MODES, policy_from_config
+from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
+                                             OffloadCheckpointing, SelectiveOps)
 
 __all__ = [
     "MODES",
-    "policy_for_mode",
+    "policy_from_config",
     "CheckpointPolicy",
     "CheckpointingError",
     "CheckpointingReport",

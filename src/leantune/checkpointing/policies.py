@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
+
+from leantune.checkpointing.offload import ActivationOffloader, OffloadingCheckpoint, default_max_pinned_bytes
+from leantune.checkpointing.selective import MatmulRoles
+from leantune.models.structure import decoder_layers
 
 
 @dataclass(frozen=True)
@@ -19,8 +23,22 @@ class CheckpointPolicy:
     """Checkpoint every decoder layer (the base policy, ``full``)."""
 
     use_reentrant: bool = False
-    name = "full"
-    supports_reentrant = True  # selective checkpointing and offload hooks need the non-reentrant kind
+    # What the rest of leantune reads about a mode, declared once here (see ``leantune.checkpointing.modes``):
+    name: ClassVar[str] = "full"
+    summary: ClassVar[str] = "recompute every decoder layer"  # the mode's part of --activation_checkpointing_mode's help
+    supports_reentrant: ClassVar[bool] = True  # selective checkpointing and offload hooks need the non-reentrant kind
+    planned: ClassVar[bool] = True  # in `leantune plan`'s table and among auto's candidates
+    gpu_only: ClassVar[bool] = False  # planned (and trained) only with an accelerator
+    recompute_rank: ClassVar[int] = 3  # how much it recomputes by design: ties in FLOPs go to the lower rank
+    flops_as: ClassVar[Optional[str]] = None  # another mode whose FLOPs it has (offload moves bytes, not FLOPs)
+    keeps_least: ClassVar[bool] = True  # nothing recomputes more to save memory (the OOM advice skips "use full")
+    own_flags: ClassVar[tuple[str, ...]] = ()  # the checkpointing flags only this mode reads
+    implied_by: ClassVar[Optional[str]] = None  # a flag whose presence alone selects this mode
+
+    @classmethod
+    def from_config(cls, ac) -> "CheckpointPolicy":
+        """The policy for a ``CheckpointingConfig`` whose mode is this one."""
+        return cls(use_reentrant=ac.activation_checkpointing_use_reentrant)
 
     def __post_init__(self):
         if self.use_reentrant and not self.supports_reentrant:
@@ -59,6 +77,8 @@ class CheckpointPolicy:
 class FullCheckpointing(CheckpointPolicy):
     """Recompute every decoder layer in backward: the least memory, one extra forward of compute."""
 
+    summary = "recompute every decoder layer (the default)"
+
 
 @dataclass(frozen=True)
 class EveryNLayers(CheckpointPolicy):
@@ -66,6 +86,15 @@ class EveryNLayers(CheckpointPolicy):
 
     n: int = 2
     name = "every_n"
+    summary = "checkpoint one layer in N (--activation_checkpointing_every_n, default 2)"
+    recompute_rank = 2
+    keeps_least = False
+    own_flags = ("activation_checkpointing_every_n",)
+    implied_by = "activation_checkpointing_every_n"
+
+    @classmethod
+    def from_config(cls, ac) -> "EveryNLayers":
+        return cls(use_reentrant=ac.activation_checkpointing_use_reentrant, n=ac.activation_checkpointing_every_n or 2)
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,13 +116,14 @@ class SelectiveOps(CheckpointPolicy):
     and each down_proj whose weight trains — so the policy knows which module runs each op.
     """
 
-    roles: Optional[object] = field(default=None, compare=False)  # a selective.MatmulRoles
+    roles: Optional[MatmulRoles] = field(default=None, compare=False)
     name = "selective_ops"
+    summary = "save attention and projection outputs, recompute the cheap ops (LoRA-aware)"
     supports_reentrant = False  # torch's selective checkpointing works only with use_reentrant=False
+    recompute_rank = 1
+    keeps_least = False
 
     def bind(self, model: torch.nn.Module) -> "SelectiveOps":
-        from leantune.checkpointing.selective import MatmulRoles
-
         return replace(self, roles=MatmulRoles.attach(model))
 
     def context_fn(self) -> Optional[Callable]:
@@ -116,9 +146,20 @@ class OffloadCheckpointing(CheckpointPolicy):
     min_bytes: int = 1 << 20
     simulate: bool = False  # tests: exercise the bookkeeping with host copies on a CPU-only machine
     max_pinned_bytes: Optional[int] = None  # cap on the pinned pool; None: a quarter of host RAM (set by bind)
-    offloader: Optional[object] = field(default=None, compare=False)
+    offloader: Optional[ActivationOffloader] = field(default=None, compare=False)
     name = "offload"
+    summary = "full, with the layers' saved inputs in pinned host memory (CUDA)"
     supports_reentrant = False  # its hooks wrap what non-reentrant checkpointing saves
+    gpu_only = True
+    recompute_rank = 4
+    flops_as = "full"
+    own_flags = ("activation_offload_max_pinned_gb",)
+
+    @classmethod
+    def from_config(cls, ac) -> "OffloadCheckpointing":
+        gb = ac.activation_offload_max_pinned_gb
+        return cls(use_reentrant=ac.activation_checkpointing_use_reentrant,
+                   max_pinned_bytes=None if gb is None else int(gb * 2**30))
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,8 +167,6 @@ class OffloadCheckpointing(CheckpointPolicy):
             raise ValueError(f"the pinned pool's cap must be 0 or more bytes, got {self.max_pinned_bytes}")
 
     def bind(self, model: torch.nn.Module) -> "OffloadCheckpointing":
-        from leantune.checkpointing.offload import ActivationOffloader, default_max_pinned_bytes
-
         device = next(model.parameters()).device
         if device.type != "cuda" and not self.simulate:
             raise ValueError(
@@ -138,8 +177,6 @@ class OffloadCheckpointing(CheckpointPolicy):
         return replace(self, max_pinned_bytes=cap, offloader=offloader)
 
     def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
-        from leantune.checkpointing.offload import OffloadingCheckpoint
-
         return OffloadingCheckpoint(checkpoint_fn, self.offloader, layer_index)
 
     def describe(self) -> str:
@@ -187,14 +224,22 @@ class LayerMix(CheckpointPolicy):
     """
 
     layers: tuple[str, ...] = ()
-    roles: Optional[object] = field(default=None, compare=False)  # selective.MatmulRoles when a layer is selective
+    roles: Optional[MatmulRoles] = field(default=None, compare=False)  # when a layer is selective
     name = "layer_mix"
+    summary = "a choice per layer (--activation_checkpointing_layers)"
     supports_reentrant = False  # selective layers need non-reentrant checkpointing
+    planned = False  # not a column of its own: auto searches mixes (``planning.plan.find_layer_mix``)
+    recompute_rank = 5
+    keeps_least = False
+    own_flags = ("activation_checkpointing_layers",)
+    implied_by = "activation_checkpointing_layers"
+
+    @classmethod
+    def from_config(cls, ac) -> "LayerMix":
+        return cls(use_reentrant=ac.activation_checkpointing_use_reentrant,
+                   layers=parse_layer_mix(ac.activation_checkpointing_layers or "full=1"))
 
     def bind(self, model: torch.nn.Module) -> "LayerMix":
-        from leantune.checkpointing.selective import MatmulRoles
-        from leantune.models.structure import decoder_layers
-
         count = len(decoder_layers(model))
         if len(self.layers) != count:
             raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, the model has {count}")
@@ -210,24 +255,3 @@ class LayerMix(CheckpointPolicy):
 
     def describe(self) -> str:
         return f"layer_mix ({format_layer_mix(self.layers)})"
-
-
-MODES = ("full", "every_n", "selective_ops", "offload", "layer_mix")
-
-
-def policy_for_mode(mode: str, *, every_n: int = 2, use_reentrant: bool = False,
-                    offload_max_pinned_gb: Optional[float] = None, layers: Optional[str] = None) -> CheckpointPolicy:
-    """The policy object for a ``--activation_checkpointing_mode`` name (the pinned cap in GiB: offload only;
-    ``layers``, as ``parse_layer_mix`` reads it: layer_mix only)."""
-    if mode == "full":
-        return FullCheckpointing(use_reentrant=use_reentrant)
-    if mode == "every_n":
-        return EveryNLayers(use_reentrant=use_reentrant, n=every_n)
-    if mode == "selective_ops":
-        return SelectiveOps(use_reentrant=use_reentrant)
-    if mode == "offload":
-        cap = None if offload_max_pinned_gb is None else int(offload_max_pinned_gb * 2**30)
-        return OffloadCheckpointing(use_reentrant=use_reentrant, max_pinned_bytes=cap)
-    if mode == "layer_mix":
-        return LayerMix(use_reentrant=use_reentrant, layers=parse_layer_mix(layers or "full=1"))
-    raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose from {', '.join(MODES)}")

@@ -43,6 +43,8 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from leantune.models.structure import decoder_layers, unwrap_model
+
 aten = torch.ops.aten
 
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
@@ -82,8 +84,6 @@ def recomputed_linears(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _find_recomputed(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Module]]:
-    from leantune.models.structure import decoder_layers
-
     # Only modules under checkpointing matter: the policy never sees ops outside decoder layers.
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
     found = []
@@ -115,8 +115,6 @@ class MatmulRoles:
     @classmethod
     def attach(cls, model: torch.nn.Module) -> "MatmulRoles":
         """Hook ``model``'s recomputed Linears, replacing the hooks of an earlier ``attach``."""
-        from leantune.models.structure import unwrap_model
-
         hf_model = unwrap_model(model)
         previous = getattr(hf_model, cls._ATTRIBUTE, None)
         if previous is not None:

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from leantune.checkpointing.modes import MODES
+from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
 from leantune.config import RunConfig
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
@@ -32,8 +34,8 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     mode, tc = cfg.checkpointing.mode, cfg.training
     if mode is None:
         fixes.append("recompute activations instead of keeping them: --enable_activation_checkpointing")
-    elif mode not in ("full", "offload"):
-        fixes.append(f"recompute every layer: --activation_checkpointing_mode full (now {mode})")
+    elif mode not in MODES or not MODES[mode].keeps_least:  # auto, before it chose, counts as not
+        fixes.append(f"recompute every layer: --activation_checkpointing_mode {FullCheckpointing.name} (now {mode})")
     batch, accumulation = tc.batch_size_training, tc.gradient_accumulation_steps
     if batch > 1:
         smaller = next(d for d in range(batch // 2, 0, -1) if batch % d == 0)
@@ -43,9 +45,10 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     length = cfg.data.context_length
     if length > 64:
         fixes.append(f"shorter rows: --context_length {length // 2} (now {length})")
-    if device.type == "cuda" and mode != "offload":
+    offload = OffloadCheckpointing.name
+    if device.type == "cuda" and mode != offload:
         fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
-                     "--activation_checkpointing_mode offload")
+                     f"--activation_checkpointing_mode {offload}")
     if not cfg.peft.use_peft:
         fixes.append("train a LoRA adapter instead of every weight (no gradients or optimizer state for the "
                      "base): --use_peft")

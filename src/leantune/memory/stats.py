@@ -16,6 +16,10 @@ import torch
 
 MIB = float(2**20)
 GIB = float(2**30)
+# The CUDA driver context and kernels: outside PyTorch's caching allocator, inside nvidia-smi's number.
+# An assumption until measured on a GPU (driver-dependent, 300-600 MiB typical); the planner adds it to
+# every GPU plan and the step-peak meter to what it measured, so both count the same terms.
+CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ It only needs the model and its optimizer, not the trainer that owns them, so le
 and another trainer's (the Hugging Face Trainer's, in ``benchmarks/memory_budget.py``) are
 measured by the same meter. ``budget_bytes_used`` is what a memory budget is compared with: the
 peak on the CPU; on a GPU the reserved peak plus the CUDA context, the terms the planner's
-budget is made of (``planning.plan.budget_bytes``).
+budget is made of (``leantune.planning.plan.budget_bytes``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from leantune.memory.stats import CUDA_CONTEXT_BYTES
 from leantune.memory.tracker import StorageTracker
 
 DOESNT_FIT = 2**62  # bytes "needed" by a step that ran out of memory: more than any budget
@@ -70,8 +71,6 @@ class StepPeakMeter:
         """What counts against a memory budget: the peak (CPU), or reserved plus the CUDA context (GPU)."""
         if self.reserved_bytes is None:
             return self.peak_bytes
-        from leantune.planning.plan import CUDA_CONTEXT_BYTES
-
         return self.reserved_bytes + CUDA_CONTEXT_BYTES
 
     def __enter__(self) -> "StepPeakMeter":

@@ -7,8 +7,13 @@ from pathlib import Path
 
 import torch
 
-from leantune.config import ModelConfig, PeftSettings
-from leantune.models.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+from leantune.config import DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
+from leantune.models.tiny import ensure_default_model
+
+
+# The attention every model is built with, loaded or planned: PyTorch's fused SDPA (no full attention
+# matrix is kept for backward).
+ATTENTION = "sdpa"
 
 
 class ModelLoadError(RuntimeError):
@@ -57,23 +62,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype):
     source = resolve_model_path(cfg.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=ATTENTION)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "
             "save_pretrained, or a hub id with network access.") from None
     model.config.use_cache = False  # training never reads a KV cache; building one wastes memory
     return model
-
-
-def empty_model(cfg: ModelConfig, dtype: torch.dtype):
-    """The model of ``cfg`` built from its config on the meta device: its shape, no memory, no weight read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name))
-    config.use_cache = False
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def attach_lora(model, cfg: PeftSettings):

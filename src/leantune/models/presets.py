@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from leantune.models.loading import ModelLoadError, resolve_model_path
+
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192, rope_theta=500000.0)
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -58,8 +60,6 @@ def model_config(name: str):
     preset = preset_name(name)
     if preset is not None:
         return LlamaConfig(**PRESETS[preset], use_cache=False)
-    from leantune.models.loading import ModelLoadError, resolve_model_path
-
     try:
         source = resolve_model_path(name)
     except ModelLoadError as err:

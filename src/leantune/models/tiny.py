@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL_NAME = "leantune-tiny-llama"
+from leantune.data.formats import format_prompt
+from leantune.data.synthetic import generate
+
 TINY_VERSION = "v1"
 PAD, BOS, EOS = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"
 
@@ -42,9 +44,6 @@ def default_model_dir() -> Path:
 
 
 def _tokenizer_corpus() -> list[str]:
-    from leantune.data.formats import format_prompt
-    from leantune.data.synthetic import generate
-
     return [format_prompt(r["instruction"], r["input"]) + r["output"] for r in generate()]
 
 

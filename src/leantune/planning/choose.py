@@ -1,22 +1,25 @@
-"""Using the plan in a run: ``--activation_checkpointing_mode auto``, ``--auto_batch_size``, the confirm step.
+"""Using the plan in a run: ``--activation_checkpointing_mode auto``, ``--auto_batch_size``, the step-2 check.
 
 Both choices are made before the weights are loaded, from predictions (``plan``); the batch is then
 confirmed by one real forward and backward of a full-length batch before training starts, and
-backed off once if it does not fit after all.
+backed off once if it does not fit after all (``confirm``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
+from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.config import ConfigError, RunConfig
-from leantune.planning.fake_step import run_config_for_mode
-from leantune.planning.plan import (ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
+from leantune.planning.fake_step import StepTraces, run_config_for_mode
+from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
-                                    plan_modes, recompute_rank, run_mode, with_batch)
+                                    plan_modes, run_mode, with_batch)
+from leantune.planning.table import format_table
 
 
 @dataclass
@@ -29,24 +32,23 @@ class MemoryPlan:
 
 
 def needs_plan(cfg: RunConfig) -> bool:
-    return cfg.checkpointing.activation_checkpointing_mode == "auto" or cfg.memory.auto_batch_size
+    return cfg.checkpointing.activation_checkpointing_mode == AUTO or cfg.memory.auto_batch_size
 
 
 def _budget(cfg: RunConfig, device: torch.device) -> int:
     budget = budget_bytes(cfg, device)
     if budget is None:
-        wants = "--activation_checkpointing_mode auto" if cfg.checkpointing.activation_checkpointing_mode == "auto" \
+        wants = "--activation_checkpointing_mode auto" if cfg.checkpointing.activation_checkpointing_mode == AUTO \
             else "--auto_batch_size"
         raise ConfigError(f"--memory_budget_gb: {wants} on the CPU needs a budget (there is no device memory to "
                           "read); pass e.g. --memory_budget_gb 8")
     return budget
 
 
-def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log) -> tuple[RunConfig, ModePlan]:
+def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log,
+                     traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
     """The mode, or per-layer mix, with the least recompute that fits at the configured batch."""
-    from leantune.planning.table import format_table
-
-    plans = plan_modes(cfg, config, device, modes_to_plan(cfg, device), budget)
+    plans = plan_modes(cfg, config, device, modes_to_plan(cfg, device), budget, traces)
     table = format_table(plans, budget)
     chosen = choose_mode(plans)
     if chosen is None:
@@ -59,11 +61,12 @@ def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, 
     log(table)
     layers = None
     by_mode = {p.mode: p for p in plans}
-    if chosen.mode in ("full", "every_n") and "selective_ops" in by_mode and "none" in by_mode:
-        found = find_layer_mix(cfg, config, device, budget)  # between selective_ops and full
+    # between selective_ops and full, a per-layer mix may fit with less recompute
+    if chosen.mode in (FullCheckpointing.name, EveryNLayers.name) and SelectiveOps.name in by_mode and NONE in by_mode:
+        found = find_layer_mix(cfg, config, device, budget, traces)
         if found is not None:
             mix_layers, mix = found
-            mix.recompute_flops = max(0, mix.flops - by_mode["none"].flops)
+            mix.recompute_flops = max(0, mix.flops - by_mode[NONE].flops)
             if mix.recompute_flops < chosen.recompute_flops:
                 log(f"a per-layer mix fits with less recompute than {chosen.mode}: {mix_layers} "
                     f"({format_flops(mix.recompute_flops)} vs {format_flops(chosen.recompute_flops)} recomputed)")
@@ -73,8 +76,9 @@ def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, 
     return run_config_for_mode(cfg, chosen.mode, layers), chosen
 
 
-def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: str, budget: int):
-    batch, plan = largest_batch(cfg, config, device, mode, budget)
+def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: str, budget: int,
+                           traces: Optional[StepTraces] = None):
+    batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
     if batch == 0:
         raise ConfigError(f"--auto_batch_size: not even batch {batch_candidates(cfg)[0]} x {cfg.data.context_length} "
                           f"fits --memory_budget_gb ({format_bytes(budget)}) with checkpointing {mode}; shorten "
@@ -86,8 +90,8 @@ def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: s
 COST_TIE = 0.02
 
 
-def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int,
-                          log) -> tuple[RunConfig, ModePlan]:
+def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
+                          traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
     """Both automatic: the least recompute that fits one row, at that mode's largest fitting batch.
 
     Each mode's largest fitting batch is found; the fewest FLOPs per token (recompute included)
@@ -100,8 +104,8 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
     """
     found = {}
     for mode in modes_to_plan(cfg, device):
-        if mode != "offload":
-            batch, plan = largest_batch(cfg, config, device, mode, budget)
+        if mode != OFFLOAD:
+            batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
             if batch:
                 found[mode] = (batch, plan)
     if not found:
@@ -120,32 +124,29 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
     return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 
-def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log) -> tuple[RunConfig, ModePlan]:
-    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg), budget)
+def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
+                 traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
+    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg), budget, traces)
     return with_batch(cfg, batch), plan
 
 
-def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> MemoryPlan:
+def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
+                      traces: Optional[StepTraces] = None) -> MemoryPlan:
     """Resolve ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any weight is loaded.
 
-    The budget is read once, here: later, the loaded weights would be missing from the device's free memory.
+    ``config``: the model's (``ModelFacts.config``). The budget is read once, here: later, the
+    loaded weights would be missing from the device's free memory.
     """
     if not needs_plan(cfg):
         return MemoryPlan(cfg)
-    from leantune.models.presets import ModelShapeError, model_config
-
     budget = _budget(cfg, device)
-    try:
-        config = model_config(cfg.model.model_name)
-    except ModelShapeError as err:
-        raise ConfigError(str(err)) from None
-    auto_mode = cfg.checkpointing.activation_checkpointing_mode == "auto"
+    auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
     if auto_mode and cfg.memory.auto_batch_size:
-        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log)
+        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces)
     elif auto_mode:
-        cfg, plan = choose_auto_mode(cfg, config, device, budget, log)
+        cfg, plan = choose_auto_mode(cfg, config, device, budget, log, traces)
     else:
-        cfg, plan = choose_batch(cfg, config, device, budget, log)
+        cfg, plan = choose_batch(cfg, config, device, budget, log, traces)
     if cfg.memory.auto_batch_size:
         log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
             f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg)}), "
@@ -153,7 +154,8 @@ def apply_memory_plan(cfg: RunConfig, device: torch.device, log=print) -> Memory
     return MemoryPlan(cfg, plan, budget)
 
 
-def plan_for_run(cfg: RunConfig, device: torch.device, log=print) -> Optional[ModePlan]:
+def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
+                 traces: Optional[StepTraces] = None) -> Optional[ModePlan]:
     """The plan of the run as configured, to compare with its measured peak; best effort.
 
     Only where an allocator measures the peak (a GPU): on the CPU there is nothing to compare with.
@@ -161,42 +163,24 @@ def plan_for_run(cfg: RunConfig, device: torch.device, log=print) -> Optional[Mo
     """
     if device.type != "cuda":
         return None
-    from leantune.models.presets import model_config
-
     try:
-        return plan_modes(cfg, model_config(cfg.model.model_name), device, [run_mode(cfg)])[0]
+        return plan_modes(cfg, config, device, [run_mode(cfg)], traces=traces)[0]
     except Exception as err:  # planning is an aid here; it must never stop a run that would work
         log(f"plan: no prediction for this run ({type(err).__name__}: {str(err).splitlines()[0]})")
         return None
 
 
-def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
-                  log=print) -> MemoryPlan:
-    """Run one real step at the chosen batch; if it does not fit, back off once (to 3/4) and say why.
-
-    ``run_step(batch)`` does a forward and backward of a full-length batch and returns the bytes it
-    needed at its peak, or raises ``torch.OutOfMemoryError``. What only the optimizer step makes
-    comes from the plan: its state on top of the measured step, or the optimizer step's own peak
-    (the state plus AdamW's temporaries) when that is higher.
-    """
-    cfg, plan, budget = memory.cfg, memory.plan, memory.budget
-    batch = cfg.training.batch_size_training
-    try:
-        needed = max(run_step(batch) + plan.optimizer_state_bytes, plan.optimizer_step_peak_bytes)
-        problem = None if needed <= budget else f"needed {format_bytes(needed)} (predicted {format_bytes(plan.peak_bytes)})"
-    except torch.OutOfMemoryError:
-        problem = "ran out of memory"
-    if problem is None:
-        log(f"batch size: confirmed {batch} with one real step ({format_bytes(needed)} with the optimizer's needs; "
-            f"predicted {format_bytes(plan.peak_bytes)})")
-        return memory
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the failed step's blocks, now free, back to the device
-    candidates = [b for b in batch_candidates(cfg) if b <= max(1, batch * 3 // 4)]
-    if not candidates or candidates[-1] == batch:
-        raise ConfigError(f"--auto_batch_size: batch {batch} {problem} in a real step and there is no smaller batch "
-                          "to try; shorten --context_length or raise --memory_budget_gb")
-    smaller = with_batch(cfg, candidates[-1])
-    log(f"batch size: a real step at {batch} {problem}, over the {format_bytes(budget)} budget (the prediction "
-        f"missed what a real step holds); backing off once to {candidates[-1]}")
-    return MemoryPlan(smaller, plan_modes(smaller, config, device, [run_mode(smaller)], budget)[0], budget)
+def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
+                   traces: Optional[StepTraces] = None) -> Optional[int]:
+    """What the allocator should count at the step's peak, from the plan; only on a GPU, which can measure it."""
+    if device.type != "cuda":
+        return None
+    plan = memory.plan
+    if plan is None and memory.cfg.memory.enable_memory_monitoring:
+        plan = plan_for_run(memory.cfg, config, device, log, traces)
+    if plan is None:
+        return None
+    predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
+    log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
+        "context and fragmentation), compared with step 2's measured peak")
+    return predicted

@@ -13,7 +13,10 @@ from typing import Sequence
 import torch
 
 from leantune.checkpointing import CheckpointingError
+from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
+from leantune.models.facts import plan_model_facts
+from leantune.models.presets import ModelShapeError
 from leantune.planning.plan import budget_bytes, gather_bytes, modes_to_plan, per_rank, plan_modes
 from leantune.planning.table import print_plan
 
@@ -38,9 +41,6 @@ def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from leantune.cli_args import parse_run_config
-    from leantune.models.presets import ModelShapeError, model_config
-
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size, argv = _take_world_size(argv)
         cfg = parse_run_config(argv)
         target = plan_target(cfg)
-        config = model_config(cfg.model.model_name)
+        config = plan_model_facts(cfg.model.model_name).config
         budget = budget_bytes(cfg, target)
         if cfg.distributed.enable_fsdp and world_size is None:
             raise ConfigError("--world_size: with --enable_fsdp, say how many processes will share the model")

@@ -2,10 +2,11 @@
 
 Nothing here is a formula. The model is built on the ``meta`` device from its config (no weights
 are read), LoRA is attached there, and every parameter and buffer becomes a fake CPU tensor
-(shape, dtype, no data). Then leantune's own code runs as in training: ``prepare_model`` applies
-the checkpointing policy, ``loss_function`` picks the loss, a ``Trainer`` builds the optimizer and
-its ``train_step`` does forward, loss, backward and the optimizer step — on fakes, counted by a
-``StorageTracker`` that also counts FLOPs.
+(shape, dtype, no data). Then leantune's own code runs as in training: ``build.prepare_model``
+applies the checkpointing policy, ``build.build_train_step`` joins the loss and builds the
+optimizer, and that ``TrainStep`` does forward, loss, backward and the optimizer step — on fakes,
+counted by a ``StorageTracker`` that also counts FLOPs. ``StepTraces`` keeps each traced step of a
+run, so the plan, auto mode and the FLOP count share one trace of the same step.
 
 The step traced is a second step: the optimizer state exists (made by one optimizer step on zero
 gradients first, so no forward is spent on it). With gradient accumulation two micro-batches are
@@ -21,14 +22,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+from transformers import AutoModelForCausalLM
 
+from leantune.build.model import prepare_model
+from leantune.build.step import build_train_step, loss_model_for
+from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.memory.tracker import StorageTracker
+from leantune.models.facts import meta_model
+from leantune.models.loading import ATTENTION
 from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.precision import Precision, choose_precision
+from leantune.training.step import TrainStep
 
 CPU = torch.device("cpu")
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -50,15 +60,19 @@ class StepTrace:
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
-    """``cfg`` with activation checkpointing set to ``mode`` (None or "none": off; ``layers`` for layer_mix)."""
-    off = mode in (None, "none")
-    every_n = cfg.checkpointing.activation_checkpointing_every_n if mode == "every_n" else None
-    if mode == "layer_mix":
-        layers = layers or cfg.checkpointing.activation_checkpointing_layers
-    checkpointing = dataclasses.replace(
-        cfg.checkpointing, enable_activation_checkpointing=not off, activation_checkpointing_mode=None if off else mode,
-        activation_checkpointing_every_n=every_n, activation_checkpointing_layers=layers if mode == "layer_mix" else None,
-        activation_offload_max_pinned_gb=cfg.checkpointing.activation_offload_max_pinned_gb if mode == "offload" else None)
+    """``cfg`` with activation checkpointing set to ``mode`` (None or "none": off; ``layers`` for layer_mix).
+
+    The mode keeps its own flags (every_n's N, offload's cap; layer_mix's layers, or ``layers``);
+    every other mode's are cleared, as the config's checks require.
+    """
+    off = mode in (None, NONE)
+    ac = cfg.checkpointing
+    own = () if off else MODES[mode].own_flags
+    flags = {flag: getattr(ac, flag) if flag in own else None for cls in MODES.values() for flag in cls.own_flags}
+    if layers is not None and "activation_checkpointing_layers" in own:
+        flags["activation_checkpointing_layers"] = layers
+    checkpointing = dataclasses.replace(ac, enable_activation_checkpointing=not off,
+                                        activation_checkpointing_mode=None if off else mode, **flags)
     return dataclasses.replace(cfg, checkpointing=checkpointing)
 
 
@@ -67,34 +81,18 @@ def assumes_bf16(target: torch.device) -> bool:
     return target.type == "cuda" and not torch.cuda.is_available()
 
 
-def target_precision(cfg: RunConfig, target: torch.device):
+def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
     """The precision a run would use on ``target``: this machine's GPU is asked whether it has bf16;
     a GPU planned from a machine without one is taken to have it (Ampere or later)."""
-    from leantune.precision import choose_precision
-
     return choose_precision(cfg, target, bf16_supported=True if assumes_bf16(target) else None)
-
-
-def meta_model(config, dtype: torch.dtype) -> torch.nn.Module:
-    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (SDPA attention, no KV cache)."""
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(config)
-    config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model
 
 
 def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """The same model with random weights on the CPU (for measuring what ``meta_model`` predicts)."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(config)
     config.use_cache = False
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
 
 
 def fake_placer(mode: FakeTensorMode):
@@ -118,13 +116,13 @@ def fake_placer(mode: FakeTensorMode):
     return place
 
 
-def _warm_optimizer(trainer) -> None:
+def _warm_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer state with one step on zero gradients (the traced step is then a second step)."""
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 class _StagedLoss:
@@ -143,12 +141,23 @@ class _StagedLoss:
 
 @dataclass
 class PreparedStep:
-    """A run's trainer and batches, ready for the step that is traced (or measured)."""
+    """A run's training step and batches, ready for the step that is traced (or measured)."""
 
-    trainer: object
+    train_step: TrainStep
     window: list
     total_layers: int
     checkpointing: str
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.train_step.loss_model.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.train_step.optimizer
+
+    def run(self):
+        return self.train_step.run(self.window)
 
 
 def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True,
@@ -156,12 +165,9 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     """Build what ``cfg`` would train with ``mode``, for ``target``, on fake (or real, random) tensors.
 
     Fake tensors live on the CPU; real ones on ``run_on`` (a GPU, to measure a prediction for it).
-    The optimizer state exists already, so the next ``train_step`` is a second step.
+    The optimizer state exists already, so the next ``run()`` is a second step. On a GPU target
+    AdamW takes its multi-tensor path (torch's default for CUDA tensors), with its temporaries.
     """
-    from leantune.finetuning import checkpoint_policy, loss_function, prepare_model
-    from leantune.memory.monitor import CurrentMemoryProbe
-    from leantune.train import Trainer
-
     run_cfg = run_config_for_mode(cfg, mode)
     precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU if fake else run_on)
     if fake:
@@ -169,16 +175,13 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     else:
         model, place = real_model(config, precision.weight_dtype), None
     model, report = prepare_model(model, run_cfg, precision, place=place)
+    train_step = build_train_step(run_cfg, loss_model_for(model, run_cfg), precision, check_finite=False,
+                                  foreach=True if target.type == "cuda" else None)
+    _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-    trainer = Trainer(run_cfg, model, None, None, None, precision, CurrentMemoryProbe(precision.device),
-                      loss_fn=loss_function(run_cfg, vocab), log=lambda *_: None, check_finite=False)
-    if target.type == "cuda":  # AdamW's default on CUDA tensors: the multi-tensor path and its temporaries
-        for group in trainer.optimizer.param_groups:
-            group["foreach"] = True
-    _warm_optimizer(trainer)
     window = [_full_batch(run_cfg, vocab) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
-    policy = checkpoint_policy(run_cfg)
-    return PreparedStep(trainer, window, report.total_layers, policy.describe() if policy else "none")
+    policy = policy_from_config(run_cfg.checkpointing)
+    return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE)
 
 
 def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
@@ -191,22 +194,47 @@ def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, f
         return _trace(prepare_step(cfg, config, target, mode, fake), target)
 
 
+class StepTraces:
+    """The steps of one run traced so far, each traced once however many callers ask for it.
+
+    The memory plan, auto mode's search, the step-2 memory check and the FLOP count (MFU) of a
+    run all trace the same step; they share one ``StepTraces``.
+    """
+
+    def __init__(self):
+        self._traces: dict[tuple, StepTrace] = {}
+
+    def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
+        key = (repr(run_config_for_mode(cfg, mode)), id(config), target.type)
+        if key not in self._traces:
+            self._traces[key] = trace_step(cfg, config, target, mode)
+        return self._traces[key]
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+
+def traced(traces: Optional[StepTraces], cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
+    """``traces.get(...)``, or a fresh trace when the caller keeps none."""
+    return traces.get(cfg, config, target, mode) if traces is not None else trace_step(cfg, config, target, mode)
+
+
 def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
-    trainer, model = step.trainer, step.trainer.model
+    model, optimizer, loss_model = step.model, step.optimizer, step.train_step.loss_model
     tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if target.type == "cuda" else 1)
-    trainer.loss_model.loss_fn = _StagedLoss(trainer.loss_model.loss_fn, tracker)
+    loss_model.loss_fn = _StagedLoss(loss_model.loss_fn, tracker)
     layer_input = []
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
-             trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
+             optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
              decoder_layers(model)[0].register_forward_pre_hook(
                  lambda _, args: layer_input.append(args[0].untyped_storage().nbytes()) if args else None)]
     tracker.register_model(model)
-    tracker.register_optimizer(trainer.optimizer)
+    tracker.register_optimizer(optimizer)
     tracker.register((t for batch in step.window for t in batch.values()), "input")
     tracker.watch_gradients(model.parameters())
     try:
         with tracker:
-            trainer.train_step(step.window)
+            step.run()
     finally:
         tracker.close()
         for hook in hooks:

@@ -1,10 +1,10 @@
 """Measuring a planned step for real, to check the prediction: by the profiler on the CPU, by the allocator on a GPU.
 
 Both run the step the planner traced (``fake_step.prepare_step(..., fake=False)``: the same
-trainer, random weights) and count it with nothing of the planner's own:
+``TrainStep``, random weights) and count it with nothing of the planner's own:
 
 * ``profiled_peak_bytes`` (CPU): the storages alive before the step (each once) plus the peak of
-  the running sum of the PyTorch profiler's allocation and free events during ``train_step``.
+  the running sum of the PyTorch profiler's allocation and free events during the step.
   ``prof.events()`` folds allocations into the ops that made them, which loses their order, so
   the raw Kineto ``[memory]`` events are read instead, sorted by time. The profiler cannot see a
   free of a block allocated before it started (nothing of the kind is freed during a step:
@@ -27,7 +27,7 @@ def _rounded(nbytes: int, round_to: int) -> int:
 
 def live_storage_bytes(step: PreparedStep, round_to: int = 1) -> int:
     """Bytes of the storages a step starts from: parameters, buffers, gradients, optimizer state, the batch."""
-    model, optimizer = step.trainer.model, step.trainer.optimizer
+    model, optimizer = step.model, step.optimizer
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
                *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)),
                *(t for batch in step.window for t in batch.values())]
@@ -67,7 +67,7 @@ def profiled_peak_bytes(cfg: RunConfig, config, target: torch.device, mode: str)
         round_to = CUDA_BLOCK_BYTES if target.type == "cuda" else 1
         before, before_raw = live_storage_bytes(step, round_to), live_storage_bytes(step)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step.trainer.train_step(step.window)
+            step.run()
     sizes = _allocation_events(prof)
     return {"bytes": before + _running_peak(sizes, round_to), "raw_bytes": before_raw + _running_peak(sizes, 1),
             "events": len(sizes), "missed_bytes": sum(sizes) - (live_storage_bytes(step) - before_raw)}
@@ -78,7 +78,7 @@ def cuda_peak_bytes(cfg: RunConfig, config, mode: str, device: torch.device) -> 
     step = prepare_step(cfg, config, device, mode, fake=False, run_on=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    step.trainer.train_step(step.window)
+    step.run()
     torch.cuda.synchronize(device)
     return {"allocated_bytes": torch.cuda.max_memory_allocated(device),
             "reserved_bytes": torch.cuda.max_memory_reserved(device)}

@@ -13,16 +13,24 @@ from typing import Optional, Sequence
 
 import torch
 
+from leantune.checkpointing.modes import AUTO, NONE, planned_modes, recompute_rank
+from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, PinnedBufferPool, default_max_pinned_bytes
+from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import ConfigError, RunConfig
-from leantune.planning.fake_step import StepTrace, trace_step
+from leantune.memory.stats import CUDA_CONTEXT_BYTES
+from leantune.models.facts import check_context_length, meta_model
+from leantune.models.loading import attach_lora
+from leantune.models.structure import decoder_layers
+from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
 GIB = 2**30
 MIB = 2**20
-PLANNED_MODES = ("none", "full", "every_n", "selective_ops", "offload")
+OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, not traced itself
 
 # What a GPU adds to the traced step, each with where the number comes from. Until a GPU run has
 # measured them for leantune (docs/planning.md), these are stated assumptions, not measurements.
-CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels, outside PyTorch's allocator; nvidia-smi counts it
+# The CUDA context (driver and kernels, outside PyTorch's allocator; nvidia-smi counts it) is
+# ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too.
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper (8 MiB before), through its allocator
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
 _TRANSIENT = ("activation", "loss", "temporary")
@@ -101,8 +109,6 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     activations, so its peak stays. Derived, not traced: offload's copies need CUDA streams, which
     fake CPU tensors do not have.
     """
-    from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, PinnedBufferPool
-
     moved = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
         fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
@@ -117,38 +123,37 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
 
 def offload_cap_bytes(cfg: RunConfig) -> int:
     """The pinned pool's cap the run would use: the flag, else a quarter of this host's RAM."""
-    from leantune.checkpointing.offload import default_max_pinned_bytes
-
     gb = cfg.checkpointing.activation_offload_max_pinned_gb
     return int(gb * GIB) if gb is not None else default_max_pinned_bytes()
 
 
 def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> None:
     """Refuse what cannot be planned, naming the flag: a context beyond the model's, a negative budget."""
-    from leantune.preflight import check_context_length
-
-    check_context_length(cfg, config)
+    check_context_length(config, cfg.data.context_length)
     if budget_bytes is not None and budget_bytes <= 0:
         raise ConfigError("--memory_budget_gb: must be a positive number of GiB")
 
 
 def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str],
-               budget_bytes: Optional[int] = None) -> list[ModePlan]:
-    """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given."""
+               budget_bytes: Optional[int] = None, traces: Optional[StepTraces] = None) -> list[ModePlan]:
+    """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given.
+
+    ``traces``: the run's traced steps, shared with its other callers (each step is traced once).
+    """
     check_plan_inputs(cfg, config, budget_bytes)
-    if "offload" in modes and target.type != "cuda":
-        raise ConfigError("--activation_checkpointing_mode offload: moves activations off a GPU; plan it for one "
+    if OFFLOAD in modes and target.type != "cuda":
+        raise ConfigError(f"--activation_checkpointing_mode {OFFLOAD}: moves activations off a GPU; plan it for one "
                           "with --device cuda")
-    traces: dict[str, StepTrace] = {}
+    found: dict[str, StepTrace] = {}
     for mode in modes:
-        if mode != "offload":
-            traces[mode] = trace_step(cfg, config, target, mode)
-            _check_budget_above_parameters(plan_from_trace(mode, traces[mode], cfg, target), budget_bytes)
-    if "offload" in modes:
-        traces["offload"] = offload_trace(traces.get("full") or trace_step(cfg, config, target, "full"),
-                                          offload_cap_bytes(cfg))
-    plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in traces.items()}
-    baseline = plans["none"].flops if "none" in plans else None
+        if mode != OFFLOAD:
+            found[mode] = traced(traces, cfg, config, target, mode)
+            _check_budget_above_parameters(plan_from_trace(mode, found[mode], cfg, target), budget_bytes)
+    if OFFLOAD in modes:
+        found[OFFLOAD] = offload_trace(found.get("full") or traced(traces, cfg, config, target, "full"),
+                                       offload_cap_bytes(cfg))
+    plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in found.items()}
+    baseline = plans[NONE].flops if NONE in plans else None
     ordered = [plans[m] for m in modes if m in plans]
     for plan in ordered:
         if baseline is not None:
@@ -175,7 +180,7 @@ def choose_mode(plans: list[ModePlan]) -> Optional[ModePlan]:
 
     Recompute is counted in FLOPs of matmuls and attention (torch's formulas), so elementwise
     recompute (selective_ops') counts as none: ties go to the mode that recomputes less by design
-    (``recompute_rank``: none, selective_ops, every_n, full, offload).
+    (the registry's ``recompute_rank``: none, selective_ops, every_n, full, offload).
     """
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -188,27 +193,20 @@ def flops_per_token(plan: ModePlan) -> float:
     return plan.flops / plan.traced_tokens if plan.traced_tokens else float("inf")
 
 
-def recompute_rank(mode: str) -> int:
-    """Modes in the order of how much they recompute by design."""
-    order = ("none", "selective_ops", "every_n", "full", "offload")
-    return order.index(mode) if mode in order else len(order)
-
-
-def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: int) -> Optional[tuple[str, ModePlan]]:
+def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: int,
+                   traces: Optional[StepTraces] = None) -> Optional[tuple[str, ModePlan]]:
     """The fewest fully recomputed layers, the rest ``selective_ops``, whose predicted peak fits the budget.
 
     For a budget between selective_ops' peak and full's: memory falls with each layer moved from
     selective to full, so bisection over that count needs about log2(layers) traces. Returns the
     ``--activation_checkpointing_layers`` value and its plan, or None when only ``full`` itself fits.
     """
-    from leantune.checkpointing.policies import format_layer_mix
-    from leantune.planning.fake_step import run_config_for_mode
-
     layers = config.num_hidden_layers
 
     def plan_with(full_layers: int) -> tuple[str, ModePlan]:
         mix = format_layer_mix(("full",) * full_layers + ("selective_ops",) * (layers - full_layers))
-        return mix, plan_modes(run_config_for_mode(cfg, "layer_mix", mix), config, target, ["layer_mix"], budget_bytes)[0]
+        mixed = run_config_for_mode(cfg, "layer_mix", mix)
+        return mix, plan_modes(mixed, config, target, ["layer_mix"], budget_bytes, traces)[0]
 
     low, high, best = 0, layers, None  # all selective does not fit, all full does
     while high - low > 1:
@@ -235,8 +233,8 @@ def batch_candidates(cfg: RunConfig, limit: int = 1024) -> list[int]:
     return [d for d in range(1, target + 1) if target % d == 0] if target else list(range(1, limit + 1))
 
 
-def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str,
-                  budget_bytes: int) -> tuple[int, Optional[ModePlan]]:
+def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,
+                  traces: Optional[StepTraces] = None) -> tuple[int, Optional[ModePlan]]:
     """The largest batch size whose predicted peak fits ``budget_bytes`` (0 and None when not even 1 fits).
 
     Each batch is planned as it would run (with the accumulation ``--target_global_batch_size``
@@ -246,7 +244,7 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str,
     candidates = batch_candidates(cfg)
 
     def plan_at(index: int) -> ModePlan:
-        return plan_modes(with_batch(cfg, candidates[index]), config, target, [mode], budget_bytes)[0]
+        return plan_modes(with_batch(cfg, candidates[index]), config, target, [mode], budget_bytes, traces)[0]
 
     good, good_plan, bad, index = -1, None, len(candidates), 0
     while index < len(candidates):
@@ -277,15 +275,15 @@ def budget_bytes(cfg: RunConfig, target: torch.device) -> Optional[int]:
 
 def run_mode(cfg: RunConfig) -> str:
     """The checkpointing mode the flags would train with (``none`` without checkpointing)."""
-    return cfg.checkpointing.mode or "none"
+    return cfg.checkpointing.mode or NONE
 
 
 def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
     """The mode asked for, or every mode (offload only for a GPU target)."""
     asked = cfg.checkpointing.activation_checkpointing_mode
-    if asked and asked != "auto":
+    if asked and asked != AUTO:
         return [asked]
-    return [m for m in PLANNED_MODES if m != "offload" or target.type == "cuda"]
+    return planned_modes(on_gpu=target.type == "cuda")
 
 
 def gather_bytes(cfg: RunConfig, config, target: torch.device) -> tuple[int, int]:
@@ -298,10 +296,6 @@ def gather_bytes(cfg: RunConfig, config, target: torch.device) -> tuple[int, int
     cache, counted among the activations); FSDP's mixed precision gathers parameters already in
     that dtype, so the cache is not made.
     """
-    from leantune.models.loading import attach_lora
-    from leantune.models.structure import decoder_layers
-    from leantune.planning.fake_step import meta_model, target_precision
-
     precision = target_precision(cfg, target)
     model = meta_model(config, precision.weight_dtype)
     if cfg.peft.use_peft:

@@ -6,7 +6,9 @@ from typing import Optional
 
 import torch
 
+from leantune.checkpointing.modes import NONE
 from leantune.config import RunConfig
+from leantune.planning.fake_step import assumes_bf16, target_precision
 from leantune.planning.plan import EXTRA_SOURCES, GIB, MIB, ModePlan, run_mode
 
 _ROWS = (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
@@ -32,7 +34,7 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     rows.append((f"predicted peak ({unit_name})", [f"{p.peak_bytes / unit:,.2f}" for p in plans]))
     scale, flop_unit = (1e12, "TFLOPs") if max(p.flops for p in plans) >= 1e12 else (1e9, "GFLOPs")
     rows.append((f"step {flop_unit}", [f"{p.flops / scale:,.2f}" for p in plans]))
-    if "none" in (p.mode for p in plans):
+    if NONE in (p.mode for p in plans):
         rows.append(("  of which recompute", [f"{p.recompute_flops / scale:,.2f}" for p in plans]))
     if budget is not None:
         rows.append((f"fits {budget / GIB:,.2f} GiB", ["yes" if p.fits else "NO" for p in plans]))
@@ -40,8 +42,6 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
 
 
 def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
-    from leantune.planning.fake_step import assumes_bf16, target_precision
-
     kind = (f"LoRA r{cfg.peft.lora_r} on {', '.join(cfg.peft.lora_target_modules)}" if cfg.peft.use_peft
             else "full fine-tuning")
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")

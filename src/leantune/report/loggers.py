@@ -82,14 +82,24 @@ class MetricLoggers:
         self._each(lambda logger: logger.log(numeric(summary), step))
 
     def close(self) -> None:
-        self._each(lambda logger: logger.close())
+        self._each(lambda logger: logger.close(), closing=True)
         self.loggers = []
 
-    def _each(self, call) -> None:
-        """A logger that fails (full disk, service error) is dropped with a warning; training goes on."""
+    def _each(self, call, closing: bool = False) -> None:
+        """A logger that fails (full disk, service error) is closed and dropped with a warning; training goes on."""
         for logger in list(self.loggers):
             try:
                 call(logger)
             except Exception as err:
                 warnings.warn(f"{type(logger).__name__} failed and is turned off: {err}", stacklevel=2)
                 self.loggers.remove(logger)
+                if not closing:
+                    _close_quietly(logger)  # what it wrote so far is flushed, its files and threads released
+
+
+def _close_quietly(logger) -> None:
+    """Close a logger that already failed; a second failure has nothing more to say."""
+    try:
+        logger.close()
+    except Exception:
+        pass

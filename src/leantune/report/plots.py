@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from leantune.io import atomic_write_text
+
 MIB_PER_GIB = 1024
 BREAKDOWN = (("parameter_mib", "parameters"), ("gradient_mib", "gradients"),
              ("optimizer_state_mib", "optimizer state"), ("activations_and_temporaries_peak_mib", "activations + temporaries"))
@@ -196,8 +198,6 @@ def _mib(value) -> str:
 
 def write_report(runs: list[RunData], out_dir: Path, stem: str = "report") -> tuple[Optional[Path], Path]:
     """``stem``.png (when matplotlib is there) and ``stem``.md in ``out_dir``; returns their paths."""
-    from leantune.io import atomic_write_text
-
     md = out_dir / f"{stem}.md"
     try:
         png = plot_runs(runs, out_dir / f"{stem}.png")

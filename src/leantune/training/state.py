@@ -31,6 +31,7 @@ import torch
 
 from leantune.config import ConfigError, RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
 
@@ -272,8 +273,6 @@ def _gather(parts: StateParts) -> dict:
                                          options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
     weights = None  # one process: save_pretrained reads the model itself
     if distributed:
-        from leantune.distributed.fsdp import full_state_dict
-
         weights = full_state_dict(parts.loss_model, trainable_only=parts.is_peft)
     return {"optimizer": optimizer, "weights": weights, "rng": parts.dist.gather_object(capture_rng(parts.device))}
 

@@ -1,0 +1,65 @@
+"""The checkpointing modes, in one registry: ``--activation_checkpointing_mode NAME`` → its policy class.
+
+Each policy class declares what the rest of leantune needs to know about its mode (its name and
+help, whether the planner plans it and for which targets, how much it recomputes by design, whose
+FLOPs it has, which flags it reads and how it is built from the config). The config's checks, the
+planner, the OOM advice and the FLOP count read these declarations; none of them lists the modes
+again. Adding a mode is one class in ``policies.py`` and one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
+                                             OffloadCheckpointing, SelectiveOps)
+
+MODES: dict[str, type[CheckpointPolicy]] = {
+    cls.name: cls for cls in (FullCheckpointing, EveryNLayers, SelectiveOps, OffloadCheckpointing, LayerMix)}
+NONE = "none"  # no checkpointing: what the planner calls the run without it
+AUTO = "auto"  # not a policy: the planner picks one of the others (``leantune.planning.choose``)
+
+
+def mode_choices() -> tuple[str, ...]:
+    """What ``--activation_checkpointing_mode`` accepts."""
+    return (*MODES, AUTO)
+
+
+def mode_help() -> str:
+    """``--activation_checkpointing_mode``'s help, one clause per mode, from the classes' summaries."""
+    clauses = [f"{name}: {cls.summary}" for name, cls in MODES.items()]
+    clauses.append(f"{AUTO}: the mode, per-layer mix or none with the least recompute whose predicted peak fits "
+                   "--memory_budget_gb, chosen before the weights load")
+    return "; ".join(clauses) + "."
+
+
+def policy_class(mode: str) -> type[CheckpointPolicy]:
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose from {', '.join(MODES)}") from None
+
+
+def policy_from_config(ac) -> Optional[CheckpointPolicy]:
+    """The policy a ``CheckpointingConfig`` asks for, or None when checkpointing is off."""
+    return None if ac.mode is None else policy_class(ac.mode).from_config(ac)
+
+
+def planned_modes(on_gpu: bool) -> list[str]:
+    """The columns of a plan, in order: no checkpointing, then each planned mode the target can run."""
+    return [NONE, *(name for name, cls in MODES.items() if cls.planned and (on_gpu or not cls.gpu_only))]
+
+
+def recompute_rank(mode: str) -> int:
+    """How much a mode recomputes by design (none first); the order in which ties are broken."""
+    return 0 if mode == NONE else policy_class(mode).recompute_rank
+
+
+def flops_mode(mode: str) -> str:
+    """The mode whose traced FLOPs are this one's (``none`` for none)."""
+    return mode if mode == NONE else policy_class(mode).flops_as or mode
+
+
+def owner_of_flag(flag: str) -> Optional[str]:
+    """The mode that reads a mode-specific checkpointing flag, or None for a flag every mode reads."""
+    return next((name for name, cls in MODES.items() if flag in cls.own_flags), None)

@@ -1,0 +1,87 @@
+"""``--auto_batch_size``'s check before training: one real step at the chosen batch, backed off once if it does not fit.
+
+The batch was chosen from predictions, before the weights loaded; here the loaded model runs one
+forward and backward of a full-length batch, measured by ``StepPeakMeter`` (the allocator on a
+GPU, the storage tracker on the CPU). What only the optimizer step makes comes from the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from leantune.build.model import loss_function
+from leantune.config import ConfigError, RunConfig
+from leantune.memory.step_peak import StepPeakMeter
+from leantune.models.structure import unwrap_model
+from leantune.planning.choose import MemoryPlan
+from leantune.planning.fake_step import StepTraces
+from leantune.planning.plan import batch_candidates, format_bytes, plan_modes, run_mode, with_batch
+from leantune.precision import Precision
+from leantune.training.step import forward_backward
+
+
+def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> Callable[[int], int]:
+    """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
+
+    Measured by ``StepPeakMeter``: the allocator on a GPU (reserved, plus the CUDA context the
+    budget includes), the storage tracker on the CPU. The random state is restored and the
+    gradients dropped after (also when it fails), so the run that follows is the one it would
+    have been without it.
+    """
+    device = precision.device
+
+    def run(batch: int) -> int:
+        head = unwrap_model(model).get_output_embeddings()
+        loss_fn = loss_function(cfg, head.weight.shape[0])
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=device)
+                with StepPeakMeter(device, model) as meter:
+                    forward_backward(model, head, ids, ids, loss_fn, precision)
+                return meter.budget_bytes_used
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
+                  log=print, traces: Optional[StepTraces] = None) -> MemoryPlan:
+    """Run one real step at the chosen batch; if it does not fit, back off once (to 3/4) and say why.
+
+    ``run_step(batch)`` does a forward and backward of a full-length batch and returns the bytes it
+    needed at its peak, or raises ``torch.OutOfMemoryError``. What only the optimizer step makes
+    comes from the plan: its state on top of the measured step, or the optimizer step's own peak
+    (the state plus AdamW's temporaries) when that is higher.
+    """
+    cfg, plan, budget = memory.cfg, memory.plan, memory.budget
+    batch = cfg.training.batch_size_training
+    try:
+        needed = max(run_step(batch) + plan.optimizer_state_bytes, plan.optimizer_step_peak_bytes)
+        problem = None if needed <= budget else f"needed {format_bytes(needed)} (predicted {format_bytes(plan.peak_bytes)})"
+    except torch.OutOfMemoryError:
+        problem = "ran out of memory"
+    if problem is None:
+        log(f"batch size: confirmed {batch} with one real step ({format_bytes(needed)} with the optimizer's needs; "
+            f"predicted {format_bytes(plan.peak_bytes)})")
+        return memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the failed step's blocks, now free, back to the device
+    candidates = [b for b in batch_candidates(cfg) if b <= max(1, batch * 3 // 4)]
+    if not candidates or candidates[-1] == batch:
+        raise ConfigError(f"--auto_batch_size: batch {batch} {problem} in a real step and there is no smaller batch "
+                          "to try; shorten --context_length or raise --memory_budget_gb")
+    smaller = with_batch(cfg, candidates[-1])
+    log(f"batch size: a real step at {batch} {problem}, over the {format_bytes(budget)} budget (the prediction "
+        f"missed what a real step holds); backing off once to {candidates[-1]}")
+    return MemoryPlan(smaller, plan_modes(smaller, config, device, [run_mode(smaller)], budget, traces)[0], budget)
+
+
+def confirm_the_batch(memory: MemoryPlan, model: torch.nn.Module, config, precision: Precision, log=print,
+                      traces: Optional[StepTraces] = None) -> MemoryPlan:
+    """With ``--auto_batch_size``: one real step at the chosen batch (backed off once if it does not fit)."""
+    if not memory.cfg.memory.auto_batch_size:
+        return memory
+    return confirm_batch(memory, config, precision.device, confirm_step(model, memory.cfg, precision), log, traces)

@@ -1,0 +1,137 @@
+"""What a run leaves behind: its summary, ``metrics.json``, the saved model, the report, the closing lines.
+
+The loop hands over what it recorded; nothing here changes how training goes. Every writer is
+atomic (a crash leaves the previous file or none, never half of one), and a failing report
+never hides how the run itself ended.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from leantune.config import RunConfig
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.distributed.fsdp import full_state_dict
+from leantune.io import atomic_write_json, staged_directory
+from leantune.memory.oom import dump_snapshot
+from leantune.models.structure import unwrap_model
+from leantune.report.plots import ReportError, RunData, write_report
+
+SNAPSHOT_STEPS = 3  # --memory_snapshot: the first steps, optimizer state's creation and a steady step included
+
+
+def summarise(steps: list[dict], epochs: list[dict], nonfinite_skipped: int, predicted_peak_bytes: Optional[int],
+              resumed_from: Optional[str]) -> dict:
+    """The run's summary.
+
+    ``median_step_time_s`` and ``median_tokens_per_s`` are medians over the same steps, of the
+    same per-step records the step lines print (tokens/s: non-padding input tokens of the
+    step's batches over its wall time). The first step is left out of both when there is more
+    than one — it pays for one-off warm-up (allocator growth, kernel selection, lazy init) —
+    and ``timed_steps`` says how many steps the medians cover.
+    """
+    timed = steps[1:] if len(steps) > 1 else steps
+    return {"steps": len(steps), "epochs": epochs,
+            "first_loss": steps[0]["loss"] if steps else None,
+            "last_loss": steps[-1]["loss"] if steps else None,
+            "timed_steps": len(timed),
+            "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
+            "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+            "median_mfu": _median(s.get("mfu") for s in timed),
+            "median_hfu": _median(s.get("hfu") for s in timed),
+            "predicted_peak_mib": predicted_peak_bytes / 2**20 if predicted_peak_bytes else None,
+            "resumed_from": resumed_from,
+            "skipped_nonfinite_steps": nonfinite_skipped}
+
+
+def _median(values) -> Optional[float]:
+    """The median of the values that exist (a resumed run's two parts may not both have them)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+class RunOutputs:
+    """The files of ``--output_dir`` a run writes besides its training states, and its closing lines."""
+
+    def __init__(self, cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print):
+        self.cfg, self.dist, self.log = cfg, dist, log
+        self.output_dir = Path(cfg.output.output_dir)
+
+    def write_metrics(self, summary: dict, steps: list[dict], epochs: list[dict]) -> Optional[Path]:
+        if not self.cfg.output.save_metrics or not self.dist.is_main:
+            return None
+        path = self.output_dir / "metrics.json"
+        atomic_write_json(path, {"config": self.cfg.flat(), "summary": summary, "train_steps": steps, "epochs": epochs})
+        return path
+
+    def save_model(self, model: torch.nn.Module, tokenizer, loss_model: torch.nn.Module) -> Optional[Path]:
+        """Save the adapter (LoRA) or the full model, plus the tokenizer, to ``output_dir``."""
+        if not self.cfg.output.save_model:
+            return None
+        is_peft = self.cfg.peft.use_peft
+        to_save = model if is_peft else unwrap_model(model)
+        state_dict = None
+        if self.dist.distributed:  # gathered from every rank's shards, written by rank 0 alone
+            state_dict = full_state_dict(loss_model, trainable_only=is_peft)
+            if not self.dist.is_main:
+                return None
+        with staged_directory(self.output_dir) as staging:
+            to_save.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+            tokenizer.save_pretrained(staging)
+        self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
+        return self.output_dir
+
+    def write_report(self, steps: list[dict], epochs: list[dict], summary: dict, memory_rows: list[dict]) -> None:
+        """report.png and report.md beside memory.jsonl (a run with memory monitoring); never fails the run."""
+        run = RunData(self.output_dir.name, steps, epochs, summary, self.cfg.flat(),
+                      [row for row in memory_rows if row.get("phase") == "train"])
+        try:
+            png, md = write_report([run], self.output_dir)
+        except ReportError as err:
+            self.log(f"report: not drawn ({err})")
+            return
+        except Exception as err:  # a plotting failure must not hide how the run itself ended
+            self.log(f"report: not drawn ({type(err).__name__}: {err})")
+            return
+        self.log(f"report: {png} and {md} (leantune report DIR [DIR ...] compares runs)")
+
+    def log_rank_spread(self, monitor_summary: dict, device: torch.device) -> None:
+        """The smallest and largest of each rank's peaks (a collective: every rank calls it)."""
+        for name, label in (("cpu_rss_peak_mib", "CPU RSS peak"), ("peak_allocated_mib", "peak allocated")):
+            if monitor_summary.get(name) is None:
+                continue
+            low, high = self.dist.min_max(monitor_summary[name], device)
+            self.log(f"  across {self.dist.world_size} ranks: {label} {low:,.1f} MiB (min) to {high:,.1f} MiB (max)")
+
+
+class MemorySnapshot:
+    """``--memory_snapshot`` on CUDA: the allocator's history over the first steps, then written out once."""
+
+    def __init__(self, enabled: bool, device: torch.device, output_dir: str | Path, dist: DistContext = SINGLE_PROCESS,
+                 log: Callable[[str], None] = print):
+        self.steps = SNAPSHOT_STEPS if enabled and device.type == "cuda" else 0
+        self.device, self.output_dir, self.dist, self.log = device, output_dir, dist, log
+
+    def start(self, steps_done: int) -> None:
+        """Start recording, unless the steps it covers are done already (a resumed run)."""
+        if self.steps and steps_done < self.steps:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def after_step(self, step: int) -> None:
+        if self.steps and step == self.steps:
+            self.write(step)
+
+    def write(self, steps_done: int) -> None:
+        """Write what the allocator recorded (after step 3, or when the run ends sooner) and stop recording."""
+        if not self.steps:
+            return
+        recorded, self.steps = min(self.steps, steps_done), 0
+        name = "memory_snapshot.pickle" if self.dist.is_main else f"memory_snapshot.rank{self.dist.rank}.pickle"
+        path = dump_snapshot(self.device, self.output_dir, name)
+        torch.cuda.memory._record_memory_history(enabled=None)  # recording costs time on every allocation
+        self.log(f"memory snapshot of steps 1-{recorded}: {path} (drag it into https://pytorch.org/memory_viz)"
+                 if path else "memory snapshot: could not be written")

@@ -1,0 +1,225 @@
+"""One training step: the model joined with its loss, forward + backward of a batch, and ``TrainStep``.
+
+``TrainStep`` is one optimizer step over an accumulation window: each batch's forward and
+backward, the gradient norm (clipped when asked), the finite check and the optimizer step (or
+its skip). The training loop (``leantune.training.loop``), the planner's traced step, the
+benchmarks and the example all run these same functions and this same object, so what is
+measured is what trains.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.labels import count_targets
+from leantune.loss import causal_lm_loss_sum
+from leantune.models.structure import unwrap_model
+from leantune.precision import Precision
+from leantune.training.lines import describe_sources
+from leantune.training.stopping import NonFiniteStep
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss per target token over the accumulation window
+    target_tokens: int
+    input_tokens: int
+    step_time_s: float
+    grad_norm: Optional[float]
+    skipped: Optional[str] = None  # why the optimizer step was skipped (a non-finite loss or gradient norm)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.input_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of the decoder, without the LM head (the loss applies it).
+
+    No attention mask is passed: batches are right-padded and attention is causal, so real tokens
+    never see the padding, and padded positions carry no loss. Skipping the mask keeps SDPA on
+    its fused causal path and avoids building a batch x seq x seq mask.
+    """
+    decoder = unwrap_model(model).get_decoder()
+    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The model and its loss as one module: ``forward(input_ids, labels)`` is the summed loss.
+
+    The decoder's hidden states go straight into ``loss_fn`` (which applies the LM head), so the
+    logits never exist in full unless the loss makes them. Being one module, it is also the root
+    that FSDP shards (``leantune.distributed.fsdp``): every parameter is used inside its forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable = causal_lm_loss_sum):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = forward_hidden(self.model, input_ids)
+        return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
+
+
+def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                      precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
+                      after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """The training step's forward and backward of one batch; returns its summed loss, detached.
+
+    Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
+    is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
+    is called once the loss exists and before backward, when what is alive is exactly what
+    backward will need: the benchmark and the example read their activation meter there.
+    """
+    with precision.autocast():
+        loss_sum = loss_model(input_ids, labels)  # its activations are referenced by the graph alone
+    if after_forward is not None:
+        after_forward()
+    loss = loss_sum / normaliser
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return loss_sum.detach()
+
+
+def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids: torch.Tensor,
+                     labels: torch.Tensor, loss_fn: Callable, precision: Precision,
+                     scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
+                     after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """``loss_and_backward`` for a model and loss not yet joined (``lm_head``: the model's own output layer)."""
+    assert lm_head is unwrap_model(model).get_output_embeddings(), "the loss applies the model's own LM head"
+    return loss_and_backward(CausalLMLoss(model, loss_fn), input_ids, labels, precision, scaler, normaliser,
+                             after_forward)
+
+
+def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
+    """Several scalar tensors' values with one wait for the device (None stays None; fakes give NaN)."""
+    tensors = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values if v is not None]
+    if not tensors or any(is_fake(t) for t in tensors):
+        floats = [float("nan")] * len(tensors)
+    else:
+        device = tensors[0].device
+        floats = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist()
+    found = iter(floats)
+    return [None if v is None else next(found) for v in values]
+
+
+@dataclass
+class NonFiniteCheck:
+    """Whether a step's loss and gradient norm are finite, and what to do when they are not.
+
+    Up to ``allowed`` such steps are skipped, each with a warning naming its examples; the next
+    one stops the run (``NonFiniteStep``). The count of steps skipped so far is the caller's (it
+    is part of the training state).
+    """
+
+    allowed: int
+    log: Callable[[str], None] = print
+
+    def problem(self, loss: float, grad_norm: Optional[float], scaled: bool, window: list[dict], step: int,
+                skipped_before: int) -> Optional[str]:
+        """None when the step is sound; else why it is skipped (raising ``NonFiniteStep`` beyond the allowance)."""
+        problems = [] if math.isfinite(loss) else [f"loss {loss}"]
+        # With a GradScaler, an infinite gradient is routine: the scaler skips the step and lowers its scale.
+        if grad_norm is not None and not math.isfinite(grad_norm) and not scaled:
+            problems.append(f"gradient norm {grad_norm}")
+        if not problems:
+            return None
+        sources = [source for batch in window for row in batch.get("sources", []) for source in row]
+        what = f"step {step}: non-finite {' and '.join(problems)}; its batches hold {describe_sources(sources)}"
+        if skipped_before >= self.allowed:
+            hint = (f"{self.allowed} such step(s) were skipped already" if self.allowed else
+                    "--skip_nonfinite_steps K skips up to K such steps")
+            raise NonFiniteStep(f"{what}. Stopped ({hint}); check those records, lower --lr or turn on "
+                                "--gradient_clipping")
+        self.log(f"warning: {what}; optimizer step skipped ({skipped_before + 1} of {self.allowed} allowed)")
+        return ", ".join(problems)
+
+
+class TrainStep:
+    """One optimizer step over an accumulation window of batches (on every rank: its part of them).
+
+    ``clip``: the gradient-norm threshold with ``--gradient_clipping``, else None. ``nonfinite``:
+    the finite check (None where the step only measures memory: random weights, fake tensors).
+    """
+
+    def __init__(self, loss_model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                 clip: Optional[float] = None, dist: DistContext = SINGLE_PROCESS,
+                 nonfinite: Optional[NonFiniteCheck] = None):
+        self.loss_model, self.optimizer, self.precision = loss_model, optimizer, precision
+        self.device = precision.device
+        self.scaler = precision.make_scaler()
+        self.clip, self.dist, self.nonfinite = clip, dist, nonfinite
+        self.stop_agreed = False  # whether any rank was signalled, as of the last step
+
+    def run(self, window: list[dict], stop_requested: bool = False, step: int = 1,
+            skipped_before: int = 0) -> StepResult:
+        """Forward and backward of every batch, then the optimizer step (or its skip).
+
+        The loss is normalised by the target tokens of the whole window on all ranks, so every
+        token weighs the same; FSDP averages the ranks' gradients, hence the rank count back in.
+        A NaN or infinite loss or gradient norm skips the optimizer step (``NonFiniteCheck``
+        decides whether the run may go on). ``stop_requested``: this rank was signalled; every
+        rank learns whether any was in the step's one all-reduce (``stop_agreed``).
+        """
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        targets = int(self.dist.sum(sum(count_targets(batch["labels"]) for batch in window), self.device))
+        normaliser = max(targets, 1) / self.dist.world_size
+        loss_total = torch.zeros((), device=self.device)
+        for batch in window:
+            loss_total += self.loss_step(batch, normaliser=normaliser)
+        # one wait for the device, before the optimizer may apply what is checked
+        loss_sum, grad_norm = host_floats(loss_total, self.gradient_norm())
+        input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
+        loss_sum, input_tokens, stops = self.dist.sum_all([loss_sum, input_tokens, float(stop_requested)],
+                                                          self.device)
+        self.stop_agreed = stops > 0  # every rank stops after the same step
+        loss = loss_sum / max(targets, 1)
+        skipped = None
+        if self.nonfinite is not None:
+            skipped = self.nonfinite.problem(loss, grad_norm, self.scaler is not None, window, step, skipped_before)
+        if skipped:
+            self._skip_optimizer_step()
+        elif self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped)
+
+    def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
+        """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
+        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
+                                 normaliser=normaliser)
+
+    def gradient_norm(self) -> Optional[torch.Tensor]:
+        """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.
+
+        None under a GradScaler without clipping: the gradients are still scaled, their norm means nothing.
+        """
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.clip is None:
+            if self.scaler is not None:
+                return None
+            grads = [p.grad for p in params if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads) if grads else None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, self.clip)
+
+    def _skip_optimizer_step(self) -> None:
+        """No update from this step; a GradScaler still records the overflow, lowering its scale."""
+        if self.scaler is not None:
+            if self.clip is None:  # clipping unscaled already
+                self.scaler.unscale_(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)

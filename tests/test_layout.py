@@ -1,0 +1,151 @@
+"""The package's layout, checked from its source: layers import only downward, no cycle, nothing hidden.
+
+The import graph is read from the source (``ast``), so a cycle or an upward import fails here
+before it fails at import time in some order nobody tried.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "leantune"
+MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 400
+
+# Layers, top first: a module may import its own layer (without a cycle) and the layers below it.
+LAYERS = (
+    ("entry", ("leantune.__main__", "leantune.cli", "leantune.finetuning", "leantune.preflight",
+               "leantune.planning.cli")),
+    ("planning", ("leantune.planning",)),
+    ("build", ("leantune.build",)),
+    ("training", ("leantune.training",)),
+    ("components", ("leantune.data", "leantune.distributed", "leantune.memory", "leantune.models",
+                    "leantune.report", "leantune.loss", "leantune.precision", "leantune.labels", "leantune.io",
+                    "leantune.cli_args")),
+    ("config", ("leantune.config",)),
+    # The registry of checkpointing modes and their policies: the config's mode choices and checks are
+    # read from it, so it sits below the config (and knows no flag type: it reads a section by name).
+    ("checkpointing", ("leantune.checkpointing", "leantune.models.structure")),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _target(imported: str, name: str | None) -> str:
+    """The module an import reads: ``from leantune.a import b`` reads ``leantune.a.b`` when that is a module."""
+    if name and f"{imported}.{name}" in MODULES:
+        return f"{imported}.{name}"
+    return imported
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """(leantune module imported, line, whether the import sits inside a function) for every import."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.split(".")[0] == "leantune":
+                found.extend((_target(child.module, alias.name), child.lineno, in_function) for alias in child.names)
+            elif isinstance(child, ast.Import):
+                found.extend((alias.name, child.lineno, in_function) for alias in child.names
+                             if alias.name.split(".")[0] == "leantune")
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+GRAPH = {name: sorted({target for target, _, _ in imports_of(path) if target != name})
+         for name, path in MODULES.items()}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix that names ``module`` (``leantune.models.structure`` before ``leantune.models``)."""
+    matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    if matches:
+        return max(matches)[1]
+    raise AssertionError(f"{module} is in no layer of test_layout.LAYERS; add it where it belongs")
+
+
+def test_no_leantune_import_inside_a_function():
+    hidden = [f"{path.relative_to(SRC)}:{line} imports {target}" for name, path in MODULES.items()
+              for target, line, in_function in imports_of(path) if in_function]
+    assert hidden == [], "import these at the top of the module (optional third-party packages may stay lazy)"
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in GRAPH.get(module, []):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in GRAPH:
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_layers_import_only_downward():
+    upward = [f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+              for module, targets in GRAPH.items() for target in targets
+              if target in MODULES and layer_of(target) < layer_of(module)]
+    assert upward == []
+
+
+def test_every_import_names_a_module_that_exists():
+    missing = [f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
+               if target not in MODULES and target.rsplit(".", 1)[0] not in MODULES]
+    assert missing == []
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in a process where no other leantune module was imported before it."""
+    names = [name for name in MODULES if name != "leantune.__main__"]  # that one runs the CLI
+    script = (
+        "import importlib, json, sys\n"
+        "import torch, transformers, peft  # heavy and shared; leantune's own modules are what is checked\n"
+        f"names = {names!r}\n"
+        "failed = {}\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m == 'leantune' or m.startswith('leantune.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as err:\n"
+        "        failed[name] = f'{type(err).__name__}: {err}'\n"
+        "print(json.dumps(failed))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_and_functions_stay_small(name):
+    source = MODULES[name].read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{name}: split it"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == [], f"{name}: functions over {MAX_FUNCTION_LINES} lines"
