@@ -40,7 +40,118 @@ def test_defaults_follow_llama_cookbook():
     assert cfg.memory.enable_memory_monitoring is False
 
 
-def test_every_listed_flag_is_accepted():
+# A valid, non-default value for every flag the parser accepts, with the flags it needs, and what the
+# parsed config then holds: {flag: (argv, {field of RunConfig.flat(): value})}. A flag added to the
+# config without an entry here fails test_every_flag_is_accepted_with_a_valid_value.
+CKPT = ["--enable_activation_checkpointing"]
+FSDP = ["--enable_fsdp"]
+FLAG_VALUES = {
+    "model_name": (["--model_name", "m"], {"model_name": "m"}),
+    "tokenizer_name": (["--tokenizer_name", "t"], {"tokenizer_name": "t"}),
+    "model_dtype": (["--model_dtype", "bfloat16"], {"model_dtype": "bfloat16"}),
+    "device": (["--device", "cpu"], {"device": "cpu"}),
+    "dataset": (["--dataset", "custom_dataset", "--data_path", "d.jsonl"], {"dataset": "custom_dataset"}),
+    "data_path": (["--data_path", "d.jsonl"], {"data_path": "d.jsonl"}),
+    "batching_strategy": (["--batching_strategy", "padding"], {"batching_strategy": "padding"}),
+    "context_length": (["--context_length", "128"], {"context_length": 128}),
+    "val_fraction": (["--val_fraction", "0.2"], {"val_fraction": 0.2}),
+    "num_workers_dataloader": (["--num_workers_dataloader", "0"], {"num_workers_dataloader": 0}),
+    "batch_size_training": (["--batch_size_training", "2"], {"batch_size_training": 2}),
+    "val_batch_size": (["--val_batch_size", "3"], {"val_batch_size": 3}),
+    "gradient_accumulation_steps": (["--gradient_accumulation_steps", "2"], {"gradient_accumulation_steps": 2}),
+    "gradient_clipping": (["--gradient_clipping"], {"gradient_clipping": True}),
+    "gradient_clipping_threshold": (["--gradient_clipping_threshold", "0.5"], {"gradient_clipping_threshold": 0.5}),
+    "num_epochs": (["--num_epochs", "1"], {"num_epochs": 1}),
+    "max_train_step": (["--max_train_step", "5"], {"max_train_step": 5}),
+    "max_eval_step": (["--max_eval_step", "2"], {"max_eval_step": 2}),
+    "lr": (["--lr", "0.001"], {"lr": 0.001}),
+    "weight_decay": (["--weight_decay", "0.1"], {"weight_decay": 0.1}),
+    "gamma": (["--gamma", "0.9"], {"gamma": 0.9}),
+    "seed": (["--seed", "7"], {"seed": 7}),
+    "use_fp16": (["--use_fp16"], {"use_fp16": True}),
+    "mixed_precision": (["--mixed_precision", "false"], {"mixed_precision": False}),
+    "no_mixed_precision": (["--no_mixed_precision"], {"mixed_precision": False}),
+    "run_validation": (["--run_validation", "false"], {"run_validation": False}),
+    "no_run_validation": (["--no_run_validation"], {"run_validation": False}),
+    "loss_chunk_size": (["--loss_chunk_size", "0"], {"loss_chunk_size": 0}),
+    "skip_nonfinite_steps": (["--skip_nonfinite_steps", "2"], {"skip_nonfinite_steps": 2}),
+    "use_peft": (["--use_peft"], {"use_peft": True}),
+    "peft_method": (["--peft_method", "lora"], {"peft_method": "lora"}),  # its only choice, also the default
+    "from_peft_checkpoint": (["--use_peft", "--from_peft_checkpoint", "ckpt"], {"from_peft_checkpoint": "ckpt"}),
+    "lora_r": (["--lora_r", "4"], {"lora_r": 4}),
+    "lora_alpha": (["--lora_alpha", "8"], {"lora_alpha": 8}),
+    "lora_dropout": (["--lora_dropout", "0.1"], {"lora_dropout": 0.1}),
+    "lora_target_modules": (["--lora_target_modules", "q_proj", "k_proj"], {"lora_target_modules": ["q_proj", "k_proj"]}),
+    "enable_activation_checkpointing": (CKPT, {"enable_activation_checkpointing": True}),
+    "activation_checkpointing_use_reentrant": ([*CKPT, "--activation_checkpointing_use_reentrant"],
+                                               {"activation_checkpointing_use_reentrant": True}),
+    "activation_checkpointing_mode": ([*CKPT, "--activation_checkpointing_mode", "selective_ops"],
+                                      {"activation_checkpointing_mode": "selective_ops"}),
+    "activation_checkpointing_every_n": ([*CKPT, "--activation_checkpointing_every_n", "3"],
+                                         {"activation_checkpointing_every_n": 3, "activation_checkpointing_mode": "every_n"}),
+    "activation_checkpointing_layers": ([*CKPT, "--activation_checkpointing_layers", "full=1,selective_ops=1"],
+                                        {"activation_checkpointing_layers": "full=1,selective_ops=1",
+                                         "activation_checkpointing_mode": "layer_mix"}),
+    "activation_offload_max_pinned_gb": ([*CKPT, "--activation_checkpointing_mode", "offload",
+                                          "--activation_offload_max_pinned_gb", "2.5"],
+                                         {"activation_offload_max_pinned_gb": 2.5}),
+    "enable_memory_monitoring": (["--enable_memory_monitoring"], {"enable_memory_monitoring": True}),
+    "memory_monitoring_interval": (["--memory_monitoring_interval", "0.2"], {"memory_monitoring_interval": 0.2}),
+    "memory_budget_gb": (["--memory_budget_gb", "12.5"], {"memory_budget_gb": 12.5}),
+    "memory_snapshot": (["--memory_snapshot"], {"memory_snapshot": True}),
+    "auto_batch_size": (["--auto_batch_size"], {"auto_batch_size": True}),
+    "target_global_batch_size": (["--target_global_batch_size", "8"],  # 8 rows / the default batch of 4
+                                 {"target_global_batch_size": 8, "gradient_accumulation_steps": 2}),
+    "enable_fsdp": (FSDP, {"enable_fsdp": True}),
+    "fsdp_cpu_offload": ([*FSDP, "--fsdp_cpu_offload"], {"fsdp_cpu_offload": True}),
+    "low_cpu_fsdp": ([*FSDP, "--low_cpu_fsdp"], {"low_cpu_fsdp": True}),
+    "output_dir": (["--output_dir", "o"], {"output_dir": "o"}),
+    "save_model": (["--save_model", "false"], {"save_model": False}),
+    "no_save_model": (["--no_save_model"], {"save_model": False}),
+    "save_metrics": (["--save_metrics"], {"save_metrics": True}),
+    "peak_tflops": (["--peak_tflops", "989.5"], {"peak_tflops": 989.5}),
+    "use_tensorboard": (["--use_tensorboard"], {"use_tensorboard": True}),
+    "use_wandb": (["--use_wandb"], {"use_wandb": True}),
+    "wandb_project": (["--wandb_project", "p"], {"wandb_project": "p"}),
+    "save_steps": (["--save_steps", "10"], {"save_steps": 10}),
+    "save_total_limit": (["--save_total_limit", "2"], {"save_total_limit": 2}),
+    "resume_from_checkpoint": (["--resume_from_checkpoint", "latest"], {"resume_from_checkpoint": "latest"}),
+    "overwrite_output_dir": (["--overwrite_output_dir"], {"overwrite_output_dir": True}),
+    "config": (["--config", "{config_file}"], {"seed": 11, "lr": 0.25}),  # the file holds seed: 11, lr: 0.25
+}
+SAME_AS_DEFAULT = {"peft_method"}  # no other valid value to give
+
+
+def parser_flags() -> list[str]:
+    """Every flag the finetune parser accepts, by its underscore spelling (the dash aliases are the same actions)."""
+    from leantune.cli_args import build_parser
+
+    return [action.option_strings[0][2:] for action in build_parser()._actions
+            if action.option_strings and action.option_strings[0] != "-h"]
+
+
+@pytest.mark.parametrize("flag", parser_flags())
+def test_every_flag_is_accepted_with_a_valid_value(flag, tmp_path):
+    if flag not in FLAG_VALUES:
+        pytest.fail(f"--{flag} has no test value: add it to FLAG_VALUES in tests/test_config.py "
+                    "(a valid, non-default value, the flags it needs, and the parsed fields it sets)")
+    argv, expected = FLAG_VALUES[flag]
+    assert f"--{flag}" in argv, f"FLAG_VALUES[{flag!r}] does not pass --{flag}"
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps({"seed": 11, "lr": 0.25}))
+    flat = parse_run_config([str(config_file) if arg == "{config_file}" else arg for arg in argv]).flat()
+    assert {name: flat[name] for name in expected} == expected
+    defaults = parse_run_config([]).flat()
+    if flag not in SAME_AS_DEFAULT:  # the value changed the config: the flag is not silently ignored
+        assert any(defaults[name] != value for name, value in expected.items()), f"--{flag}: {expected} are the defaults"
+
+
+def test_flag_values_lists_only_flags_that_exist():
+    stale = sorted(set(FLAG_VALUES) - set(parser_flags()))
+    assert not stale, f"FLAG_VALUES has entries for flags the parser does not have: {stale}"
+
+
+def test_the_listed_flags_are_accepted_together():
     argv = ("--model_name m --tokenizer_name t --batch_size_training 2 --val_batch_size 3 --batching_strategy padding "
             "--context_length 128 --gradient_accumulation_steps 2 --gradient_clipping --gradient_clipping_threshold 0.5 "
             "--num_epochs 1 --max_train_step 5 --max_eval_step 2 --num_workers_dataloader 0 --lr 0.001 "

@@ -17,6 +17,25 @@ from leantune.memory.trace import MemoryTrace, RssSampler
 
 MIB = 2**20
 GIB = 2**30
+DEADLINE_S = 120.0  # generous: a busy 2-core machine may delay the sampler's wake-ups, never skip them
+
+
+def wait_until(condition, what: str, deadline_s: float = DEADLINE_S) -> None:
+    """Poll ``condition`` until it holds; fail (not hang) if it has not after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            pytest.fail(f"waited {deadline_s:.0f} s for {what}")
+        time.sleep(0.002)
+
+
+def wait_for_samples(sampler: RssSampler, count: int = 2) -> None:
+    """Until the sampling thread has taken ``count`` more samples: the last began after this call.
+
+    (A sample under way when this is called may have read RSS before it; the one after cannot.)
+    """
+    target = sampler.samples + count
+    wait_until(lambda: sampler.samples >= target, f"{count} RSS samples")
 
 
 def _sampler_threads():
@@ -51,16 +70,20 @@ def _thread_cpu_seconds(native_id: int) -> float:
 
 
 def test_sampler_sleeps_between_samples():
-    with RssSampler(interval=0.05) as sampler:
+    interval = 0.05
+    started = time.perf_counter()
+    with RssSampler(interval=interval) as sampler:
         (thread,) = _sampler_threads()
-        time.sleep(0.5)
-        cpu_s = _thread_cpu_seconds(thread.native_id)
+        wait_until(lambda: sampler.samples >= 10, "10 RSS samples")
         samples = sampler.samples
-    # A busy-waiting sampler burns the whole 0.5 s of CPU and takes tens of thousands of samples;
-    # a sleeping one wakes ~10 times and uses well under a millisecond per sample. The bounds are
-    # loose on purpose: a loaded machine can delay wake-ups (fewer samples), never add them.
-    assert cpu_s < 0.1, f"the sampler thread used {cpu_s:.3f} s of CPU in 0.5 s"
-    assert 1 <= samples <= 3 * 0.5 / 0.05
+        elapsed = time.perf_counter() - started
+        cpu_s = _thread_cpu_seconds(thread.native_id)
+    # Each sample follows a sleep of one interval, so ten take at least 0.5 s, however loaded the
+    # machine (load only delays wake-ups: fewer samples, less CPU). A busy-waiting sampler takes
+    # thousands of samples in that time and burns its core; a sleeping one wakes ~elapsed/interval
+    # times and uses well under a millisecond per sample. Both bounds are 3-5x loose on purpose.
+    assert samples <= 3 * elapsed / interval, f"{samples} samples in {elapsed:.3f} s at a {interval} s interval"
+    assert cpu_s < 0.2 * elapsed, f"the sampler thread used {cpu_s:.3f} s of CPU in {elapsed:.3f} s"
     assert not sampler.running and not _sampler_threads()
 
 
@@ -68,7 +91,7 @@ def test_sampler_catches_a_peak_that_is_gone_by_the_end():
     with RssSampler(interval=0.01) as sampler:
         baseline = sampler.take_peak()
         block = _touch(200 * MIB)
-        time.sleep(0.1)
+        wait_for_samples(sampler)  # the thread, not take_peak, has seen the block
         del block
         peak = sampler.take_peak()
     assert peak - baseline >= 190 * MIB
@@ -90,7 +113,7 @@ def finished_trace():
     with MemoryTrace(interval=0.01) as trace:
         block = _touch(300 * MIB)
         rss_inside = psutil.Process().memory_info().rss
-        time.sleep(0.05)
+        wait_for_samples(trace._sampler)
         del block
     return trace, rss_inside
 
@@ -159,7 +182,7 @@ def test_print_stats_has_mib_precision(capsys):
     with MemoryTrace(interval=0.01) as trace:
         block = _touch(200 * MIB)
         inside = psutil.Process().memory_info().rss
-        time.sleep(0.05)
+        wait_for_samples(trace._sampler)
         del block
     trace.print_stats()
     out = capsys.readouterr().out
@@ -182,7 +205,7 @@ def test_monitor_writes_one_line_per_step_and_summarises(tmp_path):
     with MemoryMonitor(path, torch.device("cpu"), interval=0.01) as monitor:
         monitor.record(0, phase="setup")
         block = _touch(100 * MIB)
-        time.sleep(0.05)
+        wait_for_samples(monitor._sampler)
         monitor.record(1)
         del block
         monitor.record(2)
