@@ -4,15 +4,17 @@ the out-of-memory snapshot (written whole through a ``.partial`` file and a rena
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from leantune.cli_args import parse_run_config
+from leantune.distributed.context import SINGLE_PROCESS
 from leantune.memory.oom import SNAPSHOT_NAME, dump_snapshot, oom_report
-from leantune.planning.plan import CUDA_CONTEXT_BYTES, budget_bytes
+from leantune.memory.stats import CUDA_CONTEXT_BYTES
+from leantune.planning.plan import budget_bytes
+from leantune.training.outputs import SNAPSHOT_STEPS, MemorySnapshot
 
 MIB = 2**20
 GIB = 2**30
@@ -104,20 +106,29 @@ def test_the_oom_report_names_the_snapshot_only_when_it_was_written(monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if fails else [SNAPSHOT_NAME])
 
 
-@pytest.mark.xfail(strict=True, reason="bug in train.py: Trainer._write_memory_snapshot sets snapshot_steps = 0 "
-                                       "before its message reads it, so it says 'memory snapshot of steps 1-0'")
 def test_the_memory_snapshot_message_names_the_steps_it_recorded(monkeypatch, tmp_path):
-    from leantune.distributed.context import SINGLE_PROCESS
-    from leantune.train import SNAPSHOT_STEPS, Trainer
-
     history = []
     stand_in_cuda(monkeypatch, lambda filename: Path(filename).write_bytes(b"snapshot"))
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: history.append(kwargs))
     logged = []
-    trainer = types.SimpleNamespace(snapshot_steps=SNAPSHOT_STEPS, steps=[{}] * SNAPSHOT_STEPS, dist=SINGLE_PROCESS,
-                                    device=GPU, cfg=parse_run_config(["--output_dir", str(tmp_path)]), log=logged.append)
-    Trainer._write_memory_snapshot(trainer)  # what runs after step 3
-    assert history == [{"enabled": None}] and trainer.snapshot_steps == 0  # recording stopped, once
+    snapshot = MemorySnapshot(True, GPU, tmp_path, SINGLE_PROCESS, logged.append)
+    snapshot.start(steps_done=0)
+    for step in range(1, SNAPSHOT_STEPS + 2):
+        snapshot.after_step(step)  # written after step 3, once
+    snapshot.write(SNAPSHOT_STEPS + 1)  # at close: nothing more
+    assert history == [{"max_entries": 100_000}, {"enabled": None}]  # recording started and stopped, once
     assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
     assert logged == [f"memory snapshot of steps 1-3: {tmp_path / 'memory_snapshot.pickle'} "
                       "(drag it into https://pytorch.org/memory_viz)"]
+
+
+def test_a_run_shorter_than_the_snapshot_names_the_steps_it_had(monkeypatch, tmp_path):
+    stand_in_cuda(monkeypatch, lambda filename: Path(filename).write_bytes(b"snapshot"))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: None)
+    logged = []
+    snapshot = MemorySnapshot(True, GPU, tmp_path, SINGLE_PROCESS, logged.append)
+    snapshot.start(steps_done=0)
+    snapshot.after_step(1)
+    snapshot.write(1)  # the run ended (or failed) after one step
+    assert logged[0].startswith("memory snapshot of steps 1-1: ")
+    assert MemorySnapshot(True, torch.device("cpu"), tmp_path).steps == 0  # CUDA only
