@@ -12,7 +12,7 @@ from leantune import finetuning
 from leantune.memory.oom import memory_fixes
 from leantune.cli_args import parse_run_config
 from leantune.precision import Precision
-from leantune.training.step import CausalLMLoss
+from leantune.training.step import CausalLMLoss, TrainStep
 from leantune.training.loop import Trainer
 
 FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--val_fraction", "0.99",
@@ -31,9 +31,22 @@ def fail_at(monkeypatch, method: str, step: int, error):
     monkeypatch.setattr(Trainer, method, patched)
 
 
+def fail_in_batch(monkeypatch, call: int, error):
+    """Make the training step's forward and backward of its ``call``-th batch raise ``error``."""
+    original, calls = TrainStep.loss_step, []
+
+    def patched(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            raise error
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "loss_step", patched)
+
+
 def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file(
         tiny_model_dir, tmp_path, monkeypatch, capsys):
-    fail_at(monkeypatch, "loss_step", 3, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    fail_in_batch(monkeypatch, 3, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     out = tmp_path / "run"
     code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(out),
                             "--batch_size_training", "4", "--enable_memory_monitoring", "--save_steps", "1"])

@@ -412,3 +412,39 @@ def test_auto_mode_and_batch_pick_the_least_compute_per_token(monkeypatch, fits,
     run_cfg, _ = choose.choose_mode_and_batch(cfg, None, torch.device("cpu"), 2**30, lines.append)
     assert ((run_cfg.checkpointing.mode or "none"), run_cfg.training.batch_size_training) == chosen
     assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen[0]} (batch {chosen[1]} in 1.00 GiB")
+
+
+def test_a_run_traces_each_step_once_and_reads_the_model_config_once(tiny_model_dir, tmp_path, monkeypatch):
+    """auto mode, the FLOP count (MFU) and the batch check all want traced steps: none is traced twice,
+    and the model's config.json is read once for all of them."""
+    import contextlib
+
+    import leantune.models.facts as facts
+    import leantune.planning.fake_step as fake_step
+    from leantune.finetuning import build_trainer
+
+    traced, reads = [], []
+    trace = fake_step.trace_step
+    monkeypatch.setattr(fake_step, "trace_step", lambda cfg, config, target, mode, fake=True: (
+        traced.append(repr(fake_step.run_config_for_mode(cfg, mode))), trace(cfg, config, target, mode, fake))[1])
+    auto_config = facts.AutoConfig
+
+    class CountingAutoConfig:  # leantune's one reader of config.json; the planner's model_config must not run
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            reads.append(args)
+            return auto_config.from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(facts, "AutoConfig", CountingAutoConfig)
+    monkeypatch.setattr(facts, "model_config", lambda name: pytest.fail("a run read a preset or config again"))
+    argv = ["--model_name", str(tiny_model_dir), "--use_peft", "--enable_activation_checkpointing",
+            "--activation_checkpointing_mode", "auto", "--auto_batch_size", "--memory_budget_gb",
+            str(48 * MIB / 2**30), "--peak_tflops", "1.0", "--context_length", "128", "--num_workers_dataloader", "0",
+            "--output_dir", str(tmp_path)]
+    lines: list[str] = []
+    with contextlib.ExitStack() as stack:
+        trainer = build_trainer(parse_run_config(argv), stack, log=lines.append)
+    assert any(line.startswith("mfu: against 1.0 TFLOP/s peak") for line in lines)
+    assert trainer.parts.token_flops.model > 0
+    assert len(traced) == len(set(traced)) > 2  # the FLOP count reused auto's traces of the chosen batch
+    assert len(reads) == 1

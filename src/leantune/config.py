@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
-from leantune.checkpointing.modes import AUTO, MODES, mode_choices, mode_help, owner_of_flag, policy_class
+from leantune.checkpointing.modes import AUTO, DEFAULT, MODES, mode_choices, mode_help, owner_of_flag, policy_class
 from leantune.checkpointing.policies import LayerMix, parse_layer_mix
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
@@ -137,7 +137,7 @@ class CheckpointingConfig:
     activation_checkpointing_use_reentrant: bool = field(default=False, metadata=_help(
         "Use the reentrant torch.utils.checkpoint implementation (legacy); non-reentrant is the default."))
     activation_checkpointing_mode: Optional[CheckpointingMode] = field(default=None, metadata=_help(
-        f"Default {next(iter(MODES))}. {mode_help()}"))
+        mode_help()))
     activation_checkpointing_every_n: Optional[int] = field(default=None, metadata=_help(
         "N for every_n mode (implies it): checkpoint layers 0, N, 2N, ...; default 2."))
     activation_checkpointing_layers: Optional[str] = field(default=None, metadata=_help(
@@ -160,7 +160,7 @@ class CheckpointingConfig:
                      f"applies to --activation_checkpointing_mode {owner_of_flag('activation_offload_max_pinned_gb')}; "
                      "add --enable_activation_checkpointing")
             return
-        self._check_own_flags(mode or next(iter(MODES)))
+        self._check_own_flags(mode or DEFAULT)
         self._check_values()
         if self.activation_checkpointing_use_reentrant and mode == AUTO:
             raise ConfigError(f"--activation_checkpointing_mode {AUTO}: chooses among non-reentrant modes; "
@@ -198,7 +198,7 @@ class CheckpointingConfig:
         """The mode in force: None when checkpointing is off, ``full`` unless another was chosen."""
         if not self.enable_activation_checkpointing:
             return None
-        return self.activation_checkpointing_mode or next(iter(MODES))
+        return self.activation_checkpointing_mode or DEFAULT
 
 
 @dataclass

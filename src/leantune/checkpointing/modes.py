@@ -16,6 +16,7 @@ from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, Ful
 
 MODES: dict[str, type[CheckpointPolicy]] = {
     cls.name: cls for cls in (FullCheckpointing, EveryNLayers, SelectiveOps, OffloadCheckpointing, LayerMix)}
+DEFAULT = FullCheckpointing.name  # what --enable_activation_checkpointing alone turns on
 NONE = "none"  # no checkpointing: what the planner calls the run without it
 AUTO = "auto"  # not a policy: the planner picks one of the others (``leantune.planning.choose``)
 
@@ -27,7 +28,7 @@ def mode_choices() -> tuple[str, ...]:
 
 def mode_help() -> str:
     """``--activation_checkpointing_mode``'s help, one clause per mode, from the classes' summaries."""
-    clauses = [f"{name}: {cls.summary}" for name, cls in MODES.items()]
+    clauses = [f"{name}{' (default)' if name == DEFAULT else ''}: {cls.summary}" for name, cls in MODES.items()]
     clauses.append(f"{AUTO}: the mode, per-layer mix or none with the least recompute whose predicted peak fits "
                    "--memory_budget_gb, chosen before the weights load")
     return "; ".join(clauses) + "."

@@ -77,7 +77,7 @@ class CheckpointPolicy:
 class FullCheckpointing(CheckpointPolicy):
     """Recompute every decoder layer in backward: the least memory, one extra forward of compute."""
 
-    summary = "recompute every decoder layer (the default)"
+    summary = "recompute every decoder layer"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from leantune.config import ConfigError, ModelConfig
 from leantune.models.loading import ATTENTION, ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.presets import model_config
-from leantune.models.structure import decoder_layers
 
 def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
     """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV cache)."""
@@ -38,50 +37,36 @@ def check_context_length(config: PretrainedConfig, context_length: int) -> None:
 
 
 class ModelFacts:
-    """A model's configuration and what follows from it: layers, vocabulary, positions, module names."""
+    """A model's configuration (``config``: shapes, vocabulary, positions, tying) and the checks made against it.
+
+    The module names the checks need come from one model built on the ``meta`` device, once.
+    """
 
     def __init__(self, name: str, config: PretrainedConfig):
         self.name, self.config = name, config
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def tied_embeddings(self) -> bool:
-        """Whether the LM head is the embedding matrix (Llama 3.2): one parameter, counted once."""
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
     @functools.cached_property
-    def _shape(self) -> torch.nn.Module:
+    def shape(self) -> torch.nn.Module:
+        """The model built on the ``meta`` device in float32: its modules, no memory."""
         return meta_model(self.config, torch.float32)
-
-    @functools.cached_property
-    def decoder_layer_type(self) -> str:
-        """The class name of the repeated decoder layer (what checkpointing and FSDP wrap)."""
-        layers = decoder_layers(self._shape)
-        return type(layers[0]).__name__ if layers else ""
 
     def check_context_length(self, context_length: int) -> None:
         check_context_length(self.config, context_length)
 
     def check_lora_targets(self, targets: list[str]) -> None:
         """Every ``--lora_target_modules`` name is a module of the model (``ModelLoadError`` otherwise)."""
-        check_lora_targets(self._shape, targets)
+        check_lora_targets(self.shape, targets)
 
 
 def run_model_facts(cfg: ModelConfig) -> ModelFacts:
     """The facts of the model a run trains: its own ``config.json`` (a directory, or a hub id's)."""
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name))
+        facts = ModelFacts(cfg.model_name, AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)))
+        facts.shape  # built now: a model transformers cannot build is refused before any weight loads
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
-    return ModelFacts(cfg.model_name, config)
+    return facts
 
 
 def plan_model_facts(name: str) -> ModelFacts:
