@@ -47,3 +47,23 @@ def activation_bytes(model, ids, labels=None, loss_fn=None) -> tuple[int, int]:
             live = meter.live_bytes()
             loss.backward()
     return live, meter.peak_bytes
+
+
+def llama_training_flops(config, seq: int, loss_tokens: int | None = None) -> int:
+    """FLOPs of one full fine-tuning step (forward + backward) of a Llama on one row of ``seq`` tokens, by hand.
+
+    What PyTorch's formulas (``torch.utils.flop_counter``) count, and so what leantune's traced
+    step must give: 2 FLOPs per multiply-add of every matmul, three matmuls per linear weight in
+    training (forward, input gradient, weight gradient): 6 x weights x tokens; the LM head on
+    ``loss_tokens`` positions (the chunked loss computes all ``seq``, the plain loss the ``seq - 1``
+    that have a next token). SDPA: torch counts 2 batched matmuls forward (QK^T, PV) and 5 backward
+    (the scores recomputed, dP, dV, dQ, dK), each 2 x heads x seq x seq x head_dim, full (not causal)
+    squares. Norms, RoPE, SiLU, the embedding lookup and the optimizer count as none.
+    """
+    d, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d + 3 * d * f
+    linear = 6 * layers * per_layer * seq + 6 * vocab * d * (seq if loss_tokens is None else loss_tokens)
+    attention = layers * 7 * 2 * heads * seq * seq * head_dim
+    return linear + attention

@@ -29,6 +29,16 @@ CASES = {
 }
 
 
+# Measured (one process at 1 and 2 threads, and with AVX2 kernels: ATEN_CPU_CAPABILITY=avx2
+# MKL_ENABLE_INSTRUCTIONS=AVX2; the two ranks at 1 thread each): the losses agree within 1.27e-6
+# (8.7e-7 with this machine's own kernels), float32 rounding of sums over about 1,000 tokens. The
+# gradient norms agree within 1.7e-7 (relative) with LoRA, 1.6e-6 at the first step of full
+# fine-tuning, and 1.06e-5 by its third: AdamW's first steps move every weight by about lr
+# whatever the size of its gradient, so the rounding in near-zero gradients grows with the steps.
+DIST_LOSS_TOL = 2e-6
+DIST_GRAD_NORM_RTOL = 3e-5
+
+
 def torchrun(argv: list[str], processes: int = 2, timeout: int = 240, pythonpath: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     if pythonpath:
@@ -50,10 +60,11 @@ def test_two_ranks_give_the_losses_of_one_process(case, tiny_model_dir, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) > 0
-    assert two == pytest.approx(one, abs=2e-5)  # float32, another reduction order
-    if "--gradient_clipping" in CASES[case]:  # the norm before clipping: a wrong gradient scale shows here
-        assert step_losses(tmp_path / "two", "grad_norm") == pytest.approx(step_losses(tmp_path / "one", "grad_norm"),
-                                                                           rel=1e-5)
+    # The norm before clipping, in every case: AdamW hides a constant gradient scale from the losses
+    # (doubled gradients moved them by less than 2e-5), a norm shows it at once.
+    norms_one, norms_two = step_losses(tmp_path / "one", "grad_norm"), step_losses(tmp_path / "two", "grad_norm")
+    assert norms_two == pytest.approx(norms_one, rel=DIST_GRAD_NORM_RTOL, abs=0)
+    assert two == pytest.approx(one, rel=0, abs=DIST_LOSS_TOL)  # float32, another reduction order
     assert result.stdout.count("epoch 1: train loss") == 1  # logs from rank 0 only
     if "--enable_memory_monitoring" in CASES[case]:
         assert (tmp_path / "two" / "memory.jsonl").is_file() and (tmp_path / "two" / "memory.rank1.jsonl").is_file()

@@ -96,10 +96,28 @@ def test_gpu_target_traces_the_gpu_precision(monkeypatch):
     from leantune.planning.table import describe_run
 
     cpu, gpu = (plan_modes(flags("--use_peft"), model_config("tiny"), device, ["full"])[0] for device in (CPU, CUDA))
-    lora = sum(p.numel() for name, p in _tiny_lora_params() if "lora_" in name)
-    base = sum(p.numel() for name, p in _tiny_lora_params() if "lora_" not in name)
-    assert cpu.parameter_bytes == 4 * (base + lora)
-    assert gpu.parameter_bytes >= 2 * base + 4 * lora  # each storage rounded up to the allocator's 512 bytes
+    params = _tiny_lora_params()
+    lora = [p.numel() for name, p in params if "lora_" in name]
+    base = [p.numel() for name, p in params if "lora_" not in name]
+    assert len(lora) == 16 and sum(lora) == 28_672 and sum(base) == 4_000_000  # 4 layers x q, v x A, B
+    assert cpu.parameter_bytes == 4 * (sum(base) + sum(lora))
+    assert cpu.optimizer_state_bytes == 2 * 4 * sum(lora) + 4 * len(lora)  # exp_avg, exp_avg_sq, a float32 step each
+
+    def block(nbytes):  # the CUDA caching allocator's rounding of each storage
+        return -(-nbytes // 512) * 512
+
+    # The frozen base in bfloat16, the adapters float32, each storage in 512-byte blocks: 8,114,688
+    # bytes (every tiny tensor is a whole number of blocks already: 2 x 4,000,000 + 4 x 28,672)
+    assert gpu.parameter_bytes == sum(block(2 * n) for n in base) + sum(block(4 * n) for n in lora) == 8_114_688
+    # float32 Adam states of the adapters; each 4-byte step scalar takes a whole block
+    assert gpu.optimizer_state_bytes == 2 * sum(block(4 * n) for n in lora) + len(lora) * 512 == 237_568
+    # bf16 autocast over a bf16 base: the residual stream is bfloat16, a decoder layer's input 2 x 128 x 256 x 2 bytes
+    traced = trace_step(flags("--use_peft"), model_config("tiny"), CUDA, "full")
+    assert traced.layer_input_bytes == block(2 * 128 * 256 * 2) == 131_072
+    assert trace_step(flags("--use_peft"), model_config("tiny"), CPU, "full").layer_input_bytes == 2 * 128 * 256 * 4
+    precision = target_precision(flags("--use_peft"), CUDA)
+    assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == (torch.bfloat16, torch.bfloat16,
+                                                                                          False)
     assert gpu.peak_bytes == (gpu.traced_peak_bytes + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes
                               + gpu.fragmentation_bytes)
     assert "a bf16-capable GPU assumed" in describe_run(flags("--use_peft"), model_config("tiny"), CUDA)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import json
+import statistics
 
 import pytest
+from helpers import llama_training_flops
 
 from leantune import cli
 from leantune.cli_args import parse_run_config
@@ -15,10 +18,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _train(tiny_model_dir, out, *flags):
+    # 30 training examples: 6 steps span 2 epochs. --max_eval_step: the 2,970 validation examples took
+    # 90 s per epoch on 2 CPU cores
     lines = []
     argv = ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "6", "--num_epochs",
-            "2", "--val_fraction", "0.99", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
-            "--enable_memory_monitoring", "--peak_tflops", "1.0", "--output_dir", str(out), *flags]
+            "2", "--val_fraction", "0.99", "--max_eval_step", "2", "--num_workers_dataloader", "0", "--save_metrics",
+            "--save_model", "false", "--enable_memory_monitoring", "--peak_tflops", "1.0", "--output_dir", str(out), *flags]
     run(parse_run_config(argv), log=lines.append)
     return lines
 
@@ -31,7 +36,15 @@ def test_a_monitored_run_ends_with_a_report(tiny_model_dir, tmp_path):
     text = md.read_text()
     assert "| run | checkpointing | batch | steps | last loss | tokens/s (median) | MFU |" in text
     row = next(line for line in text.splitlines() if line.startswith(f"| {tmp_path.name} |"))
-    assert row.split(" | ")[1:4] == ["none", "4", "6"] and "%" in row.split(" | ")[6]
+    assert row.split(" | ")[1:4] == ["none", "4", "6"]
+    # MFU from FLOPs counted by hand (not by leantune's count): per step, and the report's median
+    from transformers import AutoConfig
+
+    flops_per_token = llama_training_flops(AutoConfig.from_pretrained(tiny_model_dir), 128) / 128
+    steps = json.loads((tmp_path / "metrics.json").read_text())["train_steps"]
+    expected = [flops_per_token * s["input_tokens"] / s["step_time_s"] / 1e12 for s in steps]  # --peak_tflops 1.0
+    assert [s["mfu"] for s in steps] == pytest.approx(expected, rel=1e-12)
+    assert row.split(" | ")[6] == f"{statistics.median(expected[1:]):.1%}"  # the first step left out
     assert "the memory column is CPU RSS" in text
 
 
