@@ -64,7 +64,7 @@ def _observe(monkeypatch, seen: dict) -> None:
 
     def observed_scale(self, outputs):
         scaled = scale(self, outputs)
-        seen["loss_factors"].append(float(scaled) / float(outputs))
+        seen["loss_factors"].append(float(scaled.detach()) / float(outputs.detach()))
         return scaled
 
     def observed_unscale(self, optimizer):
