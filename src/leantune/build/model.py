@@ -1,0 +1,75 @@
+"""The model a run trains, and the loss it trains on, made from the config.
+
+``prepare_model`` is the one recipe: LoRA attached, placed, activation checkpointing applied once.
+The run calls it on loaded weights, the benchmarks on random ones and the planner on fake ones,
+so all three train the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
+                                    policy_from_config)
+from leantune.config import RunConfig
+from leantune.loss import ChunkedCrossEntropy, causal_lm_loss_sum, effective_chunk_size
+from leantune.models.facts import ModelFacts, meta_model
+from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
+from leantune.precision import Precision
+
+
+def loss_function(cfg: RunConfig, vocab_size: int):
+    """Chunked cross-entropy unless `--loss_chunk_size 0` asks for the plain loss."""
+    chunk = effective_chunk_size(cfg.training.loss_chunk_size, vocab_size)
+    return ChunkedCrossEntropy(chunk) if chunk > 0 else causal_lm_loss_sum
+
+
+def describe_loss(loss_fn) -> str:
+    if isinstance(loss_fn, ChunkedCrossEntropy):
+        return (f"loss: chunked cross-entropy, {loss_fn.chunk_size} tokens per chunk "
+                "(logits of at most one chunk exist at a time, none are kept for backward)")
+    return "loss: plain cross-entropy (full-vocabulary float32 logits kept for backward)"
+
+
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
+                  place: Optional[Callable[[torch.nn.Module], None]] = None
+                  ) -> tuple[torch.nn.Module, CheckpointingReport]:
+    """Make a Hugging Face causal LM, already in the precision's weight dtype, ready to train as ``cfg`` says.
+
+    LoRA attached (with ``--use_peft``), moved to the precision's device (or placed by ``place``:
+    the planner turns a meta-device model into fake tensors there), activation checkpointing
+    applied (the registry's policy for ``cfg``), in train mode. Returns the model to train (the
+    PEFT wrapper with LoRA) and what inspection of its layers finds.
+    """
+    if cfg.peft.use_peft:
+        model = attach_lora(model, cfg.peft)
+    if place is None:
+        model.to(precision.device)
+    else:
+        place(model)
+    policy = policy_from_config(cfg.checkpointing)
+    report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
+    return model.train(), report
+
+
+def build_model(cfg: RunConfig, precision: Precision, log=print, on_meta: Optional[ModelFacts] = None,
+                tokenizer=None):
+    """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
+
+    ``on_meta``: the model's facts, to build it from its config on the meta device, no weight read
+    (a rank that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one
+    already loaded.
+    """
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    if on_meta is not None:
+        model, report = prepare_model(meta_model(on_meta.config, precision.weight_dtype), cfg, precision,
+                                      place=lambda _model: None)
+    else:
+        model, report = prepare_model(load_model(cfg.model, precision.weight_dtype), cfg, precision)
+    trainable, total = count_parameters(model)
+    log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
+        f"{str(precision.weight_dtype).removeprefix('torch.')} weights) on {precision.device}")
+    log(report.summary_line())
+    return model, tokenizer

@@ -1,0 +1,36 @@
+"""The run's training step: the model joined with its loss, the optimizer, the schedule, the finite check."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from leantune.config import RunConfig
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.build.model import loss_function
+from leantune.models.structure import unwrap_model
+from leantune.precision import Precision
+from leantune.training.optim import build_optimizer
+from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
+
+
+def loss_model_for(model: torch.nn.Module, cfg: RunConfig) -> CausalLMLoss:
+    """``model`` joined with the loss ``cfg`` asks for (the module FSDP shards as its root)."""
+    return CausalLMLoss(model, loss_function(cfg, unwrap_model(model).get_output_embeddings().weight.shape[0]))
+
+
+def build_train_step(cfg: RunConfig, loss_model: CausalLMLoss, precision: Precision,
+                     dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print,
+                     check_finite: bool = True, foreach: Optional[bool] = None) -> TrainStep:
+    """The optimizer step ``cfg`` describes, over ``loss_model``'s trainable parameters.
+
+    Built after sharding (the optimizer must hold the shards). ``check_finite`` off where the
+    step only measures memory (random weights, fake tensors); ``foreach``: AdamW's multi-tensor
+    path (``leantune.training.optim.build_optimizer``).
+    """
+    tc = cfg.training
+    optimizer = build_optimizer(tc, loss_model.model, foreach=foreach)
+    nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log) if check_finite else None
+    clip = tc.gradient_clipping_threshold if tc.gradient_clipping else None
+    return TrainStep(loss_model, optimizer, precision, clip=clip, dist=dist, nonfinite=nonfinite)
