@@ -194,3 +194,29 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_i
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_losses(out) == step_losses(tmp_path / "reference")
     assert len(step_losses(out)) == (6 if kind == "full-accumulation" else 12)
+
+
+def test_a_signal_during_a_step_counts_for_that_step_on_every_rank(tiny_model_dir, tmp_path):
+    """SIGTERM to rank 1 in the middle of step 2's forward: the step's all-reduce (after backward) carries
+    it, so both ranks finish step 2, save it, and stop there rather than one step later."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import leantune.training.step as step\n"
+        "    forward, calls = step.CausalLMLoss.forward, []\n"
+        "    def signalled(self, *args, **kwargs):\n"
+        "        calls.append(None)\n"
+        "        if len(calls) == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        return forward(self, *args, **kwargs)\n"
+        "    step.CausalLMLoss.forward = signalled\n")
+    out = tmp_path / "out"
+    stopped = torchrun(["--model_name", str(tiny_model_dir), *FAST, "--use_peft", "--max_train_step", "8",
+                        "--batch_size_training", "1", "--enable_fsdp", "--save_model", "false", "--output_dir",
+                        str(out)], timeout=120, pythonpath=str(inject))
+    assert stopped.returncode != 0
+    assert (f"leantune: error on rank 0 of 2: stopped by a signal to another rank after step 2; training state "
+            f"saved to {out / 'checkpoint-2'}") in stopped.stderr, stopped.stderr[-3000:]
+    assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]

@@ -148,7 +148,7 @@ class Trainer:
     def train_step(self, window: list[dict]) -> StepResult:
         """One optimizer step over an accumulation window (``TrainStep.run``); every rank agrees on a stop."""
         self.activity = f"at step {len(self.steps) + 1}"
-        return self.step.run(window, stop_requested=self.stop.requested, step=len(self.steps) + 1,
+        return self.step.run(window, stop=lambda: self.stop.requested, step=len(self.steps) + 1,
                              skipped_before=self.progress.nonfinite_skipped)
 
     @torch.no_grad()

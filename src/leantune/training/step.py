@@ -158,15 +158,16 @@ class TrainStep:
         self.clip, self.dist, self.nonfinite = clip, dist, nonfinite
         self.stop_agreed = False  # whether any rank was signalled, as of the last step
 
-    def run(self, window: list[dict], stop_requested: bool = False, step: int = 1,
+    def run(self, window: list[dict], stop: Optional[Callable[[], bool]] = None, step: int = 1,
             skipped_before: int = 0) -> StepResult:
         """Forward and backward of every batch, then the optimizer step (or its skip).
 
         The loss is normalised by the target tokens of the whole window on all ranks, so every
         token weighs the same; FSDP averages the ranks' gradients, hence the rank count back in.
         A NaN or infinite loss or gradient norm skips the optimizer step (``NonFiniteCheck``
-        decides whether the run may go on). ``stop_requested``: this rank was signalled; every
-        rank learns whether any was in the step's one all-reduce (``stop_agreed``).
+        decides whether the run may go on). ``stop()``: whether this rank has been signalled,
+        asked at the step's one all-reduce (after backward, so a signal during the step counts
+        for this step); every rank learns whether any was (``stop_agreed``).
         """
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -178,8 +179,8 @@ class TrainStep:
         # one wait for the device, before the optimizer may apply what is checked
         loss_sum, grad_norm = host_floats(loss_total, self.gradient_norm())
         input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
-        loss_sum, input_tokens, stops = self.dist.sum_all([loss_sum, input_tokens, float(stop_requested)],
-                                                          self.device)
+        stop_requested = float(stop is not None and stop())
+        loss_sum, input_tokens, stops = self.dist.sum_all([loss_sum, input_tokens, stop_requested], self.device)
         self.stop_agreed = stops > 0  # every rank stops after the same step
         loss = loss_sum / max(targets, 1)
         skipped = None
