@@ -270,3 +270,31 @@ def test_a_signal_during_the_last_validation_lets_the_run_finish(tiny_model_dir,
     code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path),
                             "--run_validation", "true", "--max_eval_step", "1"])
     assert code == 0 and (tmp_path / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("clipping", ["true", "false"])
+def test_an_overflow_under_the_grad_scaler_is_routine_not_a_bad_step(tiny_model_dir, tmp_path, monkeypatch, clipping):
+    """With --use_fp16 an infinite gradient (the loss finite) is the GradScaler's business: it skips that
+    update and halves its scale; the run neither warns nor counts a non-finite step nor stops (the
+    allowance is 0)."""
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: FP16)
+    loss_step, calls = TrainStep.loss_step, []
+
+    def overflowing(self, batch, normaliser):
+        loss = loss_step(self, batch, normaliser)
+        calls.append(None)
+        if len(calls) == 2:  # step 2: one gradient overflows after backward, the loss stays finite
+            next(p for p in self.loss_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return loss
+
+    monkeypatch.setattr(TrainStep, "loss_step", overflowing)
+    monkeypatch.setattr(Trainer, "_after_step", _remember_scale(Trainer._after_step, scales := []))
+    lines: list[str] = []
+    results = finetuning.run(parse_run_config(["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "4",
+                                               "--use_peft", "--gradient_clipping", clipping, "--output_dir",
+                                               str(tmp_path)]), log=lines.append)
+    assert results["steps"] == 4 and results["skipped_nonfinite_steps"] == 0
+    assert not [line for line in lines if line.startswith("warning:")]
+    assert scales[1] == scales[0] / 2 and scales[2] == scales[1]  # the overflow halved the scale, once
+    steps = json.loads((tmp_path / "metrics.json").read_text())["train_steps"]
+    assert all("skipped" not in s for s in steps) and all(s["loss"] is not None for s in steps)
