@@ -466,3 +466,19 @@ def test_a_run_traces_each_step_once_and_reads_the_model_config_once(tiny_model_
     assert trainer.parts.token_flops.model > 0
     assert len(traced) == len(set(traced)) > 2  # the FLOP count reused auto's traces of the chosen batch
     assert len(reads) == 1
+
+
+def test_shared_traces_answer_what_fresh_traces_would():
+    """A run's StepTraces hands each step its own trace: other batches, modes, flags or models are traced anew,
+    and a batch search through it finds what it finds without it."""
+    from leantune.planning.fake_step import StepTraces
+
+    traces, config = StepTraces(), model_config("tiny")
+    one, two = flags("--use_peft"), flags("--use_peft", "--batch_size_training", "3")
+    assert traces.get(one, config, CPU, "full") is traces.get(one, config, CPU, "full")
+    peaks = {traces.get(cfg, config, CPU, mode).peak_bytes for cfg in (one, two) for mode in ("none", "full")}
+    peaks.add(traces.get(flags("--use_peft", "--lora_r", "16"), config, CPU, "full").peak_bytes)
+    peaks.add(traces.get(one, model_config("small"), CPU, "full").peak_bytes)
+    assert len(peaks) == 6  # every one a different step
+    budget = 40 * MIB
+    assert largest_batch(one, config, CPU, "full", budget, StepTraces()) == largest_batch(one, config, CPU, "full", budget)

@@ -205,13 +205,12 @@ class StepTraces:
         self._traces: dict[tuple, StepTrace] = {}
 
     def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
-        key = (repr(run_config_for_mode(cfg, mode)), id(config), target.type)
+        # everything the traced step is made from: the run's flags as that mode sets them, the
+        # model's config (its full text, not its identity) and the target's kind
+        key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), target.type)
         if key not in self._traces:
             self._traces[key] = trace_step(cfg, config, target, mode)
         return self._traces[key]
-
-    def __len__(self) -> int:
-        return len(self._traces)
 
 
 def traced(traces: Optional[StepTraces], cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
