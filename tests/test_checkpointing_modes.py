@@ -9,7 +9,8 @@ import torch
 
 from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, LayerMix,
                                     OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing)
-from leantune.checkpointing.modes import MODES, mode_choices, planned_modes, policy_class, policy_from_config
+from leantune.checkpointing.modes import (MODES, mode_choices, planned_modes, policy_class, policy_from_config,
+                                         recompute_rank)
 from leantune.cli_args import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
@@ -144,19 +145,58 @@ def test_layer_mix_flags_and_errors(load_tiny):
         apply_activation_checkpointing(load_tiny(), LayerMix(layers=("full",) * 3))
 
 
+OWN_FLAG_VALUES = {"activation_checkpointing_every_n": "3", "activation_checkpointing_layers": "full=1,none=1",
+                   "activation_offload_max_pinned_gb": "1.5"}
+
+
 def test_every_registered_mode_is_offered_documented_and_built_from_its_flags():
     """The registry is the one list of modes: the flag offers each, the docs describe each, its flags build it."""
     docs = (Path(__file__).resolve().parents[1] / "docs" / "activation_checkpointing_modes.md").read_text()
     choices = next(a.choices for a in build_parser()._actions if "--activation_checkpointing_mode" in a.option_strings)
     assert tuple(choices) == mode_choices() == (*MODES, "auto")
-    own_flag_values = {"activation_checkpointing_every_n": "3", "activation_checkpointing_layers": "full=1,none=1",
-                       "activation_offload_max_pinned_gb": "1.5"}
     for name, cls in MODES.items():
         assert f"| `{name}`" in docs, f"{name}: add its row to docs/activation_checkpointing_modes.md"
-        flags = [f for flag in cls.own_flags for f in (f"--{flag}", own_flag_values[flag])]
+        flags = [f for flag in cls.own_flags for f in (f"--{flag}", OWN_FLAG_VALUES[flag])]
         cfg = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", name, *flags])
         policy = policy_from_config(cfg.checkpointing)
         assert type(policy) is cls and policy.name == name
         assert (name in planned_modes(on_gpu=True)) == cls.planned
         assert (name in planned_modes(on_gpu=False)) == (cls.planned and not cls.gpu_only)
     assert planned_modes(on_gpu=True) == ["none", "full", "every_n", "selective_ops", "offload"]
+
+
+
+def _mode_config(name: str):
+    own = [f for flag in MODES[name].own_flags for f in (f"--{flag}", OWN_FLAG_VALUES[flag])]
+    return parse_run_config(["--model_name", "tiny", "--context_length", "128", "--batch_size_training", "2",
+                             "--enable_activation_checkpointing", "--activation_checkpointing_mode", name, *own])
+
+
+@pytest.mark.parametrize("name, suggests_full", [("full", False), ("every_n", True), ("selective_ops", True),
+                                                 ("offload", False), ("layer_mix", True)])
+def test_the_oom_advice_follows_each_modes_declaration(name, suggests_full):
+    from leantune.memory.oom import memory_fixes
+
+    assert set(MODES) == {"full", "every_n", "selective_ops", "offload", "layer_mix"}  # a new mode: add its row
+    fixes = memory_fixes(_mode_config(name), torch.device("cuda"))
+    assert (f"recompute every layer: --activation_checkpointing_mode full (now {name})" in fixes) == suggests_full
+    assert MODES[name].keeps_least == (not suggests_full)
+    assert any("--activation_checkpointing_mode offload" in fix for fix in fixes) == (name != "offload")
+
+
+def test_offload_counts_the_flops_of_full_and_ties_go_to_the_mode_that_recomputes_less():
+    from leantune.models.presets import model_config
+    from leantune.planning.flops import count_token_flops
+    from leantune.planning.plan import ModePlan, choose_mode
+
+    cuda, config = torch.device("cuda"), model_config("tiny")
+    assert MODES["offload"].flops_as == "full"
+    assert count_token_flops(_mode_config("offload"), config, cuda) == count_token_flops(_mode_config("full"), config,
+                                                                                         cuda)
+    # auto's tie-break: equal recompute FLOPs go to the mode that recomputes less by design
+    assert sorted(planned_modes(on_gpu=True), key=recompute_rank) == ["none", "selective_ops", "every_n", "full",
+                                                                      "offload"]
+    tied = [ModePlan(mode, mode, "cuda", 2, 128, *([0] * 9), fits=True) for mode in ("full", "every_n", "offload",
+                                                                                      "selective_ops")]
+    assert choose_mode(tied).mode == "selective_ops"
+    assert choose_mode([p for p in tied if p.mode != "selective_ops"]).mode == "every_n"
