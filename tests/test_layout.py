@@ -149,3 +149,16 @@ def test_modules_and_functions_stay_small(name):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert long == [], f"{name}: functions over {MAX_FUNCTION_LINES} lines"
+
+
+def test_the_console_script_loads_each_command_when_it_runs():
+    """`leantune --help` imports no torch; each command's module exists and has main(argv)."""
+    from leantune.cli import COMMANDS
+
+    for name, command in COMMANDS.items():
+        assert command.module in MODULES, name
+        assert any(isinstance(node, ast.FunctionDef) and node.name == "main"
+                   for node in ast.parse(MODULES[command.module].read_text()).body), command.module
+    probe = "import sys, leantune.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stderr[-2000:]
