@@ -160,8 +160,7 @@ class CheckpointingConfig:
                      f"applies to --activation_checkpointing_mode {owner_of_flag('activation_offload_max_pinned_gb')}; "
                      "add --enable_activation_checkpointing")
             return
-        self._check_own_flags(mode or DEFAULT)
-        self._check_values()
+        self._check_mode_flags(mode or DEFAULT)
         if self.activation_checkpointing_use_reentrant and mode == AUTO:
             raise ConfigError(f"--activation_checkpointing_mode {AUTO}: chooses among non-reentrant modes; "
                               "drop --activation_checkpointing_use_reentrant")
@@ -171,27 +170,29 @@ class CheckpointingConfig:
             except ValueError as err:
                 raise ConfigError(f"--activation_checkpointing_mode {mode}: {err}") from None
 
-    def _check_own_flags(self, mode: str) -> None:
-        """A mode's own flag (every_n's N, layer_mix's layers, offload's cap) only with that mode, and the reverse."""
-        for cls in MODES.values():
-            for flag in cls.own_flags:
-                _require(getattr(self, flag) is None or mode == cls.name, flag,
-                         f"applies to --activation_checkpointing_mode {cls.name}, not {mode}")
-        _require(mode != LayerMix.name or self.activation_checkpointing_layers is not None,
-                 "activation_checkpointing_layers",
+    def _check_mode_flags(self, mode: str) -> None:
+        """Each mode's own flag (offload's cap, every_n's N, layer_mix's layers): only with its mode, and valid."""
+        cap, every_n, layers = (self.activation_offload_max_pinned_gb, self.activation_checkpointing_every_n,
+                                self.activation_checkpointing_layers)
+        self._require_owner("activation_offload_max_pinned_gb", mode)
+        _require(cap is None or 0 < cap < float("inf"), "activation_offload_max_pinned_gb",
+                 f"must be a positive number of GiB (got {cap})")
+        self._require_owner("activation_checkpointing_every_n", mode)
+        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n", f"must be at least 1 (got {every_n})")
+        self._require_owner("activation_checkpointing_layers", mode)
+        _require(mode != LayerMix.name or layers is not None, "activation_checkpointing_layers",
                  "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")
-
-    def _check_values(self) -> None:
-        max_pinned, every_n = self.activation_offload_max_pinned_gb, self.activation_checkpointing_every_n
-        _require(max_pinned is None or 0 < max_pinned < float("inf"), "activation_offload_max_pinned_gb",
-                 f"must be a positive number of GiB (got {max_pinned})")
-        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
-                 f"must be at least 1 (got {every_n})")
-        if self.activation_checkpointing_layers is not None:
+        if layers is not None:
             try:
-                parse_layer_mix(self.activation_checkpointing_layers)
+                parse_layer_mix(layers)
             except ValueError as err:
                 raise ConfigError(f"--activation_checkpointing_layers: {err}") from None
+
+    def _require_owner(self, flag: str, mode: str) -> None:
+        """A mode's own flag only with that mode (the registry says whose it is)."""
+        owner = owner_of_flag(flag)
+        _require(getattr(self, flag) is None or mode == owner, flag,
+                 f"applies to --activation_checkpointing_mode {owner}, not {mode}")
 
     @property
     def mode(self) -> Optional[str]:
