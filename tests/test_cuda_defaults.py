@@ -132,3 +132,14 @@ def test_a_run_shorter_than_the_snapshot_names_the_steps_it_had(monkeypatch, tmp
     snapshot.write(1)  # the run ended (or failed) after one step
     assert logged[0].startswith("memory snapshot of steps 1-1: ")
     assert MemorySnapshot(True, torch.device("cpu"), tmp_path).steps == 0  # CUDA only
+
+
+def test_a_run_resumed_past_the_snapshot_records_and_writes_nothing(monkeypatch, tmp_path):
+    history, logged = [], []
+    stand_in_cuda(monkeypatch, lambda filename: Path(filename).write_bytes(b"snapshot"))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: history.append(kwargs))
+    snapshot = MemorySnapshot(True, GPU, tmp_path, SINGLE_PROCESS, logged.append)
+    snapshot.start(steps_done=SNAPSHOT_STEPS + 2)
+    snapshot.after_step(SNAPSHOT_STEPS + 3)
+    snapshot.write(SNAPSHOT_STEPS + 3)
+    assert history == [] and logged == [] and list(tmp_path.iterdir()) == []

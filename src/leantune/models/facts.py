@@ -42,8 +42,8 @@ class ModelFacts:
     The module names the checks need come from one model built on the ``meta`` device, once.
     """
 
-    def __init__(self, name: str, config: PretrainedConfig):
-        self.name, self.config = name, config
+    def __init__(self, config: PretrainedConfig):
+        self.config = config
 
     @functools.cached_property
     def shape(self) -> torch.nn.Module:
@@ -61,7 +61,7 @@ class ModelFacts:
 def run_model_facts(cfg: ModelConfig) -> ModelFacts:
     """The facts of the model a run trains: its own ``config.json`` (a directory, or a hub id's)."""
     try:
-        facts = ModelFacts(cfg.model_name, AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)))
+        facts = ModelFacts(AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)))
         facts.shape  # built now: a model transformers cannot build is refused before any weight loads
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
@@ -71,4 +71,4 @@ def run_model_facts(cfg: ModelConfig) -> ModelFacts:
 
 def plan_model_facts(name: str) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``)."""
-    return ModelFacts(name, model_config(name))
+    return ModelFacts(model_config(name))

@@ -117,9 +117,11 @@ class MemorySnapshot:
         self.device, self.output_dir, self.dist, self.log = device, output_dir, dist, log
 
     def start(self, steps_done: int) -> None:
-        """Start recording, unless the steps it covers are done already (a resumed run)."""
+        """Start recording, unless the steps it covers are done already (a resumed run: then nothing is written)."""
         if self.steps and steps_done < self.steps:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+        else:
+            self.steps = 0
 
     def after_step(self, step: int) -> None:
         if self.steps and step == self.steps:
