@@ -114,6 +114,19 @@ def test_layers_import_only_downward():
     assert upward == []
 
 
+def test_a_package_init_imports_nothing_above_its_lowest_module():
+    """Importing ``leantune.models.structure`` runs ``leantune/models/__init__.py`` first: a package's
+    ``__init__`` is part of every import of its modules, so it may import only what its lowest module may."""
+    packages = [name for name, path in MODULES.items() if path.name == "__init__.py" and name != "leantune"]
+    upward = []
+    for package in packages:
+        members = [m for m in MODULES if m.startswith(package + ".")]
+        floor = max(layer_of(m) for m in members) if members else layer_of(package)
+        upward += [f"{package}/__init__ imports {target} ({LAYERS[layer_of(target)][0]}), above its module in "
+                   f"{LAYERS[floor][0]}" for target in GRAPH[package] if target in MODULES and layer_of(target) < floor]
+    assert upward == []
+
+
 def test_every_import_names_a_module_that_exists():
     missing = [f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
                if target not in MODULES and target.rsplit(".", 1)[0] not in MODULES]
