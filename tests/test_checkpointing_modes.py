@@ -163,7 +163,10 @@ def test_every_registered_mode_is_offered_documented_and_built_from_its_flags():
         assert (name in planned_modes(on_gpu=True)) == cls.planned
         assert (name in planned_modes(on_gpu=False)) == (cls.planned and not cls.gpu_only)
     assert planned_modes(on_gpu=True) == ["none", "full", "every_n", "selective_ops", "offload"]
+    # the config checks each mode's own flag (whose it is, and its value): every one the registry declares
+    from leantune.config import CheckpointingConfig
 
+    assert sorted(CheckpointingConfig.MODE_FLAGS) == sorted(f for cls in MODES.values() for f in cls.own_flags)
 
 
 def _mode_config(name: str):

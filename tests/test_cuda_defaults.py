@@ -143,3 +143,15 @@ def test_a_run_resumed_past_the_snapshot_records_and_writes_nothing(monkeypatch,
     snapshot.after_step(SNAPSHOT_STEPS + 3)
     snapshot.write(SNAPSHOT_STEPS + 3)
     assert history == [] and logged == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_resumed_within_the_snapshot_names_the_steps_it_recorded(monkeypatch, tmp_path):
+    stand_in_cuda(monkeypatch, lambda filename: Path(filename).write_bytes(b"snapshot"))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: None)
+    logged = []
+    snapshot = MemorySnapshot(True, GPU, tmp_path, SINGLE_PROCESS, logged.append)
+    snapshot.start(steps_done=1)  # resumed after step 1: steps 2 and 3 are recorded
+    snapshot.after_step(2)
+    snapshot.after_step(3)
+    assert logged == [f"memory snapshot of steps 2-3: {tmp_path / 'memory_snapshot.pickle'} "
+                      "(drag it into https://pytorch.org/memory_viz)"]

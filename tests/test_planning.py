@@ -482,3 +482,9 @@ def test_shared_traces_answer_what_fresh_traces_would():
     assert len(peaks) == 6  # every one a different step
     budget = 40 * MIB
     assert largest_batch(one, config, CPU, "full", budget, StepTraces()) == largest_batch(one, config, CPU, "full", budget)
+    # keyed by what the model config says, not by which object holds it
+    assert traces.get(one, model_config("tiny"), CPU, "full") is traces.get(one, config, CPU, "full")
+    shallower = model_config("tiny")
+    before = traces.get(one, shallower, CPU, "full").peak_bytes
+    shallower.num_hidden_layers = 2  # changed in place: another model, another step
+    assert traces.get(one, shallower, CPU, "full").peak_bytes < before

@@ -170,6 +170,11 @@ class CheckpointingConfig:
             except ValueError as err:
                 raise ConfigError(f"--activation_checkpointing_mode {mode}: {err}") from None
 
+    # Each mode's own flag, in the order they are checked (``tests/test_checkpointing_modes.py`` checks this
+    # names every ``own_flags`` of the registry, which says whose each is).
+    MODE_FLAGS = ("activation_offload_max_pinned_gb", "activation_checkpointing_every_n",
+                  "activation_checkpointing_layers")
+
     def _check_mode_flags(self, mode: str) -> None:
         """Each mode's own flag (offload's cap, every_n's N, layer_mix's layers): only with its mode, and valid."""
         cap, every_n, layers = (self.activation_offload_max_pinned_gb, self.activation_checkpointing_every_n,

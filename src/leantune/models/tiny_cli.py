@@ -10,7 +10,7 @@ from leantune.models.tiny import TINY_SHAPE, make_tiny_model
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("dir", help="output directory (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     for name, default in TINY_SHAPE.items():

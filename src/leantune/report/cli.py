@@ -11,7 +11,7 @@ from leantune.report.plots import ReportError, load_run, write_report
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="leantune report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="leantune report", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("runs", nargs="+", help="output directories of runs (with metrics.json)")
     parser.add_argument("--out", help="where report.png and report.md go (default: the run's directory, or the "
                                       "current one for several runs)")

@@ -114,11 +114,13 @@ class MemorySnapshot:
     def __init__(self, enabled: bool, device: torch.device, output_dir: str | Path, dist: DistContext = SINGLE_PROCESS,
                  log: Callable[[str], None] = print):
         self.steps = SNAPSHOT_STEPS if enabled and device.type == "cuda" else 0
+        self.first = 1  # the first step recorded (later in a run resumed within the snapshot's steps)
         self.device, self.output_dir, self.dist, self.log = device, output_dir, dist, log
 
     def start(self, steps_done: int) -> None:
         """Start recording, unless the steps it covers are done already (a resumed run: then nothing is written)."""
         if self.steps and steps_done < self.steps:
+            self.first = steps_done + 1
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         else:
             self.steps = 0
@@ -135,5 +137,5 @@ class MemorySnapshot:
         name = "memory_snapshot.pickle" if self.dist.is_main else f"memory_snapshot.rank{self.dist.rank}.pickle"
         path = dump_snapshot(self.device, self.output_dir, name)
         torch.cuda.memory._record_memory_history(enabled=None)  # recording costs time on every allocation
-        self.log(f"memory snapshot of steps 1-{recorded}: {path} (drag it into https://pytorch.org/memory_viz)"
+        self.log(f"memory snapshot of steps {self.first}-{recorded}: {path} (drag it into https://pytorch.org/memory_viz)"
                  if path else "memory snapshot: could not be written")
