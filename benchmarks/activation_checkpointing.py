@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.build.model import loss_function, prepare_model
+from leantune.builders.model import loss_function, prepare_model
 from leantune.checkpointing.modes import planned_modes
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig

@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 from leantune.cli_args import parse_run_config
-from leantune.build.model import build_model, loss_function
+from leantune.builders.model import build_model, loss_function
 from leantune.finetuning import run
 from leantune.memory.meter import ActivationMeter
 from leantune.models.structure import unwrap_model

@@ -138,7 +138,7 @@ def test_saved_adapter_reloads_to_the_same_model(tiny_model_dir, tmp_path):
     assert not torch.allclose(before, after)  # the adapter learned something and was saved
 
     # --from_peft_checkpoint starts from exactly that adapter, trainable again.
-    from leantune.build.model import build_model
+    from leantune.builders.model import build_model
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--from_peft_checkpoint", str(out)])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import leantune.finetuning as finetuning
-from leantune.build.model import build_model
+from leantune.builders.model import build_model
 from leantune.cli_args import parse_run_config
 from leantune.precision import Precision
 

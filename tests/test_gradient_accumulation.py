@@ -16,10 +16,10 @@ import torch
 
 from helpers import make_batch
 from leantune.cli_args import parse_run_config
-from leantune.build.model import build_model, loss_function
+from leantune.builders.model import build_model, loss_function
 from leantune.labels import count_targets
 from leantune.precision import choose_precision
-from leantune.build.step import build_train_step
+from leantune.builders.step import build_train_step
 from leantune.training.step import CausalLMLoss, TrainStep
 
 SEQ = 64

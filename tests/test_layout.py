@@ -24,7 +24,7 @@ LAYERS = (
     ("entry", ("leantune.__main__", "leantune.cli", "leantune.finetuning", "leantune.preflight",
                "leantune.planning.cli")),
     ("planning", ("leantune.planning",)),
-    ("build", ("leantune.build",)),
+    ("builders", ("leantune.builders",)),
     ("training", ("leantune.training",)),
     ("components", ("leantune.data", "leantune.distributed", "leantune.memory", "leantune.models",
                     "leantune.report", "leantune.loss", "leantune.precision", "leantune.labels", "leantune.io",

@@ -10,7 +10,7 @@ import torch
 from helpers import llama_training_flops
 from torch.utils.flop_counter import FlopCounterMode, addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
-from leantune.build.model import build_model, loss_function
+from leantune.builders.model import build_model, loss_function
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import run
 from leantune.models.presets import model_config

@@ -2,7 +2,7 @@
 
 parse config → plan → build → ``train()`` → save; whatever was built is closed in ``finally`` (the
 memory sampler stops and the metrics are written even when training fails). The builders live in
-``leantune.build``, the plan in ``leantune.planning``, the loop in ``leantune.training``.
+``leantune.builders``, the plan in ``leantune.planning``, the loop in ``leantune.training``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from leantune.build.loaders import RunData
-from leantune.build.model import build_model, describe_loss
-from leantune.build.monitor import build_monitor
-from leantune.build.sharding import shard, start_distributed
-from leantune.build.step import build_train_step, loss_model_for
+from leantune.builders.loaders import RunData
+from leantune.builders.model import build_model, describe_loss
+from leantune.builders.monitor import build_monitor
+from leantune.builders.sharding import shard, start_distributed
+from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.build.model import loss_function
+from leantune.builders.model import loss_function
 from leantune.config import ConfigError, RunConfig
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.structure import unwrap_model

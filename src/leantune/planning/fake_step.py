@@ -2,8 +2,8 @@
 
 Nothing here is a formula. The model is built on the ``meta`` device from its config (no weights
 are read), LoRA is attached there, and every parameter and buffer becomes a fake CPU tensor
-(shape, dtype, no data). Then leantune's own code runs as in training: ``build.prepare_model``
-applies the checkpointing policy, ``build.build_train_step`` joins the loss and builds the
+(shape, dtype, no data). Then leantune's own code runs as in training: ``builders.prepare_model``
+applies the checkpointing policy, ``builders.build_train_step`` joins the loss and builds the
 optimizer, and that ``TrainStep`` does forward, loss, backward and the optimizer step — on fakes,
 counted by a ``StorageTracker`` that also counts FLOPs. ``StepTraces`` keeps each traced step of a
 run, so the plan, auto mode and the FLOP count share one trace of the same step.
@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 from transformers import AutoModelForCausalLM
 
-from leantune.build.model import prepare_model
-from leantune.build.step import build_train_step, loss_model_for
+from leantune.builders.model import prepare_model
+from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.memory.tracker import StorageTracker

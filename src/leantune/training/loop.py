@@ -43,7 +43,7 @@ _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_
 
 @dataclass
 class TrainingParts:
-    """Everything a run trains with, built before the loop starts (``leantune.build``)."""
+    """Everything a run trains with, built before the loop starts (``leantune.builders``)."""
 
     model: torch.nn.Module
     tokenizer: object

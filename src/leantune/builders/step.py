@@ -8,7 +8,7 @@ import torch
 
 from leantune.config import RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
-from leantune.build.model import loss_function
+from leantune.builders.model import loss_function
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 from leantune.training.optim import build_optimizer

@@ -2,5 +2,6 @@
 
 ``model`` (LoRA, placement, checkpointing, the loss), ``step`` (the loss model, optimizer and
 finite check as one ``TrainStep``), ``loaders``, ``monitor`` and ``sharding`` (the process group
-and FSDP2). Nothing here trains or plans.
+and FSDP2). Nothing here trains or plans. (Not named ``build``: tools and ignore files take a
+``build/`` folder for generated output.)
 """
