@@ -10,7 +10,8 @@ import torch
 from helpers import llama_training_flops
 from torch.utils.flop_counter import FlopCounterMode, addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
-from leantune.builders.model import build_model, loss_function
+from leantune.builders.model import build_model
+from leantune.builders.step import loss_model_for
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import run
 from leantune.models.presets import model_config
@@ -18,7 +19,6 @@ from leantune.models.structure import unwrap_model
 from leantune.planning.flops import count_token_flops
 from leantune.precision import choose_precision
 from leantune.report.flops import PEAK_BF16_TFLOPS, TokenFlops, device_peak_tflops
-from leantune.training.step import CausalLMLoss
 
 
 def _token_flops(argv: list[str]) -> TokenFlops:
@@ -56,8 +56,8 @@ def _real_step_flops(cfg) -> tuple[int, dict]:
         aten.addmm_: lambda self, a, b, *args, out_shape=None, **kwargs: addmm_flop(self, a, b),
     }
     model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lambda _line: None)
+    loss_model = loss_model_for(model, cfg)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-    loss_model = CausalLMLoss(model, loss_function(cfg, vocab))
     ids = torch.randint(3, vocab, (1, cfg.data.context_length), generator=torch.Generator().manual_seed(0))
     counter = FlopCounterMode(display=False, custom_mapping=mapping)
     with counter:

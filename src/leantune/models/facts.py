@@ -18,14 +18,20 @@ from leantune.config import ConfigError, ModelConfig
 from leantune.models.loading import ATTENTION, ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.presets import model_config
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV cache)."""
+def model_from_config(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM of ``config``'s shape in ``dtype``, randomly initialised on the current default device,
+    built as leantune trains it (its attention, no KV cache); ``config`` itself is left as it was."""
     config = copy.deepcopy(config)
     config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     model.config.use_cache = False
     return model
+
+
+def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV cache)."""
+    with torch.device("meta"):
+        return model_from_config(config, dtype)
 
 
 def check_context_length(config: PretrainedConfig, context_length: int) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.builders.model import loss_function
+from leantune.builders.step import loss_model_for
 from leantune.config import ConfigError, RunConfig
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.structure import unwrap_model
@@ -19,7 +19,7 @@ from leantune.planning.choose import MemoryPlan
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import batch_candidates, format_bytes, plan_modes, run_mode, with_batch
 from leantune.precision import Precision
-from leantune.training.step import forward_backward
+from leantune.training.step import loss_and_backward
 
 
 def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> Callable[[int], int]:
@@ -33,13 +33,13 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -
     device = precision.device
 
     def run(batch: int) -> int:
-        head = unwrap_model(model).get_output_embeddings()
-        loss_fn = loss_function(cfg, head.weight.shape[0])
+        loss_model = loss_model_for(model, cfg)  # the run's own loss, as builders.step joins it
+        vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                ids = torch.randint(0, head.weight.shape[0], (batch, cfg.data.context_length), device=device)
+                ids = torch.randint(0, vocab, (batch, cfg.data.context_length), device=device)
                 with StepPeakMeter(device, model) as meter:
-                    forward_backward(model, head, ids, ids, loss_fn, precision)
+                    loss_and_backward(loss_model, ids, ids, precision)
                 return meter.budget_bytes_used
         finally:
             model.zero_grad(set_to_none=True)

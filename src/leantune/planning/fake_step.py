@@ -19,7 +19,6 @@ the allocator's 512-byte rounding; what only a GPU adds is stated separately (``
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -27,15 +26,13 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
-from transformers import AutoModelForCausalLM
 
 from leantune.builders.model import prepare_model
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.memory.tracker import StorageTracker
-from leantune.models.facts import meta_model
-from leantune.models.loading import ATTENTION
+from leantune.models.facts import meta_model, model_from_config
 from leantune.models.structure import decoder_layers, unwrap_model
 from leantune.precision import Precision, choose_precision
 from leantune.training.step import TrainStep
@@ -89,10 +86,8 @@ def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
 
 def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """The same model with random weights on the CPU (for measuring what ``meta_model`` predicts)."""
-    config = copy.deepcopy(config)
-    config.use_cache = False
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+    return model_from_config(config, dtype)
 
 
 def fake_placer(mode: FakeTensorMode):
