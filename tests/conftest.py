@@ -15,7 +15,10 @@ TEST_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_leantune_home(tmp_path_factory):
-    """Tests never touch ~/.cache/leantune."""
+    """Tests never touch ~/.cache/leantune (and transformers draws no progress bars into captured output)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     home = tmp_path_factory.mktemp("leantune-home")
     old = os.environ.get("LEANTUNE_HOME")
     os.environ["LEANTUNE_HOME"] = str(home)
@@ -61,3 +64,35 @@ def write_jsonl(tmp_path):
         return path
 
     return write
+
+
+# The decoder families' tiny models (``tests/test_families.py``): each family's head transform made strong
+# enough to matter (their defaults are 30 and 0.0625, or none), and the head's weights large.
+FAMILY_SHAPE = dict(TEST_SHAPE, max_position_embeddings=512)
+STRONG = {"granite": dict(logits_scaling=0.25), "cohere": dict(logit_scale=4.0),
+          "gemma2": dict(final_logit_softcapping=5.0), "gemma3": dict(final_logit_softcapping=5.0)}
+HEAD_STD = 1.0  # with hidden 64, logits of about 8 either way of zero
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """``family_dir(family)``: the family's tiny model, built once per session."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.tiny import make_tiny_model
+
+    def build(family: str):
+        if family not in built:
+            path = make_tiny_model(root / family, seed=0, family=family, **FAMILY_SHAPE, **STRONG.get(family, {}))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            with torch.no_grad():
+                model.get_output_embeddings().weight.normal_(0.0, HEAD_STD)
+            model.save_pretrained(path)
+            built[family] = path
+        return built[family]
+
+    return build
+
+

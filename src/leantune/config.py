@@ -19,6 +19,10 @@ DEFAULT_MODEL_NAME = "leantune-tiny-llama"
 CheckpointingMode = Literal[mode_choices()]
 
 
+# --lora_target_modules all-linear: every linear layer but the output head (peft's name and meaning).
+ALL_LINEAR = "all-linear"
+
+
 class ConfigError(ValueError):
     """An invalid flag value; the message names the flag and what would be valid."""
 
@@ -43,6 +47,11 @@ class ModelConfig:
         "bfloat16 with --mixed_precision on a bf16-capable GPU (float32 under --use_fp16)."))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = field(
+        default="auto", metadata=_help(
+            "Attention kernel (transformers' names). auto: sdpa where the model supports it, else eager "
+            "(Gemma 2), whose batch x heads x seq x seq scores per layer the plan shows. flex_attention and "
+            "flash_attention_2 need a CUDA GPU (flash_attention_2 also the flash-attn package)."))
 
     def __post_init__(self):
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")
@@ -119,7 +128,8 @@ class PeftSettings:
     lora_alpha: int = field(default=32, metadata=_help("LoRA scaling numerator (scale = alpha / r)."))
     lora_dropout: float = field(default=0.05, metadata=_help("Dropout on the LoRA branch's input."))
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=_help(
-        "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj)."))
+        "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj), or all-linear: "
+        "every linear layer of the decoder (peft's meaning; Phi-3's fused qkv_proj and gate_up_proj too)."))
 
     def __post_init__(self):
         self.lora_target_modules = [m for item in self.lora_target_modules for m in item.split(",") if m]
@@ -127,6 +137,8 @@ class PeftSettings:
         _require(self.lora_alpha > 0, "lora_alpha", "must be positive")
         _require(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
         _require(bool(self.lora_target_modules), "lora_target_modules", "name at least one module")
+        _require(ALL_LINEAR not in self.lora_target_modules or len(self.lora_target_modules) == 1,
+                 "lora_target_modules", f"{ALL_LINEAR} already names every linear layer; give it alone")
         _require(not self.from_peft_checkpoint or self.use_peft, "from_peft_checkpoint", "needs --use_peft")
 
 

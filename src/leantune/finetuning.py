@@ -57,8 +57,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     batch resolved) as soon as there is one.
     """
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
-    resume, facts = preflight(cfg)
     device = choose_device(cfg.model)
+    resume, facts = preflight(cfg, device.type, log)
     if cfg.memory.memory_snapshot and device.type != "cuda":
         raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
                           "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
@@ -104,9 +104,9 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     tokenizer = load_tokenizer(cfg.model)
     data = RunData(cfg, tokenizer, log, dist)
     loaders = data.loaders(cfg)
-    on_meta = facts if dist.distributed and cfg.distributed.low_cpu_fsdp and not dist.is_main else None
-    model, tokenizer = build_model(cfg, precision, log, on_meta=on_meta, tokenizer=tokenizer)
-    if path is not None and on_meta is None:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
+    on_meta = dist.distributed and cfg.distributed.low_cpu_fsdp and not dist.is_main
+    model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer)
+    if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
     confirmed = confirm_the_batch(memory, model, facts.config, precision, log, traces)
     if confirmed.cfg.training.batch_size_training != cfg.training.batch_size_training:

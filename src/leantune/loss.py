@@ -21,10 +21,16 @@ Two implementations with the same result:
   in place. Under float16 (``--use_fp16``) gradients formed in forward would miss the loss scale
   and underflow, so each chunk is recomputed in backward instead (checkpointed chunks), where the
   GradScaler's scale reaches it.
+
+Some models transform the logits after their LM head (Granite divides them by ``logits_scaling``,
+Cohere multiplies them by ``logit_scale``, Gemma 2/3 soft-cap them with ``tanh``). A
+``LogitTransform`` carries that transform into both losses; the fused one applies it inside each
+chunk, with its exact gradient, so no full-vocabulary logits appear for these models either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,12 +42,72 @@ from leantune.labels import IGNORE_INDEX, shifted_targets
 _CHUNK_LOGITS_BYTES = 64 << 20
 
 
-def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its LM head's output before the loss: ``softcap * tanh(scale * z / softcap)``.
+
+    ``scale`` multiplies the logits (1: none); ``softcap`` bounds them to (-softcap, softcap)
+    (None: none); ``source`` names the config fields it was read from, for the run's log.
+    """
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+    source: str = ""
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The transformed logits, differentiably (the plain loss's path)."""
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def apply_(self, logits: torch.Tensor, with_slope: bool = True) -> Optional[torch.Tensor]:
+        """Transform float32 ``logits`` in place; returns d(out)/d(in) (``with_slope``) unless it is the
+        constant ``scale``."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is None:
+            return None
+        capped = logits.div_(self.softcap).tanh_()
+        # d/dz softcap * tanh(scale * z / softcap) = scale * (1 - tanh^2)
+        slope = capped.square().neg_().add_(1.0).mul_(self.scale) if with_slope else None
+        capped.mul_(self.softcap)
+        return slope
+
+    def describe(self) -> str:
+        parts = ([f"scaled by {self.scale:g}"] if self.scale != 1.0 else []) + (
+            [f"soft-capped at {self.softcap:g}"] if self.softcap is not None else [])
+        return f"logits {' and '.join(parts)} ({self.source})" if parts else "logits as the head gives them"
+
+
+IDENTITY = LogitTransform()
+
+
+def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                       transform: LogitTransform = IDENTITY) -> torch.Tensor:
     """Sum of token cross-entropies: position t predicts ``labels[t+1]``; logits in float32."""
-    logits = lm_head(hidden[:, :-1]).float()
+    logits = transform.apply(lm_head(hidden[:, :-1]).float())
     targets = labels[:, 1:].to(logits.device)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class PlainCrossEntropy:
+    """``causal_lm_loss_sum`` with a model's logit transform: the full-vocabulary logits, kept for backward."""
+
+    def __init__(self, transform: LogitTransform = IDENTITY):
+        self.transform = transform
+
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss_sum(hidden, lm_head, labels, self.transform)
+
+    def __repr__(self) -> str:
+        return f"PlainCrossEntropy({self.transform})"
 
 
 def effective_chunk_size(requested: Optional[int], vocab_size: int) -> int:
@@ -94,7 +160,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, dtype, want_grads):
+    def forward(ctx, hidden, weight, targets, chunk_size, dtype, want_grads, transform):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight if weight.dtype == dtype else weight.to(dtype)
             want_hidden_grad = want_grads and hidden.requires_grad
@@ -105,7 +171,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 h = hidden[start:start + chunk_size].to(dtype)
                 grad_logits = _chunk_loss(h, w, targets[start:start + chunk_size], total,
-                                          want_hidden_grad or want_weight_grad)
+                                          want_hidden_grad or want_weight_grad, transform)
                 if grad_logits is None:
                     continue
                 if want_hidden_grad:
@@ -132,17 +198,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _chunk_loss(h, w, t, total, want_grads):
+def _chunk_loss(h, w, t, total, want_grads, transform: LogitTransform):
     """Add one chunk's summed CE to ``total``; return d(sum CE)/d(logits) in ``h.dtype`` if wanted.
 
     The softmax is formed in place in the chunk's float32 logits buffer (``logsumexp`` would
     allocate a second buffer of the same size), so a chunk costs one float32 logits buffer, plus
-    the half-precision matmul output and gradient under autocast.
+    the half-precision matmul output and gradient under autocast. A soft-capping transform keeps
+    one more float32 buffer of the chunk's size: its slope, for the gradient.
     """
     logits = (h @ w.t()).float()
+    slope = transform.apply_(logits, with_slope=want_grads)
     valid = t != IGNORE_INDEX
     safe_t = torch.where(valid, t, 0)
     target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
@@ -157,6 +225,10 @@ def _chunk_loss(h, w, t, total, want_grads):
     probs.div_(sum_exp)
     probs[torch.arange(len(t), device=t.device), safe_t] -= 1.0
     probs.mul_(valid[:, None])
+    if slope is not None:  # chain rule through the transform: its slope per logit
+        probs.mul_(slope)
+    elif transform.scale != 1.0:
+        probs.mul_(transform.scale)
     return probs.to(h.dtype)
 
 
@@ -168,10 +240,11 @@ class ChunkedCrossEntropy:
     which recomputes each chunk's logits in backward instead.
     """
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, transform: LogitTransform = IDENTITY):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
+        self.transform = transform
 
     def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
         targets = shifted_targets(labels.to(hidden.device)).reshape(-1)
@@ -182,14 +255,15 @@ class ChunkedCrossEntropy:
             # reaches backward) and underflow; the recomputing path gets the scaled gradient.
             if dtype != torch.float16:
                 return _FusedLinearCrossEntropy.apply(flat, lm_head.weight, targets, self.chunk_size, dtype,
-                                                      torch.is_grad_enabled())
+                                                      torch.is_grad_enabled(), self.transform)
         return self._checkpointed_chunks(flat, lm_head, targets)
 
     def _checkpointed_chunks(self, flat, lm_head, targets) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         def chunk_loss(h, t):
-            return F.cross_entropy(lm_head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+            return F.cross_entropy(self.transform.apply(lm_head(h).float()), t, ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
 
         # Without grad mode (validation) there is nothing to recompute: plain chunks.
         run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if torch.is_grad_enabled() else (
@@ -201,4 +275,4 @@ class ChunkedCrossEntropy:
         return total
 
     def __repr__(self) -> str:
-        return f"ChunkedCrossEntropy(chunk_size={self.chunk_size})"
+        return f"ChunkedCrossEntropy(chunk_size={self.chunk_size}, transform={self.transform})"

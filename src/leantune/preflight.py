@@ -3,7 +3,8 @@
 Flag values are checked by the config dataclasses as they are parsed; what needs the file system
 or the model's config is checked here, before the memory plan, the data and the weights load:
 the output directory, the training state to resume, the context length against the model's
-positions and the LoRA target modules against the model's layers.
+positions, the LoRA target modules against the model's layers, the decoder layers that
+checkpointing needs, and that leantune's loss is the model's own (``builders.own_loss``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from leantune.builders.own_loss import check_own_loss
 from leantune.config import ConfigError, RunConfig
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
@@ -20,13 +22,17 @@ MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetens
                "pytorch_model.bin", "adapter_model.bin")
 
 
-def preflight(cfg: RunConfig) -> tuple[Optional[Path], ModelFacts]:
-    """Refuse bad input early; returns the training state to resume from (if any) and the model's facts."""
+def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], None] = print
+              ) -> tuple[Optional[Path], ModelFacts]:
+    """Refuse bad input early; returns the training state to resume from (if any) and the model's facts
+    (for a run on ``device_type``: its attention implementation)."""
     check_output_dir(cfg)
     resume = None
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
-    return resume, check_model_shape(cfg)
+    facts = check_model_shape(cfg, device_type)
+    log(check_own_loss(cfg, facts).summary_line())
+    return resume, facts
 
 
 def check_output_dir(cfg: RunConfig) -> None:
@@ -78,10 +84,13 @@ def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> No
             f"file(s) of the previous run in {out}")
 
 
-def check_model_shape(cfg: RunConfig) -> ModelFacts:
-    """The context length and LoRA targets against the model's config, read once here without loading a weight."""
-    facts = run_model_facts(cfg.model)
+def check_model_shape(cfg: RunConfig, device_type: str = "cpu") -> ModelFacts:
+    """The context length, LoRA targets and checkpointable layers against the model's config, read once here
+    without loading a weight."""
+    facts = run_model_facts(cfg.model, device_type)
     facts.check_context_length(cfg.data.context_length)
     if cfg.peft.use_peft and not cfg.peft.from_peft_checkpoint:
         facts.check_lora_targets(cfg.peft.lora_target_modules)
+    if cfg.checkpointing.enable_activation_checkpointing:
+        facts.check_checkpointable()
     return facts

@@ -14,23 +14,26 @@ import torch
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
 from leantune.config import RunConfig
-from leantune.loss import ChunkedCrossEntropy, causal_lm_loss_sum, effective_chunk_size
-from leantune.models.facts import ModelFacts, meta_model
+from leantune.loss import IDENTITY, ChunkedCrossEntropy, LogitTransform, PlainCrossEntropy, effective_chunk_size
+from leantune.models.facts import ModelFacts, meta_model, run_model_facts
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
 from leantune.precision import Precision
 
 
-def loss_function(cfg: RunConfig, vocab_size: int):
-    """Chunked cross-entropy unless `--loss_chunk_size 0` asks for the plain loss."""
+def loss_function(cfg: RunConfig, vocab_size: int, transform: LogitTransform = IDENTITY):
+    """Chunked cross-entropy unless `--loss_chunk_size 0` asks for the plain loss; either applies the
+    model's logit ``transform`` (``models.facts.logit_transform``)."""
     chunk = effective_chunk_size(cfg.training.loss_chunk_size, vocab_size)
-    return ChunkedCrossEntropy(chunk) if chunk > 0 else causal_lm_loss_sum
+    return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 
 
 def describe_loss(loss_fn) -> str:
+    transform = getattr(loss_fn, "transform", IDENTITY)
+    of_logits = "" if transform.is_identity else f"; {transform.describe()}, as the model's own forward does"
     if isinstance(loss_fn, ChunkedCrossEntropy):
         return (f"loss: chunked cross-entropy, {loss_fn.chunk_size} tokens per chunk "
-                "(logits of at most one chunk exist at a time, none are kept for backward)")
-    return "loss: plain cross-entropy (full-vocabulary float32 logits kept for backward)"
+                f"(logits of at most one chunk exist at a time, none are kept for backward{of_logits})")
+    return f"loss: plain cross-entropy (full-vocabulary float32 logits kept for backward{of_logits})"
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
@@ -54,22 +57,24 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     return model.train(), report
 
 
-def build_model(cfg: RunConfig, precision: Precision, log=print, on_meta: Optional[ModelFacts] = None,
-                tokenizer=None):
+def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional[ModelFacts] = None,
+                on_meta: bool = False, tokenizer=None):
     """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
 
-    ``on_meta``: the model's facts, to build it from its config on the meta device, no weight read
-    (a rank that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one
-    already loaded.
+    ``facts``: the model's, as the run read them (its attention implementation); read here when not
+    given. ``on_meta``: build the model from its config on the meta device, no weight read (a rank
+    that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one already loaded.
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    if on_meta is not None:
-        model, report = prepare_model(meta_model(on_meta.config, precision.weight_dtype), cfg, precision,
+    facts = facts if facts is not None else run_model_facts(cfg.model, precision.device.type)
+    if on_meta:
+        model, report = prepare_model(meta_model(facts.config, precision.weight_dtype), cfg, precision,
                                       place=lambda _model: None)
     else:
-        model, report = prepare_model(load_model(cfg.model, precision.weight_dtype), cfg, precision)
+        model, report = prepare_model(load_model(cfg.model, precision.weight_dtype, facts.attention), cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
-        f"{str(precision.weight_dtype).removeprefix('torch.')} weights) on {precision.device}")
+        f"{str(precision.weight_dtype).removeprefix('torch.')} weights, {facts.attention} attention) "
+        f"on {precision.device}")
     log(report.summary_line())
     return model, tokenizer

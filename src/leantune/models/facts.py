@@ -3,7 +3,10 @@
 A run reads the model's ``config.json`` once (``run_model_facts``) and hands the same
 ``ModelFacts`` to the checks before loading, the memory plan, the batch confirmation, the FLOP
 count and the builders. ``leantune plan`` reads them from a preset, a directory or a hub id
-(``plan_model_facts``), without any weight.
+(``plan_model_facts``), without any weight. The facts' ``config`` carries the attention
+implementation the run resolved (``--attn_implementation``), so every model built from it — the
+weights loaded, the planner's meta model, the self-check's small copy — uses the same one; and
+``logit_transform`` reads what the model's forward does to its logits after the LM head.
 """
 
 from __future__ import annotations
@@ -15,15 +18,53 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from leantune.config import ConfigError, ModelConfig
-from leantune.models.loading import ATTENTION, ModelLoadError, check_lora_targets, resolve_model_path
+from leantune.loss import LogitTransform
+from leantune.models.attention import AUTO, resolve_attention
+from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.presets import model_config
+from leantune.models.structure import decoder_layers
+
+# Config fields a model's forward applies to the LM head's output: (field, True if it divides).
+# Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Falcon-H1's
+# ``logits * lm_head_multiplier``; Gemma 2/3 soft-cap with ``final_logit_softcapping``.
+LOGIT_SCALES = (("logits_scaling", True), ("logit_scale", False), ("lm_head_multiplier", False))
+LOGIT_SOFTCAP = "final_logit_softcapping"
+
+
+def logit_transform(config: PretrainedConfig) -> LogitTransform:
+    """What ``config``'s model does to its logits after the LM head, from the fields known to do it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale, sources = 1.0, []
+    for field, divides in LOGIT_SCALES:
+        value = getattr(text, field, None)
+        if value is not None and value != 1:
+            scale = scale / value if divides else scale * value
+            sources.append(f"{field} {value:g}")
+    softcap = getattr(text, LOGIT_SOFTCAP, None)
+    if softcap is not None:
+        sources.append(f"{LOGIT_SOFTCAP} {softcap:g}")
+    return LogitTransform(float(scale), float(softcap) if softcap is not None else None, ", ".join(sources))
+
+
+def attention_of(config: PretrainedConfig) -> str:
+    """The attention implementation ``config`` carries (``with_attention``), else what ``auto`` takes."""
+    return getattr(config, "_attn_implementation", None) or resolve_attention(config, AUTO, "cpu")
+
+
+def with_attention(config: PretrainedConfig, attention: str) -> PretrainedConfig:
+    """A copy of ``config`` that builds its model with ``attention``."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = attention
+    return config
+
 
 def model_from_config(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
     """A causal LM of ``config``'s shape in ``dtype``, randomly initialised on the current default device,
     built as leantune trains it (its attention, no KV cache); ``config`` itself is left as it was."""
+    attention = attention_of(config)
     config = copy.deepcopy(config)
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     model.config.use_cache = False
     return model
 
@@ -51,6 +92,18 @@ class ModelFacts:
     def __init__(self, config: PretrainedConfig):
         self.config = config
 
+    @property
+    def attention(self) -> str:
+        return attention_of(self.config)
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        return logit_transform(self.config)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.shape).__name__
+
     @functools.cached_property
     def shape(self) -> torch.nn.Module:
         """The model built on the ``meta`` device in float32: its modules, no memory."""
@@ -63,18 +116,33 @@ class ModelFacts:
         """Every ``--lora_target_modules`` name is a module of the model (``ModelLoadError`` otherwise)."""
         check_lora_targets(self.shape, targets)
 
+    def check_checkpointable(self) -> None:
+        """Activation checkpointing asked for: the model has decoder layers leantune can find and checkpoint."""
+        if not getattr(self.shape, "supports_gradient_checkpointing", False) or not decoder_layers(self.shape):
+            raise ModelLoadError(
+                f"--enable_activation_checkpointing: {self.architecture} has no decoder layers leantune can "
+                "checkpoint (transformers' GradientCheckpointingLayer); leantune will not train it without the "
+                "checkpointing asked for. Drop the flag, or use a model whose layers transformers can checkpoint")
 
-def run_model_facts(cfg: ModelConfig) -> ModelFacts:
-    """The facts of the model a run trains: its own ``config.json`` (a directory, or a hub id's)."""
+
+def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
+    """The facts of the model a run on ``device_type`` trains: its own ``config.json`` (a directory, or a
+    hub id's), with the attention implementation the run uses."""
     try:
-        facts = ModelFacts(AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)))
-        facts.shape  # built now: a model transformers cannot build is refused before any weight loads
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
+    facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))
+    try:
+        facts.shape  # built now: a model transformers cannot build is refused before any weight loads
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {cfg.model_name!r}: {err}") from None
     return facts
 
 
-def plan_model_facts(name: str) -> ModelFacts:
-    """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``)."""
-    return ModelFacts(model_config(name))
+def plan_model_facts(cfg: ModelConfig, device_type: str) -> ModelFacts:
+    """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
+    with the attention implementation a run on ``device_type`` would use."""
+    config = model_config(cfg.model_name)
+    return ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))

@@ -7,13 +7,8 @@ from pathlib import Path
 
 import torch
 
-from leantune.config import DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
+from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.tiny import ensure_default_model
-
-
-# The attention every model is built with, loaded or planned: PyTorch's fused SDPA (no full attention
-# matrix is kept for backward).
-ATTENTION = "sdpa"
 
 
 class ModelLoadError(RuntimeError):
@@ -55,14 +50,16 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype):
+def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str):
+    """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
+    ``--attn_implementation`` by ``models.facts.run_model_facts``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     source = resolve_model_path(cfg.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=ATTENTION)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "
@@ -91,18 +88,25 @@ def _new_lora(model, cfg: PeftSettings):
     from peft import LoraConfig, get_peft_model
 
     check_lora_targets(model, cfg.lora_target_modules)
+    targets = ALL_LINEAR if cfg.lora_target_modules == [ALL_LINEAR] else list(cfg.lora_target_modules)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
 
 
 def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """Every ``--lora_target_modules`` name is a module of ``model`` (also one on the meta device)."""
+    if targets == [ALL_LINEAR]:
+        return
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in targets if m not in names]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ModelLoadError(f"--lora_target_modules: {missing} not found in the model; its linear layers are {linear}")
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not head})
+        raise ModelLoadError(f"--lora_target_modules: {' '.join(missing)} not found in {type(model).__name__}; its "
+                             f"linear layers are {' '.join(linear)}. Name some of them, e.g. --lora_target_modules "
+                             f"{' '.join(linear[:2])}, or --lora_target_modules {ALL_LINEAR}")
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

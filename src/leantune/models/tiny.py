@@ -1,6 +1,7 @@
-"""A tiny Llama built locally, so the default run, the tests and the benchmarks need no network.
+"""A tiny Llama (or another family's tiny model) built locally, so the default run, the tests and the
+benchmarks need no network.
 
-The model is randomly initialised from a ``LlamaConfig`` with a fixed seed and its tokenizer is a
+The model is randomly initialised from its family's config with a fixed seed and its tokenizer is a
 byte-level BPE trained with the ``tokenizers`` library on the bundled instruction data. Both are
 written with ``save_pretrained``, so loading goes through the same ``from_pretrained`` path a hub
 model uses.
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from leantune.data.formats import format_prompt
 from leantune.data.synthetic import generate
@@ -32,6 +34,12 @@ TINY_SHAPE = dict(
     max_position_embeddings=2048,
 )
 TINY_VOCAB_SIZE = 2048
+
+# The decoder families leantune is tested on (``docs/model_families.md``): --family name -> transformers
+# model_type. Each is built at the tiny shape (head_dim = hidden / heads); the families' own fields
+# (Gemma's soft-capping, Granite's and Cohere's logit scales, ...) keep their defaults unless overridden.
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "cohere": "cohere"}
 
 
 def leantune_home() -> Path:
@@ -65,24 +73,31 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def build_model(tokenizer, seed: int = 0, **shape_overrides):
-    """A randomly initialised ``LlamaForCausalLM`` whose vocabulary matches ``tokenizer``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
+    """A randomly initialised causal LM of ``family`` whose vocabulary matches ``tokenizer``.
 
-    shape = {**TINY_SHAPE, **shape_overrides}
-    config = LlamaConfig(
+    ``overrides``: shape fields (``TINY_SHAPE``'s) or any other field of the family's config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    fields = {**TINY_SHAPE, **overrides}
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    config = AutoConfig.for_model(
+        FAMILIES[family],
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        **shape,
+        **fields,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def make_tiny_model(output_dir: str | os.PathLike, seed: int = 0, **shape_overrides) -> Path:
+def make_tiny_model(output_dir: str | os.PathLike, seed: int = 0, family: str = "llama", **overrides) -> Path:
     """Build the tiny model and tokenizer and save them to ``output_dir`` (created atomically).
 
     The files are written to a temporary sibling first and moved into place in one rename, so a
@@ -93,9 +108,10 @@ def make_tiny_model(output_dir: str | os.PathLike, seed: int = 0, **shape_overri
         raise FileExistsError(f"{target} exists and is not empty; choose a new directory for the tiny model")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    hf_logging.disable_progress_bar()  # one line says what was saved
     try:
         tokenizer = build_tokenizer()
-        build_model(tokenizer, seed=seed, **shape_overrides).save_pretrained(staging)
+        build_model(tokenizer, seed=seed, family=family, **overrides).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if target.exists():
             target.rmdir()  # empty, checked above

@@ -15,7 +15,9 @@ import torch
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
+from leantune.builders.own_loss import check_own_loss
 from leantune.models.facts import plan_model_facts
+from leantune.models.loading import ModelLoadError
 from leantune.models.presets import ModelShapeError
 from leantune.planning.plan import budget_bytes, gather_bytes, modes_to_plan, per_rank, plan_modes
 from leantune.planning.table import print_plan
@@ -52,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size, argv = _take_world_size(argv)
         cfg = parse_run_config(argv)
         target = plan_target(cfg)
-        config = plan_model_facts(cfg.model.model_name).config
+        facts = plan_model_facts(cfg.model, target.type)
+        check_own_loss(cfg, facts)  # a model leantune would refuse to train is not planned either
+        config = facts.config
         budget = budget_bytes(cfg, target)
         if cfg.distributed.enable_fsdp and world_size is None:
             raise ConfigError("--world_size: with --enable_fsdp, say how many processes will share the model")
@@ -62,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plans = [per_rank(p, world_size, gathered) for p in plans]
             for p in plans:
                 p.fits = None if budget is None else p.peak_bytes <= budget
-    except (ConfigError, ModelShapeError, CheckpointingError) as err:
+    except (ConfigError, ModelShapeError, CheckpointingError, ModelLoadError) as err:
         print(f"leantune: error: {err}", file=sys.stderr)
         return 2
     if as_json:

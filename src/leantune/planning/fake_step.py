@@ -32,7 +32,7 @@ from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.memory.tracker import StorageTracker
-from leantune.models.facts import meta_model, model_from_config
+from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.structure import decoder_layers, unwrap_model
 from leantune.precision import Precision, choose_precision
 from leantune.training.step import TrainStep
@@ -201,8 +201,8 @@ class StepTraces:
 
     def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
         # everything the traced step is made from: the run's flags as that mode sets them, the
-        # model's config (its full text, not its identity) and the target's kind
-        key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), target.type)
+        # model's config (its full text, not its identity, and the attention it builds with) and the target's kind
+        key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), attention_of(config), target.type)
         if key not in self._traces:
             self._traces[key] = trace_step(cfg, config, target, mode)
         return self._traces[key]

@@ -1,0 +1,170 @@
+"""What leantune refuses about a model before any weight loads, and what it runs on every family.
+
+The refusals: a forward that transforms its logits in a way leantune does not know (the self-check),
+an attention implementation the model or the machine cannot run, LoRA targets the model does not
+have, checkpointing a model without checkpointable layers. Each is refused with a message naming the
+architecture and the fix, and no weight is read (``load_model`` fails the test if called). Then
+resume and FSDP2 on families other than Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from test_distributed import DIST_LOSS_TOL, FAST, step_losses, torchrun
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import leantune.builders.model as builders_model
+import leantune.models.facts as facts_module
+from leantune import finetuning
+from leantune.cli_args import parse_run_config
+from leantune.planning import cli as plan_cli
+from leantune.planning.fake_step import trace_step
+from leantune.models.facts import run_model_facts
+from leantune.models.tiny import FAMILIES
+
+from conftest import TEST_SHAPE
+
+CPU = torch.device("cpu")
+
+
+class RescaledConfig(LlamaConfig):
+    model_type = "leantune_test_rescaled"
+
+
+class RescaledForCausalLM(LlamaForCausalLM):
+    """A Llama whose forward halves its logits: a transform no config field tells leantune about."""
+
+    config_class = RescaledConfig
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        logits = out.logits * 0.5
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+AutoConfig.register(RescaledConfig.model_type, RescaledConfig)
+AutoModelForCausalLM.register(RescaledConfig, RescaledForCausalLM)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """The refusals come before any weight loads."""
+    monkeypatch.setattr(builders_model, "load_model", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+
+
+def _refused(argv, tmp_path, capsys, code=1) -> str:
+    assert finetuning.main([*argv, "--output_dir", str(tmp_path / "out"), "--num_workers_dataloader", "0",
+                            "--context_length", "64"]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("leantune: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def rescaled_dir(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rescaled")
+    tokenizer_files = [f for f in tiny_model_dir.iterdir() if f.name.startswith(("tokenizer", "special"))]
+    for file in tokenizer_files:
+        shutil.copy(file, path / file.name)
+    config = RescaledConfig(**TEST_SHAPE, vocab_size=AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    RescaledForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_forward_with_an_unknown_logit_transform_is_refused(rescaled_dir, tmp_path, capsys, no_weights):
+    err = _refused(["--model_name", str(rescaled_dir), "--use_peft"], tmp_path, capsys)
+    assert "RescaledForCausalLM: leantune's loss is not the model's own" in err
+    assert "relative difference" in err and "please report the architecture" in err
+    assert plan_cli.main(["--model_name", str(rescaled_dir), "--memory_budget_gb", "1"]) == 2
+    assert "RescaledForCausalLM: leantune's loss is not the model's own" in capsys.readouterr().err
+
+
+def test_gemma2_takes_eager_attention_and_refuses_sdpa(family_dir, tmp_path, capsys, no_weights):
+    assert run_model_facts(parse_run_config(["--model_name", str(family_dir("gemma2"))]).model).attention == "eager"
+    err = _refused(["--model_name", str(family_dir("gemma2")), "--attn_implementation", "sdpa"], tmp_path, capsys, 2)
+    assert ("--attn_implementation sdpa: Gemma2ForCausalLM does not support it; it supports eager, flex_attention, "
+            "flash_attention_2 (or auto)") in err
+
+
+def test_flex_attention_needs_a_gpu(family_dir, tmp_path, capsys, no_weights):
+    err = _refused(["--model_name", str(family_dir("llama")), "--attn_implementation", "flex_attention"],
+                   tmp_path, capsys, 2)
+    assert "--attn_implementation flex_attention: needs a CUDA GPU (this run is on cpu" in err
+
+
+def test_the_plan_shows_what_eager_attention_keeps(family_dir):
+    """Eager attention keeps every layer's batch x heads x seq x seq probabilities for backward; SDPA keeps its
+    output and log-sum-exp instead (here 14% of the scores' size)."""
+    batch, seq = 2, 64
+    peaks = {}
+    for attention in ("sdpa", "eager"):
+        cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--use_peft", "--batch_size_training",
+                                str(batch), "--context_length", str(seq), "--attn_implementation", attention])
+        peaks[attention] = trace_step(cfg, run_model_facts(cfg.model).config, CPU, "none").peak_bytes
+    scores = TEST_SHAPE["num_hidden_layers"] * batch * TEST_SHAPE["num_attention_heads"] * seq * seq * 4
+    assert peaks["eager"] - peaks["sdpa"] >= 0.8 * scores
+
+
+def test_default_lora_targets_missing_from_phi3_are_refused_with_its_names(family_dir, tmp_path, capsys, no_weights):
+    err = _refused(["--model_name", str(family_dir("phi3")), "--use_peft"], tmp_path, capsys)
+    assert ("--lora_target_modules: q_proj v_proj not found in Phi3ForCausalLM; its linear layers are down_proj "
+            "gate_up_proj o_proj qkv_proj") in err and "--lora_target_modules all-linear" in err
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_head(family_dir, tmp_path):
+    argv = ["--model_name", str(family_dir("phi3")), "--use_peft", "--lora_target_modules", "all-linear",
+            "--max_train_step", "1", "--num_epochs", "1", "--context_length", "64", "--run_validation", "false",
+            "--num_workers_dataloader", "0", "--output_dir", str(tmp_path)]
+    finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    adapted = {name.rsplit(".", 1)[-1] for name in json.loads((tmp_path / "adapter_config.json").read_text())[
+        "target_modules"]}
+    assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_checkpointing_a_model_without_checkpointable_layers_is_refused(family_dir, tmp_path, capsys, no_weights,
+                                                                         monkeypatch):
+    monkeypatch.setattr(facts_module, "decoder_layers", lambda model: [])
+    err = _refused(["--model_name", str(family_dir("cohere")), "--enable_activation_checkpointing"], tmp_path, capsys)
+    assert ("--enable_activation_checkpointing: CohereForCausalLM has no decoder layers leantune can checkpoint"
+            in err) and "will not train it without the checkpointing asked for" in err
+
+
+def _losses(out):
+    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_reproduces_the_losses_on_every_family(family_dir, family, tmp_path):
+    """LoRA on every linear layer, dropout on, selective checkpointing: stopped at step 2 and resumed, steps 3-4 equal."""
+    argv = ["--model_name", str(family_dir(family)), "--use_peft", "--lora_target_modules", "all-linear",
+            "--lora_dropout", "0.1", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+            "selective_ops", "--max_train_step", "4", "--num_epochs", "1", "--context_length", "64", "--lr", "3e-3",
+            "--batch_size_training", "2", "--run_validation", "false", "--num_workers_dataloader", "0",
+            "--save_metrics", "--save_steps", "2", "--output_dir", str(tmp_path / "whole")]
+    finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    argv[-1] = str(tmp_path / "resumed")
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    finetuning.run(parse_run_config([*argv, "--resume_from_checkpoint", "latest"]), log=lambda _line: None)
+    whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
+    assert len(whole) == 4 and resumed[-2:] == whole[-2:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_two_ranks_give_the_losses_of_one_process_on_other_families(family_dir, family, tmp_path):
+    """Gemma 2 (eager attention, soft-capped logits) and Phi-3 (fused projections) under FSDP2 on two ranks."""
+    common = ["--model_name", str(family_dir(family)), *FAST, "--use_peft", "--lora_target_modules", "all-linear",
+              "--lora_dropout", "0", "--enable_activation_checkpointing", "--max_train_step", "3"]
+    finetuning.run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
+                   log=lambda _line: None)
+    result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert len(one) == len(two) == 3
+    assert two == pytest.approx(one, rel=0, abs=DIST_LOSS_TOL)
