@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from leantune.labels import count_targets
-from leantune.loss import ChunkedCrossEntropy, auto_chunk_size, causal_lm_loss_sum
+from leantune.loss import ChunkedCrossEntropy, LogitTransform, PlainCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.meter import ActivationMeter
 
 
@@ -215,3 +215,47 @@ def test_a_second_backward_is_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backpropagated once"):
         loss.backward()
+
+
+TRANSFORMS = {"scale-up": LogitTransform(4.0), "scale-down": LogitTransform(0.25), "softcap": LogitTransform(1.0, 5.0),
+              "scale-and-softcap": LogitTransform(2.0, 3.0)}
+
+
+def _reference(transform, head, h, labels, scale=0.25):
+    """The transformed loss by the formula, in float64 with autograd: no leantune code involved."""
+    h64, w64 = h.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    z = (h64[:, :-1] @ w64.t()) * transform.scale
+    if transform.softcap is not None:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    loss = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum")
+    (loss * scale).backward()
+    return loss.detach().float(), h64.grad.float(), w64.grad.float()
+
+
+@pytest.mark.parametrize("path", ["plain", "fused", "checkpointed-chunks"])
+@pytest.mark.parametrize("transform", TRANSFORMS.values(), ids=TRANSFORMS.keys())
+def test_a_logit_transform_gives_the_formulas_loss_and_gradients_on_every_path(transform, path):
+    head, h, labels = _setup()
+    with torch.no_grad():
+        head.weight.mul_(5)  # logits of several units: the soft-cap bends them
+    loss_fn = PlainCrossEntropy(transform) if path == "plain" else ChunkedCrossEntropy(7, transform)
+    wrapped = torch.nn.Sequential(head) if path == "checkpointed-chunks" else None  # not a plain Linear
+    actual = _loss_and_grads(loss_fn, head, h, labels, call_with=wrapped)
+    for expected, got in zip(_reference(transform, head, h, labels), actual):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+    with torch.no_grad():  # validation: no gradients formed
+        torch.testing.assert_close(loss_fn(h, wrapped or head, labels), actual[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transform", TRANSFORMS.values(), ids=TRANSFORMS.keys())
+def test_a_logit_transform_under_autocast_follows_float32(transform, dtype):
+    """bf16 runs the fused path, float16 the checkpointed chunks (the GradScaler's path): both within half precision."""
+    head, h, labels = _setup()
+    with torch.no_grad():
+        head.weight.mul_(5)
+    expected = _reference(transform, head, h, labels)
+    with torch.autocast("cpu", dtype=dtype):
+        actual = _loss_and_grads(ChunkedCrossEntropy(7, transform), head, h, labels)
+    for want, got in zip(expected, actual):
+        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))

@@ -52,6 +52,103 @@ AutoConfig.register(RescaledConfig.model_type, RescaledConfig)
 AutoModelForCausalLM.register(RescaledConfig, RescaledForCausalLM)
 
 
+def _with_forward_after_the_head(change):
+    """A Llama config whose class's forward applies ``change`` to the logits before its own loss."""
+
+    class Changed(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = change(super().forward(input_ids=input_ids, **kwargs).logits, self)
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    class ChangedConfig(LlamaConfig):
+        model_type = f"leantune_test_{change.__name__}"
+
+    Changed.config_class = ChangedConfig
+    Changed.__name__ = Changed.__qualname__ = f"{change.__name__.title()}ForCausalLM"
+    AutoConfig.register(ChangedConfig.model_type, ChangedConfig, exist_ok=True)
+    AutoModelForCausalLM.register(ChangedConfig, Changed, exist_ok=True)
+    return ChangedConfig(**TEST_SHAPE, vocab_size=1000)
+
+
+def doubled_gradient(logits, _model):  # the same value, twice the gradient
+    return logits + (logits - logits.detach())
+
+
+def clamped(logits, _model):  # bends only logits beyond 20
+    return logits.clamp(-20, 20)
+
+
+def dropped(logits, model):  # only in training, as dropout is
+    return torch.nn.functional.dropout(logits, 0.1, training=model.training)
+
+
+@pytest.mark.parametrize("change", [doubled_gradient, clamped, dropped])
+def test_the_check_sees_a_change_only_its_gradient_large_logits_or_training_shows(change):
+    from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
+    from leantune.models.facts import ModelFacts
+
+    with pytest.raises(OwnLossMismatch, match=f"{change.__name__.title()}ForCausalLM: leantune's loss is not"):
+        check_own_loss(parse_run_config([]), ModelFacts(_with_forward_after_the_head(change)))
+
+
+def test_the_check_leaves_the_runs_random_numbers_alone(monkeypatch):
+    """Its own generator: the CPU state is as it was, and no GPU seed is set (a CUDA run's dropout keeps --seed)."""
+    from leantune.builders.own_loss import check_own_loss
+    from leantune.models.facts import ModelFacts
+
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: seeded.append(seed))
+    torch.manual_seed(1234)
+    seeded.clear()
+    before = torch.random.get_rng_state()
+    check_own_loss(parse_run_config([]), ModelFacts(LlamaConfig(**TEST_SHAPE, vocab_size=1000)))
+    assert torch.equal(torch.random.get_rng_state(), before) and seeded == []
+
+
+REAL_SHAPES = {  # full-size configs (built on the meta device only) of classes a shrunk copy could not build
+    "phi3.5-longrope": ("phi3", dict(hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
+                                     original_max_position_embeddings=4096, max_position_embeddings=131072,
+                                     rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                       long_factor=[1.0] * 48))),
+    "deepseek-v3": ("deepseek_v3", {}), "falcon-h1": ("falcon_h1", dict(lm_head_multiplier=0.5)),
+    "gemma3-multimodal": ("gemma3", {}), "gemma3n": ("gemma3n_text", {}), "mixtral": ("mixtral", {}),
+    "granite4": ("granitemoehybrid", dict(logits_scaling=4.0)), "hyperclovax": ("hyperclovax", dict(logits_scaling=0.25)),
+    "gpt2": ("gpt2", {}),
+}
+
+
+@pytest.mark.parametrize("model_type, fields", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
+def test_real_shaped_configs_are_checked_at_their_own_size(model_type, fields):
+    """The check never shrinks the decoder (it stands in for it), so configs whose fields depend on their widths pass."""
+    from leantune.builders.own_loss import check_own_loss
+    from leantune.models.facts import ModelFacts
+
+    check = check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model(model_type, **fields)))
+    assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-4
+    assert (model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text")) != check.transform.is_identity
+
+
+def test_router_auxiliary_loss_is_refused_naming_the_fix():
+    from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
+    from leantune.models.facts import ModelFacts
+
+    with pytest.raises(OwnLossMismatch, match="output_router_logits is on, so the model's own training loss adds the "
+                                              "router's auxiliary loss"):
+        check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model("mixtral", output_router_logits=True)))
+
+
+@pytest.mark.parametrize("attention", ["flex_attention", "flash_attention_2"])
+def test_a_gpu_plan_with_a_gpu_only_attention_traces_sdpa_in_its_place(family_dir, attention, capsys):
+    argv = ["--model_name", str(family_dir("llama")), "--device", "cuda", "--use_peft", "--context_length", "64",
+            "--batch_size_training", "1", "--attn_implementation", attention, "--json"]
+    assert plan_cli.main(argv) == 0, capsys.readouterr().err
+    planned = json.loads(capsys.readouterr().out)
+    assert plan_cli.main([*argv[:-2], "sdpa", "--json"]) == 0
+    assert planned == json.loads(capsys.readouterr().out)
+
+
 @pytest.fixture
 def no_weights(monkeypatch):
     """The refusals come before any weight loads."""
@@ -90,6 +187,15 @@ def test_gemma2_takes_eager_attention_and_refuses_sdpa(family_dir, tmp_path, cap
     err = _refused(["--model_name", str(family_dir("gemma2")), "--attn_implementation", "sdpa"], tmp_path, capsys, 2)
     assert ("--attn_implementation sdpa: Gemma2ForCausalLM does not support it; it supports eager, flex_attention, "
             "flash_attention_2 (or auto)") in err
+
+
+def test_the_loaded_model_has_the_attention_asked_for(family_dir, tmp_path):
+    lines: list[str] = []
+    argv = ["--model_name", str(family_dir("llama")), "--attn_implementation", "eager", "--max_train_step", "1",
+            "--num_epochs", "1", "--context_length", "64", "--run_validation", "false", "--save_model", "false",
+            "--num_workers_dataloader", "0", "--output_dir", str(tmp_path)]
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    assert [line for line in lines if line.startswith("model:")][0].endswith("float32 weights, eager attention) on cpu")
 
 
 def test_flex_attention_needs_a_gpu(family_dir, tmp_path, capsys, no_weights):

@@ -129,7 +129,8 @@ class PeftSettings:
     lora_dropout: float = field(default=0.05, metadata=_help("Dropout on the LoRA branch's input."))
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=_help(
         "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj), or all-linear: "
-        "every linear layer of the decoder (peft's meaning; Phi-3's fused qkv_proj and gate_up_proj too)."))
+        "every linear layer but the output head (peft's meaning: Phi-3's fused qkv_proj and gate_up_proj too, and "
+        "a multimodal class's vision tower)."))
 
     def __post_init__(self):
         self.lora_target_modules = [m for item in self.lora_target_modules for m in item.split(",") if m]

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from leantune.builders.own_loss import check_own_loss
 from leantune.config import ConfigError, RunConfig
+from leantune.models.attention import traceable_attention
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
@@ -31,6 +32,10 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
     facts = check_model_shape(cfg, device_type)
+    stand_in = traceable_attention(facts.config, facts.attention)
+    if stand_in != facts.attention:
+        log(f"attention: {facts.attention}; the planner and the loss check build {stand_in} in its place "
+            "(it has no CPU kernel; both keep O(sequence) per head for backward)")
     log(check_own_loss(cfg, facts).summary_line())
     return resume, facts
 

@@ -14,15 +14,19 @@ import torch
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
 from leantune.config import RunConfig
-from leantune.loss import IDENTITY, ChunkedCrossEntropy, LogitTransform, PlainCrossEntropy, effective_chunk_size
-from leantune.models.facts import ModelFacts, meta_model, run_model_facts
+from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
+from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
+from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 
 
-def loss_function(cfg: RunConfig, vocab_size: int, transform: LogitTransform = IDENTITY):
-    """Chunked cross-entropy unless `--loss_chunk_size 0` asks for the plain loss; either applies the
-    model's logit ``transform`` (``models.facts.logit_transform``)."""
+def loss_function(cfg: RunConfig, model: torch.nn.Module):
+    """``model``'s loss as ``cfg`` asks for it: chunked cross-entropy unless `--loss_chunk_size 0` asks for the
+    plain loss, either applying what the model's forward does to its logits (read from its config)."""
+    hf_model = unwrap_model(model)
+    vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+    transform = logit_transform(hf_model.config)
     chunk = effective_chunk_size(cfg.training.loss_chunk_size, vocab_size)
     return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 
@@ -68,13 +72,14 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     facts = facts if facts is not None else run_model_facts(cfg.model, precision.device.type)
     if on_meta:
-        model, report = prepare_model(meta_model(facts.config, precision.weight_dtype), cfg, precision,
-                                      place=lambda _model: None)
+        on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
+        model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     else:
         model, report = prepare_model(load_model(cfg.model, precision.weight_dtype, facts.attention), cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
-        f"{str(precision.weight_dtype).removeprefix('torch.')} weights, {facts.attention} attention) "
+        f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
+        f"{unwrap_model(model).config._attn_implementation} attention) "
         f"on {precision.device}")
     log(report.summary_line())
     return model, tokenizer

@@ -1,15 +1,18 @@
 """The self-check: leantune's loss reproduces the model's own, or the run is refused before any weight loads.
 
-leantune computes the loss from the decoder's hidden states and the LM head's weight itself, so it
-never runs the code a model's ``forward`` has after its head. The transforms it knows
-(``models.facts.logit_transform``) it applies; one it does not know would make it train, silently,
-on a loss that is not the model's. So before any weight loads, the same architecture is built from
-the run's config shrunk to two layers and a small width (the code after the head is the same code
-at any size), on random weights whose head makes large logits (any transform of them moves the loss
-far beyond rounding), and leantune's loss and gradients are compared with the model's own
-``forward(labels=...)`` on a small batch, in float32 on the CPU. A mismatch refuses the run, naming
-the architecture and the difference. It takes a fraction of a second, even for a 70B config, and
-reads nothing from disk or network.
+leantune computes the loss from the decoder's final hidden states and the LM head's weight itself,
+so it never runs the code a model's ``forward`` has after its decoder: a final norm there, a logit
+scale or soft-cap, dropout, an extra loss term. The transforms it knows
+(``models.facts.logit_transform``) it applies; anything else would make it train, silently, on a
+loss that is not the model's. So before any weight loads, the model's own class is built from the
+run's config on the ``meta`` device (no memory), its decoder is replaced by a small stand-in that
+turns token ids into hidden states of width 64, and its LM head by a small random one over a
+512-token vocabulary. Everything the class's ``forward`` does after its decoder then runs for real,
+on the CPU in float32 and in train mode, and leantune's loss and gradients are compared with
+``forward(labels=...)`` on a small batch. The stand-in's hidden states have norms over a wide
+range, so logits from about ±2 to about ±80 appear: a transform that only bends large logits is
+seen too. A mismatch refuses the run, naming the architecture and the difference. Nothing is read
+from disk or the network, and the run's random numbers (CPU and GPU) are left as they were.
 """
 
 from __future__ import annotations
@@ -17,29 +20,24 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import PretrainedConfig
+from transformers.utils import ModelOutput
 
 from leantune.builders.model import loss_function
 from leantune.config import RunConfig
 from leantune.labels import IGNORE_INDEX, count_targets
 from leantune.loss import LogitTransform
-from leantune.models.facts import LOGIT_SCALES, LOGIT_SOFTCAP, ModelFacts, model_from_config
+from leantune.models.facts import ModelFacts, meta_model, text_config
 from leantune.models.loading import ModelLoadError
 from leantune.training.step import CausalLMLoss
 
-# The small copy: two layers (so a model alternating layer kinds keeps both), these widths where the
-# config has the field, and a small vocabulary (special token ids beyond it dropped). A config these
-# cannot shrink keeps its widths and vocabulary if its embeddings are small.
-SMALL_LAYERS = 2
-SMALL_WIDTHS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-SMALL_VOCAB = 512
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-_FULL_WIDTH_LIMIT = 32 << 20  # vocabulary x hidden of a copy kept at full width
-LOGIT_STD = 10.0  # the copy's head makes logits of about this spread
+WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary
 BATCH, SEQ = 2, 16
-# Relative differences beyond float32 rounding through two layers, far below what a transform makes.
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# Relative differences beyond float32 rounding, far below what a transform makes.
 TOLERANCE = 1e-4
 
 
@@ -53,98 +51,164 @@ class OwnLossCheck:
     transform: LogitTransform
     own_loss: float
     loss_difference: float  # relative
-    gradient_difference: float  # largest |difference| over the largest |gradient|, over all parameters
+    gradient_difference: float  # largest |difference| over the largest |gradient|, per tensor
     seconds: float
 
     def summary_line(self) -> str:
-        return (f"loss check: {self.architecture}'s own loss reproduced on a random {SMALL_LAYERS}-layer copy "
-                f"({self.transform.describe()}; loss {self.loss_difference:.0e}, gradients "
+        return (f"loss check: {self.architecture}'s own loss reproduced, its forward after the decoder run on a "
+                f"stand-in ({self.transform.describe()}; loss {self.loss_difference:.0e}, gradients "
                 f"{self.gradient_difference:.0e} relative, {self.seconds:.2f} s)")
 
 
-def small_config(config: PretrainedConfig, widths: bool = True) -> PretrainedConfig:
-    """``config`` with two layers and (``widths``) small widths and vocabulary; everything else, its head's
-    fields included, kept."""
+class StandInDecoder(torch.nn.Module):
+    """Token ids to hidden states of width ``WIDTH``, differentiably, in the decoder's output type.
+
+    Each token's vector has its own norm, from about 0.2 to 8 times the usual: with the small head
+    that spreads the logits from about ±2 to about ±80.
+    """
+
+    def __init__(self, generator: torch.Generator):
+        super().__init__()
+        spread = torch.logspace(-0.7, 0.9, VOCAB)[torch.randperm(VOCAB, generator=generator)]
+        self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) * spread[:, None])
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:  # transformers asks the decoder for it
+        return self.embed_tokens
+
+    def get_decoder(self) -> torch.nn.Module:  # and the model asks its base model for the decoder
+        return self
+
+    def forward(self, input_ids=None, inputs_embeds=None, **_ignored):
+        # a multimodal wrapper embeds the ids itself (with this module's embeddings) and passes them on
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return StandInOutput(last_hidden_state=hidden)
+
+
+@dataclass
+class StandInOutput(ModelOutput):
+    """The decoder's output as the classes' forwards read it: the hidden states, and None for whatever else
+    they ask of it (a cache, attentions, a mixture-of-experts' router logits, ...)."""
+
+    last_hidden_state: Optional[torch.Tensor] = None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
+
+
+def small_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` with a ``VOCAB``-token vocabulary (special token ids beyond it dropped); the rest kept."""
     small = copy.deepcopy(config)
-    small.num_hidden_layers = min(SMALL_LAYERS, config.num_hidden_layers)
-    if getattr(small, "layer_types", None):
-        small.layer_types = list(small.layer_types)[:small.num_hidden_layers]
-    if not widths:
-        return small
-    for name, value in SMALL_WIDTHS.items():
-        if getattr(small, name, None) is not None:
-            setattr(small, name, value)
-    small.vocab_size = min(SMALL_VOCAB, config.vocab_size)
-    for name in _TOKEN_IDS:
-        value = getattr(small, name, None)
-        if isinstance(value, int) and value >= small.vocab_size:
-            setattr(small, name, None)
-        elif isinstance(value, list):
-            setattr(small, name, [i for i in value if i < small.vocab_size] or None)
+    for part in {id(small): small, id(text_config(small)): text_config(small)}.values():
+        if hasattr(part, "vocab_size"):
+            part.vocab_size = VOCAB
+        for name in _TOKEN_IDS:
+            value = getattr(part, name, None)
+            if isinstance(value, int) and value >= VOCAB:
+                setattr(part, name, None)
+            elif isinstance(value, list):
+                setattr(part, name, [i for i in value if i < VOCAB] or None)
     return small
 
 
-def _small_model(config: PretrainedConfig) -> torch.nn.Module:
+def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Put ``new`` where ``old`` sits in ``model`` (under every name that holds it)."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(module.named_children()):
+            if child is old:
+                setattr(module, child_name, new)
+
+
+def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
+    """The model's own class on the meta device, with a real stand-in decoder and a small random LM head."""
     try:
-        return model_from_config(small_config(config), torch.float32)
-    except Exception as err:  # a config whose fields depend on its widths: keep them if that is cheap
-        if config.vocab_size * config.hidden_size > _FULL_WIDTH_LIMIT:
-            raise ModelLoadError(f"cannot build a small copy of {type(config).__name__}'s model to check that "
-                                 f"leantune reproduces its loss ({type(err).__name__}: {err}); leantune refuses "
-                                 "a model whose loss it cannot check") from None
-        return model_from_config(small_config(config, widths=False), torch.float32)
+        model = meta_model(small_vocabulary(config), torch.float32)
+    except Exception as err:  # noqa: BLE001 - any failure to build means the loss cannot be checked
+        raise OwnLossMismatch(f"cannot build {type(config).__name__}'s model to check that leantune reproduces its "
+                              f"loss ({type(err).__name__}: {err}); leantune refuses a model whose loss it cannot "
+                              "check") from None
+    head = model.get_output_embeddings()
+    small_head = torch.nn.Linear(WIDTH, VOCAB, bias=getattr(head, "bias", None) is not None)
+    with torch.no_grad():
+        small_head.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) / WIDTH ** 0.5 * 10)
+        if small_head.bias is not None:
+            small_head.bias.copy_(torch.randn(VOCAB, generator=generator))
+    decoder, stand_in = model.get_decoder(), StandInDecoder(generator)
+    for name, value in vars(decoder).items():  # its plain numbers (Falcon-H1's lm_head_multiplier) stay readable
+        if not name.startswith("_") and isinstance(value, (bool, int, float)) and not hasattr(stand_in, name):
+            setattr(stand_in, name, value)
+    _replace(model, decoder, stand_in)
+    _replace(model, head, small_head)
+    model.config.tie_word_embeddings = False
+    return model.train()  # as it trains: dropout after the decoder would be a difference too
 
 
-def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, vocab, (BATCH, SEQ))
+def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = ids.clone()
     labels[0, :SEQ // 4] = IGNORE_INDEX  # a prompt: positions without a target, as the data makes them
     return ids, labels
 
 
-def _loss_and_grads(model: torch.nn.Module, compute) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The loss and every parameter's gradient, taken from the parameters (so the next call makes new ones)."""
+def _loss_and_grads(model: torch.nn.Module, compute) -> tuple[float, list[torch.Tensor]]:
+    """The loss and the real parameters' gradients, taken from them (so the next call makes new ones)."""
+    real = [p for p in model.parameters() if not p.is_meta]
     loss = compute()
     loss.backward()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in real]
+    for p in real:
+        p.grad = None
+    return float(loss.detach()), grads
 
 
 def _relative(ours: list[torch.Tensor], own: list[torch.Tensor]) -> float:
-    scale = max(float(g.abs().max()) for g in own) or 1.0
-    return max(float((a - b).abs().max()) for a, b in zip(ours, own)) / scale
+    return max(float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30) for a, b in zip(ours, own))
 
 
 def check_own_loss(cfg: RunConfig, facts: ModelFacts) -> OwnLossCheck:
-    """Compare the run's loss with the model's own on a small random copy; ``OwnLossMismatch`` when they differ."""
+    """Compare the run's loss with the model's own on a stand-in; ``OwnLossMismatch`` when they differ."""
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):  # the run's random numbers stay as they were
-        torch.manual_seed(0)
-        model = _small_model(facts.config).eval()  # eval: no dropout, so both paths see the same function
-        architecture = type(model).__name__
-        head = model.get_output_embeddings()
-        with torch.no_grad():
-            head.weight.normal_(0.0, LOGIT_STD / head.weight.shape[1] ** 0.5)
-        ids, labels = _batch(head.weight.shape[0])
-        transform = facts.logit_transform
-        ours_fn = CausalLMLoss(model, loss_function(cfg, head.weight.shape[0], transform))
-        try:
-            own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
-        except Exception as err:
-            raise OwnLossMismatch(f"{architecture}: its forward(labels=...) gives no loss to check leantune's "
-                                  f"against ({type(err).__name__}: {err}); leantune refuses it") from None
-        ours, our_grads = _loss_and_grads(model, lambda: ours_fn(ids, labels) / count_targets(labels))
-    loss_difference = abs(float(ours) - float(own)) / max(abs(float(own)), 1e-12)
+    _refuse_extra_loss_terms(facts)
+    # Its own generator for its values, and the CPU state restored after the modules' own initialisation
+    # (and any dropout) drew from it: the run's random numbers, CPU and GPU, stay as they were.
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        return _compare(cfg, stand_in_model(facts.config, generator), generator, started)
+
+
+def _compare(cfg: RunConfig, model: torch.nn.Module, generator: torch.Generator, started: float) -> OwnLossCheck:
+    ids, labels = _batch(generator)
+    ours_model = CausalLMLoss(model, loss_function(cfg, model))
+    architecture, transform = type(model).__name__, ours_model.loss_fn.transform
+    try:
+        own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+    except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared
+        raise OwnLossMismatch(f"{architecture}: its forward(labels=...) could not be run on a stand-in decoder to "
+                              f"check leantune's loss against it ({type(err).__name__}: {str(err)[:300]}); leantune "
+                              "refuses a model whose loss it cannot check") from None
+    ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels) / count_targets(labels))
+    loss_difference = abs(ours - own) / max(abs(own), 1e-12)
     gradient_difference = _relative(our_grads, own_grads)
     if not loss_difference <= TOLERANCE or not gradient_difference <= TOLERANCE:
-        known = ", ".join([name for name, _ in LOGIT_SCALES] + [LOGIT_SOFTCAP])
         raise OwnLossMismatch(
-            f"{architecture}: leantune's loss is not the model's own. On a random {SMALL_LAYERS}-layer copy of its "
-            f"config the model's forward(labels=...) gives {float(own):.6f} and leantune {float(ours):.6f} "
-            f"(relative difference {loss_difference:.1e}; gradients {gradient_difference:.1e}). Its forward does "
-            f"something after the LM head that leantune does not apply (it applies {transform.describe()}; the "
-            f"fields it knows: {known}). leantune refuses rather than train on another loss: please report "
+            f"{architecture}: leantune's loss is not the model's own. With its decoder's output given, the model's "
+            f"forward(labels=...) gives {own:.6f} and leantune {ours:.6f} (relative difference {loss_difference:.1e}; "
+            f"gradients {gradient_difference:.1e}): what its forward does after the decoder is not what leantune "
+            f"applies ({transform.describe()}). leantune refuses rather than train on another loss; please report "
             "the architecture")
-    return OwnLossCheck(architecture, transform, float(own), loss_difference, gradient_difference,
+    return OwnLossCheck(architecture, transform, own, loss_difference, gradient_difference,
                         time.perf_counter() - started)
+
+
+def _refuse_extra_loss_terms(facts: ModelFacts) -> None:
+    """A mixture-of-experts config that adds the router's auxiliary loss to the model's own loss."""
+    config = text_config(facts.config)
+    if getattr(config, "output_router_logits", False):
+        raise OwnLossMismatch(
+            f"{type(facts.config).__name__}: output_router_logits is on, so the model's own training loss adds the "
+            f"router's auxiliary loss (router_aux_loss_coef {getattr(config, 'router_aux_loss_coef', '?')}); "
+            "leantune trains the language-model loss only. Set output_router_logits to false in the model's "
+            "config.json to train without it")

@@ -9,8 +9,6 @@ import torch
 from leantune.config import RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.builders.model import loss_function
-from leantune.models.facts import logit_transform
-from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 from leantune.training.optim import build_optimizer
 from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
@@ -19,9 +17,7 @@ from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
 def loss_model_for(model: torch.nn.Module, cfg: RunConfig) -> CausalLMLoss:
     """``model`` joined with the loss ``cfg`` asks for, applying what the model's forward does to its
     logits (read from its config), as the module FSDP shards as its root."""
-    hf_model = unwrap_model(model)
-    vocab = hf_model.get_output_embeddings().weight.shape[0]
-    return CausalLMLoss(model, loss_function(cfg, vocab, logit_transform(hf_model.config)))
+    return CausalLMLoss(model, loss_function(cfg, model))
 
 
 def build_train_step(cfg: RunConfig, loss_model: CausalLMLoss, precision: Precision,

@@ -6,6 +6,8 @@ fused SDPA (no sequence x sequence score matrix is kept for backward) where the 
 it and eager attention otherwise (Gemma 2: its attention soft-capping has no SDPA path). Eager
 attention materialises every layer's scores, batch x heads x seq x seq, and keeps them for
 backward: the planner traces the implementation the run uses, so its plan shows that.
+flex_attention and flash_attention_2 have no CPU kernels: the planner and the loss self-check
+build SDPA in their place (``traceable_attention``), which keeps about what they keep.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def supported(config: PretrainedConfig) -> list[str]:
     return [name for name, flag in _SUPPORT.items() if flag is None or getattr(cls, flag, False)]
 
 
-def resolve_attention(config: PretrainedConfig, requested: str, device_type: str) -> str:
+def resolve_attention(config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True) -> str:
     """The implementation a run on ``device_type`` uses for ``--attn_implementation requested`` (``ConfigError``
-    naming the architecture and what it supports when it cannot)."""
+    naming the architecture and what it supports when it cannot). ``installed_here`` False: a plan for
+    another machine, which need not have flash-attn installed."""
     usable = supported(config)
     name = causal_lm_class(config).__name__
     if requested == AUTO:
@@ -54,7 +57,20 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     if requested in ("flex_attention", "flash_attention_2") and device_type != "cuda":
         raise ConfigError(f"--attn_implementation {requested}: needs a CUDA GPU (this run is on {device_type}; "
                           "PyTorch has no CPU backward for it); use sdpa or eager, or auto")
-    if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    if requested == "flash_attention_2" and installed_here and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("--attn_implementation flash_attention_2: the flash-attn package is not installed "
                           "(pip install flash-attn); or use sdpa, which PyTorch runs with its own flash kernel")
     return requested
+
+
+def traceable_attention(config: PretrainedConfig, attention: str) -> str:
+    """What the planner and the loss self-check build in place of ``attention``, on the CPU.
+
+    flex_attention and flash_attention_2 have no CPU kernels (and no fake-tensor ones), so a model
+    is traced with SDPA in their place where its class supports SDPA, else with eager attention.
+    Like SDPA, both keep O(sequence) per head for backward, never the score matrix; under eager
+    the plan overstates them.
+    """
+    if attention in ("sdpa", "eager"):
+        return attention
+    return "sdpa" if "sdpa" in supported(config) else "eager"

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from leantune.config import ConfigError, ModelConfig
 from leantune.loss import LogitTransform
-from leantune.models.attention import AUTO, resolve_attention
+from leantune.models.attention import AUTO, resolve_attention, traceable_attention
 from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.presets import model_config
 from leantune.models.structure import decoder_layers
@@ -29,13 +29,21 @@ from leantune.models.structure import decoder_layers
 # ``logits * lm_head_multiplier``; Gemma 2/3 soft-cap with ``final_logit_softcapping``.
 LOGIT_SCALES = (("logits_scaling", True), ("logit_scale", False), ("lm_head_multiplier", False))
 LOGIT_SOFTCAP = "final_logit_softcapping"
+# Families whose forward multiplies by ``logits_scaling`` where Granite divides (HyperCLOVA X's MuP).
+MULTIPLIES_BY_LOGITS_SCALING = ("hyperclovax",)
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's part of ``config`` (``config`` itself unless it is a composite, multimodal one)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def logit_transform(config: PretrainedConfig) -> LogitTransform:
     """What ``config``'s model does to its logits after the LM head, from the fields known to do it."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     scale, sources = 1.0, []
     for field, divides in LOGIT_SCALES:
+        divides = divides and text.model_type not in MULTIPLIES_BY_LOGITS_SCALING
         value = getattr(text, field, None)
         if value is not None and value != 1:
             scale = scale / value if divides else scale * value
@@ -58,10 +66,12 @@ def with_attention(config: PretrainedConfig, attention: str) -> PretrainedConfig
     return config
 
 
-def model_from_config(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
+def model_from_config(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
     """A causal LM of ``config``'s shape in ``dtype``, randomly initialised on the current default device,
-    built as leantune trains it (its attention, no KV cache); ``config`` itself is left as it was."""
+    built with its attention (``cpu_stand_in``: that attention's CPU stand-in, as the planner and the loss
+    check build it) and no KV cache; ``config`` itself is left as it was."""
     attention = attention_of(config)
+    attention = traceable_attention(config, attention) if cpu_stand_in else attention
     config = copy.deepcopy(config)
     config.use_cache = False
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
@@ -69,10 +79,11 @@ def model_from_config(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.
     return model
 
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV cache)."""
+def meta_model(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
+    """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV
+    cache); ``cpu_stand_in`` as for ``model_from_config`` (False: a model that will train)."""
     with torch.device("meta"):
-        return model_from_config(config, dtype)
+        return model_from_config(config, dtype, cpu_stand_in)
 
 
 def check_context_length(config: PretrainedConfig, context_length: int) -> None:
@@ -95,10 +106,6 @@ class ModelFacts:
     @property
     def attention(self) -> str:
         return attention_of(self.config)
-
-    @property
-    def logit_transform(self) -> LogitTransform:
-        return logit_transform(self.config)
 
     @property
     def architecture(self) -> str:
@@ -145,4 +152,5 @@ def plan_model_facts(cfg: ModelConfig, device_type: str) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
     with the attention implementation a run on ``device_type`` would use."""
     config = model_config(cfg.model_name)
-    return ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))
+    attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False)
+    return ModelFacts(with_attention(config, attention))
