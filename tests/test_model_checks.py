@@ -52,44 +52,55 @@ AutoConfig.register(RescaledConfig.model_type, RescaledConfig)
 AutoModelForCausalLM.register(RescaledConfig, RescaledForCausalLM)
 
 
-def _with_forward_after_the_head(change):
-    """A Llama config whose class's forward applies ``change`` to the logits before its own loss."""
+def _config_of_a_class_whose_forward(logits_of, name: str, **fields):
+    """A Llama config whose registered class's forward makes its logits with ``logits_of(model, input_ids)``
+    and its loss from them as every transformers class does."""
 
     class Changed(LlamaForCausalLM):
         def forward(self, input_ids=None, labels=None, **kwargs):
-            logits = change(super().forward(input_ids=input_ids, **kwargs).logits, self)
+            logits = logits_of(self, input_ids)
             loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     class ChangedConfig(LlamaConfig):
-        model_type = f"leantune_test_{change.__name__}"
+        model_type = f"leantune_test_{name}"
 
     Changed.config_class = ChangedConfig
-    Changed.__name__ = Changed.__qualname__ = f"{change.__name__.title()}ForCausalLM"
+    Changed.__name__ = Changed.__qualname__ = f"{name.title().replace('_', '')}ForCausalLM"
     AutoConfig.register(ChangedConfig.model_type, ChangedConfig, exist_ok=True)
     AutoModelForCausalLM.register(ChangedConfig, Changed, exist_ok=True)
-    return ChangedConfig(**TEST_SHAPE, vocab_size=1000)
+    return ChangedConfig(**TEST_SHAPE, vocab_size=1000, **fields)
 
 
-def doubled_gradient(logits, _model):  # the same value, twice the gradient
-    return logits + (logits - logits.detach())
+def _hidden(model, input_ids, **to_decoder):
+    return model.model(input_ids=input_ids, **to_decoder).last_hidden_state
 
 
-def clamped(logits, _model):  # bends only logits beyond 20
-    return logits.clamp(-20, 20)
+FORWARDS = {  # name: (how the logits are made, config fields): each differs from leantune's path
+    "doubled_gradient": (lambda m, ids: (lambda z: z + (z - z.detach()))(m.lm_head(_hidden(m, ids))), {}),
+    "hidden_gradient": (lambda m, ids: m.lm_head((lambda h: h + (h - h.detach()))(_hidden(m, ids))), {}),
+    "clamped": (lambda m, ids: m.lm_head(_hidden(m, ids)).clamp(-20, 20), {}),  # bends only logits beyond 20
+    "dropped": (lambda m, ids: torch.nn.functional.dropout(m.lm_head(_hidden(m, ids)), 0.1, m.training), {}),
+    "tied_scaled": (lambda m, ids: m.lm_head(_hidden(m, ids) * (0.5 if m.config.tie_word_embeddings else 1.0)),
+                    dict(tie_word_embeddings=True)),
+    "shifted_positions": (lambda m, ids: m.lm_head(_hidden(m, ids, position_ids=2 * torch.arange(ids.shape[1])[None])),
+                          {}),
+    "auxiliary": (lambda m, ids: m.lm_head(_hidden(m, ids)) + (lambda out: 0.0 if out.aux_loss is None else
+                                                               out.aux_loss)(m.model(input_ids=ids)), {}),
+}
 
 
-def dropped(logits, model):  # only in training, as dropout is
-    return torch.nn.functional.dropout(logits, 0.1, training=model.training)
-
-
-@pytest.mark.parametrize("change", [doubled_gradient, clamped, dropped])
-def test_the_check_sees_a_change_only_its_gradient_large_logits_or_training_shows(change):
+@pytest.mark.parametrize("name", FORWARDS)
+def test_the_check_sees_what_a_forward_does_beyond_leantunes_path(name):
+    """Only a gradient, only large logits, only in training, only for a tied config, what it hands the decoder,
+    what it reads back from it: each is refused."""
     from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
     from leantune.models.facts import ModelFacts
 
-    with pytest.raises(OwnLossMismatch, match=f"{change.__name__.title()}ForCausalLM: leantune's loss is not"):
-        check_own_loss(parse_run_config([]), ModelFacts(_with_forward_after_the_head(change)))
+    logits_of, fields = FORWARDS[name]
+    config = _config_of_a_class_whose_forward(logits_of, name, **fields)
+    with pytest.raises(OwnLossMismatch, match=f"{name.title().replace('_', '')}ForCausalLM: "):
+        check_own_loss(parse_run_config([]), ModelFacts(config))
 
 
 def test_the_check_leaves_the_runs_random_numbers_alone(monkeypatch):
@@ -115,7 +126,7 @@ REAL_SHAPES = {  # full-size configs (built on the meta device only) of classes 
     "deepseek-v3": ("deepseek_v3", {}), "falcon-h1": ("falcon_h1", dict(lm_head_multiplier=0.5)),
     "gemma3-multimodal": ("gemma3", {}), "gemma3n": ("gemma3n_text", {}), "mixtral": ("mixtral", {}),
     "granite4": ("granitemoehybrid", dict(logits_scaling=4.0)), "hyperclovax": ("hyperclovax", dict(logits_scaling=0.25)),
-    "gpt2": ("gpt2", {}),
+    "gpt2": ("gpt2", {}), "cwm-strict-token-ids": ("cwm", {}),
 }
 
 
@@ -128,6 +139,35 @@ def test_real_shaped_configs_are_checked_at_their_own_size(model_type, fields):
     check = check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model(model_type, **fields)))
     assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-4
     assert (model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text")) != check.transform.is_identity
+
+
+def test_a_class_without_a_separate_decoder_is_refused_saying_so():
+    """Llama 4's text class: transformers' get_decoder() returns the model itself, so there are no hidden states to take."""
+    from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
+    from leantune.models.facts import ModelFacts
+
+    with pytest.raises(OwnLossMismatch, match="Llama4ForCausalLM: transformers finds no separate decoder"):
+        check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model("llama4_text")))
+
+
+def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(monkeypatch, family_dir):
+    """flex_attention for a GPU: the loaded model and a --low_cpu_fsdp rank's meta model get flex_attention itself;
+    only the planner's and the check's models build SDPA in its place."""
+    from leantune.builders.model import build_model
+    from leantune.models.facts import meta_model
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--attn_implementation", "flex_attention"])
+    facts = run_model_facts(cfg.model, "cuda")
+    asked = []
+    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention: asked.append(attention) or 1 / 0)
+    monkeypatch.setattr(builders_model, "meta_model", lambda _config, _dtype, cpu_stand_in=True: asked.append(
+        cpu_stand_in) or 1 / 0)
+    for on_meta in (False, True):
+        with pytest.raises(ZeroDivisionError):
+            build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None, facts=facts, on_meta=on_meta)
+    assert asked == ["flex_attention", False]
+    assert meta_model(facts.config, torch.float32).config._attn_implementation == "sdpa"
 
 
 def test_router_auxiliary_loss_is_refused_naming_the_fix():

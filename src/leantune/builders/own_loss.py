@@ -37,6 +37,15 @@ from leantune.training.step import CausalLMLoss
 WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary
 BATCH, SEQ = 2, 16
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# What a class's forward may hand its decoder beyond the ids and still mean leantune's path (which passes
+# none of them): for one unpadded causal batch without a cache these change nothing.
+BENIGN_DECODER_ARGUMENTS = frozenset({"use_cache", "return_dict", "output_attentions", "output_hidden_states",
+                                      "cache_position", "past_key_values", "cache", "attention_mask",
+                                      "logits_to_keep"})
+# What a class's forward may read from its decoder's output beyond the hidden states: None here, as
+# without a cache (a mixture-of-experts' router logits: its auxiliary loss is refused before the check).
+KNOWN_OUTPUTS = frozenset({"past_key_values", "cache", "hidden_states", "attentions", "cross_attentions",
+                           "router_logits"})
 # Relative differences beyond float32 rounding, far below what a transform makes.
 TOLERANCE = 1e-4
 
@@ -71,6 +80,7 @@ class StandInDecoder(torch.nn.Module):
         super().__init__()
         spread = torch.logspace(-0.7, 0.9, VOCAB)[torch.randperm(VOCAB, generator=generator)]
         self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
+        self.unexpected: list[str] = []  # what the class's forward handed it that leantune's path would not
         with torch.no_grad():
             self.embed_tokens.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) * spread[:, None])
 
@@ -80,37 +90,42 @@ class StandInDecoder(torch.nn.Module):
     def get_decoder(self) -> torch.nn.Module:  # and the model asks its base model for the decoder
         return self
 
-    def forward(self, input_ids=None, inputs_embeds=None, **_ignored):
+    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, **kwargs):
         # a multimodal wrapper embeds the ids itself (with this module's embeddings) and passes them on
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        self.unexpected += [name for name, value in kwargs.items()  # a flag left off asks for nothing
+                            if value is not None and value is not False and name not in BENIGN_DECODER_ARGUMENTS]
+        if position_ids is not None and not torch.equal(position_ids.expand(hidden.shape[:2]),
+                                                        torch.arange(hidden.shape[1]).expand(hidden.shape[:2])):
+            self.unexpected.append("position_ids (not 0, 1, 2, ...)")
         return StandInOutput(last_hidden_state=hidden)
 
 
 @dataclass
 class StandInOutput(ModelOutput):
-    """The decoder's output as the classes' forwards read it: the hidden states, and None for whatever else
-    they ask of it (a cache, attentions, a mixture-of-experts' router logits, ...)."""
+    """The decoder's output as the classes' forwards read it: the hidden states, and None for the fields of
+    ``KNOWN_OUTPUTS`` (anything else read from it is an error: the check cannot stand in for it)."""
 
     last_hidden_state: Optional[torch.Tensor] = None
 
     def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return None
+        if name in KNOWN_OUTPUTS:
+            return None
+        raise AttributeError(f"the decoder's output has no {name!r} leantune can stand in for")
 
 
 def small_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
-    """``config`` with a ``VOCAB``-token vocabulary (special token ids beyond it dropped); the rest kept."""
+    """``config`` with a ``VOCAB``-token vocabulary (special token ids beyond it moved to its last); the rest kept."""
     small = copy.deepcopy(config)
     for part in {id(small): small, id(text_config(small)): text_config(small)}.values():
         if hasattr(part, "vocab_size"):
             part.vocab_size = VOCAB
         for name in _TOKEN_IDS:
             value = getattr(part, name, None)
-            if isinstance(value, int) and value >= VOCAB:
-                setattr(part, name, None)
+            if isinstance(value, int):
+                setattr(part, name, min(value, VOCAB - 1))  # kept an int: strict configs refuse None
             elif isinstance(value, list):
-                setattr(part, name, [i for i in value if i < VOCAB] or None)
+                setattr(part, name, [min(i, VOCAB - 1) for i in value])
     return small
 
 
@@ -125,24 +140,33 @@ def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module)
 def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
     """The model's own class on the meta device, with a real stand-in decoder and a small random LM head."""
     try:
-        model = meta_model(small_vocabulary(config), torch.float32)
+        return _stand_in_model(config, generator)
+    except OwnLossMismatch:
+        raise
     except Exception as err:  # noqa: BLE001 - any failure to build means the loss cannot be checked
         raise OwnLossMismatch(f"cannot build {type(config).__name__}'s model to check that leantune reproduces its "
-                              f"loss ({type(err).__name__}: {err}); leantune refuses a model whose loss it cannot "
-                              "check") from None
-    head = model.get_output_embeddings()
+                              f"loss ({type(err).__name__}: {str(err)[:300]}); leantune refuses a model whose loss "
+                              "it cannot check") from None
+
+
+def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
+    model = meta_model(small_vocabulary(config), torch.float32)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is model or head is None:
+        raise OwnLossMismatch(f"{type(model).__name__}: transformers finds no separate decoder and LM head in it "
+                              "(get_decoder() returns the model itself, or get_output_embeddings() nothing), so "
+                              "leantune cannot take its decoder's hidden states to compute the loss from")
     small_head = torch.nn.Linear(WIDTH, VOCAB, bias=getattr(head, "bias", None) is not None)
     with torch.no_grad():
         small_head.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) / WIDTH ** 0.5 * 10)
         if small_head.bias is not None:
             small_head.bias.copy_(torch.randn(VOCAB, generator=generator))
-    decoder, stand_in = model.get_decoder(), StandInDecoder(generator)
+    stand_in = StandInDecoder(generator)
     for name, value in vars(decoder).items():  # its plain numbers (Falcon-H1's lm_head_multiplier) stay readable
         if not name.startswith("_") and isinstance(value, (bool, int, float)) and not hasattr(stand_in, name):
             setattr(stand_in, name, value)
     _replace(model, decoder, stand_in)
     _replace(model, head, small_head)
-    model.config.tie_word_embeddings = False
     return model.train()  # as it trains: dropout after the decoder would be a difference too
 
 
@@ -181,14 +205,19 @@ def check_own_loss(cfg: RunConfig, facts: ModelFacts) -> OwnLossCheck:
 
 def _compare(cfg: RunConfig, model: torch.nn.Module, generator: torch.Generator, started: float) -> OwnLossCheck:
     ids, labels = _batch(generator)
-    ours_model = CausalLMLoss(model, loss_function(cfg, model))
-    architecture, transform = type(model).__name__, ours_model.loss_fn.transform
+    architecture, stand_in = type(model).__name__, model.get_decoder()
     try:
+        ours_model = CausalLMLoss(model, loss_function(cfg, model))
         own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
     except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared
         raise OwnLossMismatch(f"{architecture}: its forward(labels=...) could not be run on a stand-in decoder to "
                               f"check leantune's loss against it ({type(err).__name__}: {str(err)[:300]}); leantune "
                               "refuses a model whose loss it cannot check") from None
+    if stand_in.unexpected:
+        raise OwnLossMismatch(f"{architecture}: its forward hands its decoder {', '.join(sorted(set(stand_in.unexpected)))}, "
+                              "which leantune's path (the decoder on the token ids alone) does not; leantune refuses "
+                              "a model whose loss it cannot reproduce")
+    transform = ours_model.loss_fn.transform
     ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels) / count_targets(labels))
     loss_difference = abs(ours - own) / max(abs(own), 1e-12)
     gradient_difference = _relative(our_grads, own_grads)

@@ -143,8 +143,9 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
     facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))
     try:
         facts.shape  # built now: a model transformers cannot build is refused before any weight loads
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {cfg.model_name!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a missing package (timm), a config transformers cannot follow, ...
+        raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {cfg.model_name!r} "
+                             f"({type(err).__name__}: {err})") from None
     return facts
 
 
