@@ -50,6 +50,8 @@ FLAG_VALUES = {
     "tokenizer_name": (["--tokenizer_name", "t"], {"tokenizer_name": "t"}),
     "model_dtype": (["--model_dtype", "bfloat16"], {"model_dtype": "bfloat16"}),
     "device": (["--device", "cpu"], {"device": "cpu"}),
+    "optimizer": (["--optimizer", "anyprecision"], {"optimizer": "anyprecision"}),
+    "pure_bf16": (["--pure_bf16"], {"pure_bf16": True, "model_dtype": "bfloat16"}),
     "attn_implementation": (["--attn_implementation", "eager"], {"attn_implementation": "eager"}),
     "dataset": (["--dataset", "custom_dataset", "--data_path", "d.jsonl"], {"dataset": "custom_dataset"}),
     "data_path": (["--data_path", "d.jsonl"], {"data_path": "d.jsonl"}),

@@ -60,7 +60,8 @@ def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file
     assert fixes[2] == ("  2. a smaller batch, the same 4 rows per optimizer step: --batch_size_training 2 "
                         "--gradient_accumulation_steps 2")
     assert fixes[3] == "  3. shorter rows: --context_length 64 (now 128)"
-    assert "--use_peft" in fixes[4]
+    assert fixes[4].endswith("--optimizer anyprecision --pure_bf16")  # full fine-tuning: the leaner optimizer
+    assert "--use_peft" in fixes[5]
     # what is on disk is whole: the metrics of steps 1-2, the states of steps 1-2, nothing hidden or partial
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json",
@@ -80,6 +81,8 @@ def test_fixes_follow_the_run_they_are_for():
     single = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload",
                                "--batch_size_training", "1", "--context_length", "64", "--use_peft"])
     assert memory_fixes(single, cuda) == []  # nothing left to turn: the generic plan advice follows
+    lean = parse_run_config(["--optimizer", "anyprecision", "--pure_bf16", "--enable_activation_checkpointing"])
+    assert not any("--optimizer" in fix for fix in memory_fixes(lean, cuda))
 
 
 def nan_loss_at(monkeypatch, steps: set[int]):

@@ -19,7 +19,6 @@ from leantune.config import SECTIONS, ConfigError, RunConfig
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
 COOKBOOK_ONLY_FLAGS = {
-    "pure_bf16": "use --model_dtype bfloat16",
     "quantization": "quantized base weights are not supported yet",
     "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
     "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",

@@ -88,8 +88,15 @@ class TrainingConfig:
     max_train_step: int = field(default=0, metadata=_help(
         "Stop after this many training batches in all (0: no limit), as in llama-cookbook."))
     max_eval_step: int = field(default=0, metadata=_help("Validation batches per evaluation (0: all)."))
-    lr: float = field(default=1e-4, metadata=_help("AdamW learning rate."))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    lr: float = field(default=1e-4, metadata=_help("The optimizer's learning rate."))
+    weight_decay: float = field(default=0.0, metadata=_help("The optimizer's decoupled weight decay."))
+    optimizer: Literal["adamw", "AdamW", "anyprecision"] = field(default="adamw", metadata=_help(
+        "adamw (llama-cookbook's AdamW): torch's AdamW, float32 states. anyprecision: AdamW with bfloat16 "
+        "moment states (4 bytes a parameter instead of 8) and, for bfloat16 weights (--pure_bf16), a "
+        "Kahan-compensated update (2 bytes more) so that small updates are not rounded away."))
+    pure_bf16: bool = field(default=False, metadata=_help(
+        "llama-cookbook's flag: bfloat16 weights, trainable ones too (--model_dtype bfloat16); pair it with "
+        "--optimizer anyprecision, whose compensated update keeps what bfloat16 weights round away."))
     gamma: float = field(default=0.85, metadata=_help("Learning-rate decay per epoch (StepLR)."))
     seed: int = field(default=42, metadata=_help("Seed for initialisation, shuffling and dropout."))
     use_fp16: bool = field(default=False, metadata=_help("float16 autocast with loss scaling (CUDA only)."))
@@ -104,6 +111,7 @@ class TrainingConfig:
         "before the run stops; 0: stop at the first one, naming the step and its examples."))
 
     def __post_init__(self):
+        self.optimizer = self.optimizer.lower()  # llama-cookbook spells it AdamW
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be at least 1 (got {value})")
@@ -320,6 +328,10 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
+        if self.training.pure_bf16:
+            _require(self.model.model_dtype in ("auto", "bfloat16"), "pure_bf16",
+                     f"means bfloat16 weights; conflicts with --model_dtype {self.model.model_dtype}; drop one")
+            self.model.model_dtype = "bfloat16"
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
         if self.distributed.enable_fsdp and self.training.use_fp16:

@@ -49,6 +49,10 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     if device.type == "cuda" and mode != offload:
         fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
                      f"--activation_checkpointing_mode {offload}")
+    if not cfg.peft.use_peft and (tc.optimizer != "anyprecision" or not tc.pure_bf16):
+        fixes.append("bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
+                     "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer anyprecision "
+                     "--pure_bf16")
     if not cfg.peft.use_peft:
         fixes.append("train a LoRA adapter instead of every weight (no gradients or optimizer state for the "
                      "base): --use_peft")

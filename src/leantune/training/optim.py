@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from leantune.config import TrainingConfig
+from leantune.training.anyprecision import AnyPrecisionAdamW
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -18,12 +19,16 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, foreach: Optional[bool] = None) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (``--lr``, ``--weight_decay``).
+    """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``).
 
-    ``foreach``: torch's choice by default (the multi-tensor path on CUDA tensors); the planner
-    passes True for a GPU target traced on CPU tensors, so it counts that path's temporaries.
+    adamw: torch's AdamW; ``foreach``: torch's choice by default (the multi-tensor path on CUDA
+    tensors), the planner passes True for a GPU target traced on CPU tensors, so it counts that
+    path's temporaries. anyprecision: ``training.anyprecision.AnyPrecisionAdamW``.
     """
-    return torch.optim.AdamW(trainable_parameters(model), lr=tc.lr, weight_decay=tc.weight_decay, foreach=foreach)
+    params = trainable_parameters(model)
+    if tc.optimizer == "anyprecision":
+        return AnyPrecisionAdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, foreach=foreach)
 
 
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:

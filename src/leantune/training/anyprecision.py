@@ -1,0 +1,94 @@
+"""AdamW with bfloat16 moment states and, for bfloat16 weights, a Kahan-compensated update.
+
+llama-cookbook calls it ``anyprecision`` (with ``--pure_bf16``). Its point is memory: torch's AdamW
+keeps two float32 moments (8 bytes a parameter) beside float32 weights and gradients (8 more);
+here the moments are bfloat16 (4 bytes), and with bfloat16 weights and gradients (4 bytes) a
+bfloat16 compensation buffer (2 bytes) holds what each update lost to rounding, so 10 bytes a
+parameter instead of 16 — and no float32 master copy.
+
+Why the compensation: a bfloat16 weight has 8 significant bits, so an update smaller than about
+1/256 of the weight rounds to nothing; AdamW's steps are about ``lr`` (1e-5 against weights of 1e-2)
+and would be lost. Kahan summation keeps the lost low part in the buffer and adds it to the next
+update, so the weight follows the float32 trajectory to within one bfloat16 rounding
+(``benchmarks/optimizers.py`` measures both). Float32 weights need no buffer and get none.
+
+Each parameter is stepped in chunks of ``CHUNK`` elements, in float32 temporaries of a chunk's
+size: the step's temporaries are a few chunks, whatever the size of the model or its largest
+weight (Llama-3's 128k x 4096 embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+STATE_DTYPE = torch.bfloat16
+CHUNK = 1 << 24  # elements stepped at once: float32 temporaries of 64 MiB each, whatever the parameter's size
+
+
+class AnyPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with ``STATE_DTYPE`` moments; see the module docstring."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid AnyPrecisionAdamW settings: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _state_of(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch's AdamW keeps it
+            state["exp_avg"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+            if param.dtype != torch.float32:  # what the weight's rounding lost, added to the next update
+                state["compensation"] = torch.zeros_like(param)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._step_one(param, group)
+        return loss
+
+    def _step_one(self, param: torch.Tensor, group: dict) -> None:
+        state = self._state_of(param)
+        state["step"] += 1
+        step = 1.0 if is_fake(state["step"]) else float(state["step"])  # a CPU tensor: no device sync
+        beta1, beta2 = group["betas"]
+        scale = -group["lr"] / (1 - beta1 ** step)
+        tensors = [param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("compensation")]
+        flat = [t.view(-1) if t is not None else None for t in tensors]
+        for start in range(0, param.numel(), CHUNK):
+            chunk = [t[start:start + CHUNK] if t is not None else None for t in flat]
+            _adamw_chunk(*chunk, beta1, beta2, group["eps"], 1 - beta2 ** step, scale,
+                         -group["lr"] * group["weight_decay"])
+
+
+def _adamw_chunk(weight, grad, exp_avg, exp_avg_sq, compensation, beta1, beta2, eps, correction2, scale, decay):
+    """One chunk of the step, in float32 temporaries of the chunk's size, written back in place."""
+    grad = grad.float()
+    avg = exp_avg.float().lerp_(grad, 1 - beta1)
+    avg_sq = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    del grad
+    exp_avg.copy_(avg)
+    exp_avg_sq.copy_(avg_sq)
+    update = avg.div_(avg_sq.div_(correction2).sqrt_().add_(eps)).mul_(scale)
+    del avg_sq
+    old = weight.float()
+    if decay:
+        update.add_(old, alpha=decay)
+    if compensation is None:
+        weight.copy_(old.add_(update))
+        return
+    update.add_(compensation.float())  # the update and what earlier ones lost
+    weight.copy_(old + update)  # rounded to the weight's dtype
+    # what this rounding lost, (update) - (new weight - old weight), kept for the next step
+    compensation.copy_(update.sub_(weight.float().sub_(old)))
