@@ -66,11 +66,27 @@ def test_anyprecision_steps_a_large_weight_in_chunks_as_it_would_whole(monkeypat
         assert torch.equal(whole, chunked)
 
 
+def test_a_non_contiguous_weight_is_stepped_as_a_contiguous_one():
+    def stepped(weight):
+        weight = torch.nn.Parameter(weight)
+        optimizer = AnyPrecisionAdamW([weight], lr=1e-2)
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+        return weight.detach()
+
+    transposed = torch.linspace(-1, 1, 60).reshape(6, 10).bfloat16().t()
+    assert not transposed.is_contiguous()
+    expected = stepped(transposed.contiguous())
+    assert not torch.equal(expected, transposed) and torch.equal(stepped(transposed), expected)
+
+
 def test_optimizer_flags():
     assert parse_run_config(["--optimizer", "AdamW"]).training.optimizer == "adamw"  # llama-cookbook's spelling
     assert parse_run_config(["--pure_bf16"]).model.model_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="--pure_bf16: means bfloat16 weights; conflicts with --model_dtype float32"):
         parse_run_config(["--pure_bf16", "--model_dtype", "float32"])
+    with pytest.raises(ConfigError, match="--optimizer anyprecision: not with --enable_fsdp yet"):
+        parse_run_config(["--optimizer", "anyprecision", "--enable_fsdp"])
 
 
 @pytest.mark.parametrize("flags", [["--optimizer", "anyprecision"], ["--optimizer", "anyprecision", "--pure_bf16"]],

@@ -334,6 +334,9 @@ class RunConfig:
             self.model.model_dtype = "bfloat16"
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
+        if self.distributed.enable_fsdp and (self.training.optimizer != "adamw" or self.training.pure_bf16):
+            flag = "--pure_bf16" if self.training.pure_bf16 else f"--optimizer {self.training.optimizer}"
+            raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")

@@ -65,11 +65,13 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         scale = -group["lr"] / (1 - beta1 ** step)
         tensors = [param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("compensation")]
+        settings = (beta1, beta2, group["eps"], 1 - beta2 ** step, scale, -group["lr"] * group["weight_decay"])
+        if not all(t is None or t.is_contiguous() for t in tensors):  # no flat view to chunk: stepped whole
+            _adamw_chunk(*tensors, *settings)
+            return
         flat = [t.view(-1) if t is not None else None for t in tensors]
         for start in range(0, param.numel(), CHUNK):
-            chunk = [t[start:start + CHUNK] if t is not None else None for t in flat]
-            _adamw_chunk(*chunk, beta1, beta2, group["eps"], 1 - beta2 ** step, scale,
-                         -group["lr"] * group["weight_decay"])
+            _adamw_chunk(*[t[start:start + CHUNK] if t is not None else None for t in flat], *settings)
 
 
 def _adamw_chunk(weight, grad, exp_avg, exp_avg_sq, compensation, beta1, beta2, eps, correction2, scale, decay):
