@@ -39,6 +39,29 @@ def test_anyprecision_follows_adamw_and_its_compensation_keeps_what_bf16_weights
     assert float((uncompensated - reference).abs().max()) > 0.5 * moved  # the updates rounded away
 
 
+def test_with_float32_states_it_is_torchs_adamw_element_for_element(monkeypatch):
+    """Bias corrections, eps, decoupled weight decay, per-group lr and betas, the schedule, a parameter without grad."""
+    import leantune.training.anyprecision as anyprecision
+
+    monkeypatch.setattr(anyprecision, "STATE_DTYPE", torch.float32)
+    torch.manual_seed(0)
+    start = [torch.randn(50, 3), torch.randn(7), torch.randn(4)]
+    runs = []
+    for make in (lambda groups: torch.optim.AdamW(groups, foreach=False), AnyPrecisionAdamW):
+        weights = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = make([dict(params=weights[:2], lr=3e-2, betas=(0.8, 0.95), weight_decay=0.1),
+                          dict(params=weights[2:], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-6)])
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for step in range(6):
+            for i, w in enumerate(weights):
+                w.grad = None if (i == 1 and step == 3) else torch.sin(w.detach() * (step + 1) + i)
+            optimizer.step()
+            schedule.step()
+        runs.append(weights)
+    for torch_weight, ours in zip(*runs):
+        torch.testing.assert_close(ours, torch_weight, rtol=1e-6, atol=1e-6)
+
+
 def test_anyprecision_keeps_bf16_moments_and_a_compensation_only_for_bf16_weights():
     weights = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(300).bfloat16())]
     optimizer = AnyPrecisionAdamW(weights, lr=1e-3)
@@ -48,6 +71,9 @@ def test_anyprecision_keeps_bf16_moments_and_a_compensation_only_for_bf16_weight
     float_state, bf16_state = (optimizer.state[w] for w in weights)
     assert float_state["exp_avg"].dtype == float_state["exp_avg_sq"].dtype == torch.bfloat16
     assert "compensation" not in float_state and bf16_state["compensation"].dtype == torch.bfloat16
+    reloaded = AnyPrecisionAdamW(weights, lr=1e-3)
+    reloaded.load_state_dict(optimizer.state_dict())  # torch's casts the states to the weights' dtype
+    assert all(reloaded.state[w][name].dtype == torch.bfloat16 for w in weights for name in ("exp_avg", "exp_avg_sq"))
 
 
 def test_anyprecision_steps_a_large_weight_in_chunks_as_it_would_whole(monkeypatch):
@@ -80,11 +106,25 @@ def test_a_non_contiguous_weight_is_stepped_as_a_contiguous_one():
     assert not torch.equal(expected, transposed) and torch.equal(stepped(transposed), expected)
 
 
+def test_the_oom_advice_names_the_lean_optimizer_only_where_its_flags_are_allowed():
+    from leantune.memory.oom import memory_fixes
+
+    def advised(*flags):
+        return any("--optimizer anyprecision" in fix for fix in memory_fixes(parse_run_config(list(flags)),
+                                                                            torch.device("cuda")))
+
+    assert advised() and advised("--optimizer", "anyprecision")
+    assert not advised("--use_fp16") and not advised("--model_dtype", "float32") and not advised("--use_peft")
+    assert not advised("--optimizer", "anyprecision", "--pure_bf16")
+
+
 def test_optimizer_flags():
     assert parse_run_config(["--optimizer", "AdamW"]).training.optimizer == "adamw"  # llama-cookbook's spelling
     assert parse_run_config(["--pure_bf16"]).model.model_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="--pure_bf16: means bfloat16 weights; conflicts with --model_dtype float32"):
         parse_run_config(["--pure_bf16", "--model_dtype", "float32"])
+    with pytest.raises(ConfigError, match="--pure_bf16: conflicts with --use_fp16"):
+        parse_run_config(["--pure_bf16", "--use_fp16"])
     with pytest.raises(ConfigError, match="--optimizer anyprecision: not with --enable_fsdp yet"):
         parse_run_config(["--optimizer", "anyprecision", "--enable_fsdp"])
 
@@ -109,7 +149,7 @@ def test_the_plan_of_anyprecision_equals_the_real_step(flags):
 @pytest.mark.parametrize("flags", [["--optimizer", "anyprecision"], ["--optimizer", "anyprecision", "--pure_bf16"]],
                          ids=["float32-weights", "bf16-weights"])
 def test_a_resumed_anyprecision_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path, flags):
-    argv = ["--model_name", str(tiny_model_dir), *flags, "--max_train_step", "4", "--num_epochs", "1",
+    argv = ["--model_name", str(tiny_model_dir), *flags, "--max_train_step", "6", "--num_epochs", "1",
             "--context_length", "64", "--lr", "3e-3", "--batch_size_training", "2", "--run_validation", "false",
             "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", "2", "--output_dir",
             str(tmp_path / "whole")]
@@ -124,4 +164,4 @@ def test_a_resumed_anyprecision_run_gives_the_losses_of_one_never_stopped(tiny_m
         return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
 
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
-    assert len(whole) == 4 and resumed[-2:] == whole[-2:] and whole[-1] < whole[0]
+    assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]

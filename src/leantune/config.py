@@ -96,7 +96,8 @@ class TrainingConfig:
         "Kahan-compensated update (2 bytes more) so that small updates are not rounded away."))
     pure_bf16: bool = field(default=False, metadata=_help(
         "llama-cookbook's flag: bfloat16 weights, trainable ones too (--model_dtype bfloat16); pair it with "
-        "--optimizer anyprecision, whose compensated update keeps what bfloat16 weights round away."))
+        "--optimizer anyprecision, whose compensated update keeps what bfloat16 weights round away. With "
+        "--use_peft the adapters stay float32 (peft keeps them so): it only halves the frozen base."))
     gamma: float = field(default=0.85, metadata=_help("Learning-rate decay per epoch (StepLR)."))
     seed: int = field(default=42, metadata=_help("Seed for initialisation, shuffling and dropout."))
     use_fp16: bool = field(default=False, metadata=_help("float16 autocast with loss scaling (CUDA only)."))
@@ -329,6 +330,7 @@ class RunConfig:
 
     def __post_init__(self):
         if self.training.pure_bf16:
+            _require(not self.training.use_fp16, "pure_bf16", "conflicts with --use_fp16 (float16 autocast); drop one")
             _require(self.model.model_dtype in ("auto", "bfloat16"), "pure_bf16",
                      f"means bfloat16 weights; conflicts with --model_dtype {self.model.model_dtype}; drop one")
             self.model.model_dtype = "bfloat16"

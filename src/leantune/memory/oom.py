@@ -49,7 +49,9 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     if device.type == "cuda" and mode != offload:
         fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
                      f"--activation_checkpointing_mode {offload}")
-    if not cfg.peft.use_peft and (tc.optimizer != "anyprecision" or not tc.pure_bf16):
+    lean_allowed = (not tc.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
+                    and not cfg.distributed.enable_fsdp)  # the flags' conflicts (config.RunConfig)
+    if not cfg.peft.use_peft and lean_allowed and (tc.optimizer != "anyprecision" or not tc.pure_bf16):
         fixes.append("bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
                      "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer anyprecision "
                      "--pure_bf16")
