@@ -26,7 +26,7 @@ from pathlib import Path
 from leantune.builders.own_loss import check_own_loss
 from leantune.cli_args import parse_run_config
 from leantune.models.facts import plan_model_facts, run_model_facts
-from leantune.models.loading import ModelLoadError
+from leantune.models.loading import ModelLoadError, linear_layer_names
 from leantune.models.tiny import FAMILIES, make_tiny_model
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -43,8 +43,7 @@ def family_row(family: str, root: Path) -> dict:
         default_targets = "yes"
     except ModelLoadError:
         default_targets = "no"
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in facts.shape.named_modules()
-                     if type(module).__name__ == "Linear" and module is not facts.shape.get_output_embeddings()})
+    linear = linear_layer_names(facts.shape)
     check = check_own_loss(cfg, facts)
     return dict(family=family, architecture=check.architecture, attention=facts.attention,
                 transform=check.transform.describe(), default_lora_targets=default_targets, linear_layers=linear,

@@ -101,12 +101,17 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in targets if m not in names]
     if missing:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) and m is not head})
+        linear = linear_layer_names(model)
         raise ModelLoadError(f"--lora_target_modules: {' '.join(missing)} not found in {type(model).__name__}; its "
                              f"linear layers are {' '.join(linear)}. Name some of them, e.g. --lora_target_modules "
                              f"{' '.join(linear[:2])}, or --lora_target_modules {ALL_LINEAR}")
+
+
+def linear_layer_names(model: torch.nn.Module) -> list[str]:
+    """The names LoRA can target: every linear layer's last name part but the output head's, sorted."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
