@@ -165,3 +165,20 @@ def test_a_resumed_anyprecision_run_gives_the_losses_of_one_never_stopped(tiny_m
 
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
     assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]
+
+
+def test_pure_bf16_with_anyprecision_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
+    """The GPU default for --pure_bf16 (bfloat16 weights under bfloat16 autocast), on a CPU stand-in."""
+    from leantune.precision import Precision
+
+    stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    argv = ["--model_name", str(tiny_model_dir), "--optimizer", "anyprecision", "--pure_bf16", "--max_train_step", "8",
+            "--num_epochs", "1", "--context_length", "64", "--lr", "3e-3", "--batch_size_training", "2",
+            "--run_validation", "false", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
+            "--output_dir", str(tmp_path)]
+    lines: list[str] = []
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    losses = [s["loss"] for s in json.loads((tmp_path / "metrics.json").read_text())["train_steps"]]
+    assert "precision: CPU stand-in: bf16 GPU, --pure_bf16" in lines
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
