@@ -14,7 +14,7 @@ that ``leantune plan`` traces on fake tensors (``trace_step(..., fake=True)``) i
    events during the planned ``TrainStep.run``. This also checks the tracker itself.
 
 error = predicted / measured - 1. The precisions: ``float32`` is the CPU target; ``bf16`` is a
-CUDA target traced on the CPU (bf16 autocast, bf16 LoRA base, foreach AdamW), which is how the
+CUDA target traced on the CPU (bf16 autocast, bf16 LoRA base, fused AdamW), which is how the
 planner stands in for a GPU on a machine without one.
 
 How the profiler's events are read (torch 2.13). ``prof.events()`` and ``key_averages()`` fold

@@ -90,10 +90,19 @@ class TrainingConfig:
     max_eval_step: int = field(default=0, metadata=_help("Validation batches per evaluation (0: all)."))
     lr: float = field(default=1e-4, metadata=_help("The optimizer's learning rate."))
     weight_decay: float = field(default=0.0, metadata=_help("The optimizer's decoupled weight decay."))
-    optimizer: Literal["adamw", "AdamW", "anyprecision"] = field(default="adamw", metadata=_help(
-        "adamw (llama-cookbook's AdamW): torch's AdamW, float32 states. anyprecision: AdamW with bfloat16 "
-        "moment states (4 bytes a parameter instead of 8) and, for bfloat16 weights (--pure_bf16), a "
-        "Kahan-compensated update (2 bytes more) so that small updates are not rounded away."))
+    optimizer: Literal["adamw", "AdamW", "anyprecision", "adamw_8bit", "paged_adamw_8bit"] = field(
+        default="adamw", metadata=_help(
+            "adamw (llama-cookbook's AdamW): torch's AdamW, float32 states (its fused kernel on CUDA). "
+            "anyprecision: AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for "
+            "bfloat16 weights (--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates "
+            "are not rounded away. adamw_8bit: bitsandbytes' 8-bit AdamW (about 2 bytes a parameter); "
+            "paged_adamw_8bit: the same with its state in CUDA unified memory, paged to the host when the "
+            "GPU runs short (CUDA only)."))
+    optimizer_in_backward: bool = field(default=False, metadata=_help(
+        "Step each weight as soon as its gradient is complete in backward and free that gradient, so the "
+        "full set of gradients never exists. Needs one batch per step (no gradient accumulation), no "
+        "--gradient_clipping (the global norm is known only after every weight has stepped) and no "
+        "--use_fp16 (the loss scaler checks all gradients before any step); a non-finite step stops the run."))
     pure_bf16: bool = field(default=False, metadata=_help(
         "llama-cookbook's flag: bfloat16 weights, trainable ones too (--model_dtype bfloat16); pair it with "
         "--optimizer anyprecision, whose compensated update keeps what bfloat16 weights round away. With "
@@ -336,9 +345,7 @@ class RunConfig:
             self.model.model_dtype = "bfloat16"
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
-        if self.distributed.enable_fsdp and (self.training.optimizer != "adamw" or self.training.pure_bf16):
-            flag = "--pure_bf16" if self.training.pure_bf16 else f"--optimizer {self.training.optimizer}"
-            raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
+        self._check_optimizer_flags()
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")
@@ -354,6 +361,31 @@ class RunConfig:
             _require(self.training.gradient_accumulation_steps in (1, target // batch), "gradient_accumulation_steps",
                      f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); drop one")
             self.training.gradient_accumulation_steps = target // batch
+
+    def _check_optimizer_flags(self) -> None:
+        """The optimizer options against the flags they cannot work with, naming both."""
+        tc = self.training
+        if self.distributed.enable_fsdp and (tc.optimizer != "adamw" or tc.pure_bf16 or tc.optimizer_in_backward):
+            flag = ("--pure_bf16" if tc.pure_bf16 else "--optimizer_in_backward" if tc.optimizer_in_backward
+                    else f"--optimizer {tc.optimizer}")
+            raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
+        if not tc.optimizer_in_backward:
+            return
+        conflicts = [
+            (tc.gradient_accumulation_steps > 1, f"--gradient_accumulation_steps {tc.gradient_accumulation_steps}",
+             "each weight steps when its gradient of one batch is complete; use one batch a step"),
+            (self.memory.target_global_batch_size is not None, "--target_global_batch_size",
+             "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
+            (tc.gradient_clipping, "--gradient_clipping",
+             "the global gradient norm is known only after every weight has stepped"),
+            (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
+            (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
+             "a step's updates are applied during backward, before its loss and norm are checked, so it cannot "
+             "be skipped (a non-finite step stops the run, nothing saved from it)"),
+        ]
+        for conflict, flag, why in conflicts:
+            if conflict:
+                raise ConfigError(f"--optimizer_in_backward: not with {flag}: {why}; drop one")
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""

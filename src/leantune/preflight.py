@@ -4,7 +4,7 @@ Flag values are checked by the config dataclasses as they are parsed; what needs
 or the model's config is checked here, before the memory plan, the data and the weights load:
 the output directory, the training state to resume, the context length against the model's
 positions, the LoRA target modules against the model's layers, the decoder layers that
-checkpointing needs, and that leantune's loss is the model's own (``builders.own_loss``).
+checkpointing needs, the optimizer's library and device, and that leantune's loss is the model's own (``builders.own_loss``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from leantune.builders.own_loss import check_own_loss
 from leantune.config import ConfigError, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.facts import ModelFacts, run_model_facts
+from leantune.training.low_bit import require_bitsandbytes
 from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
@@ -31,6 +32,7 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
     resume = None
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
+    check_optimizer(cfg, device_type)
     facts = check_model_shape(cfg, device_type)
     stand_in = traceable_attention(facts.config, facts.attention)
     if stand_in != facts.attention:
@@ -38,6 +40,16 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
             "(it has no CPU kernel; both keep O(sequence) per head for backward)")
     log(check_own_loss(cfg, facts).summary_line())
     return resume, facts
+
+
+def check_optimizer(cfg: RunConfig, device_type: str) -> None:
+    """The 8-bit optimizers need bitsandbytes; the paged one, CUDA's unified memory."""
+    optimizer = cfg.training.optimizer
+    if optimizer == "paged_adamw_8bit" and device_type != "cuda":
+        raise ConfigError(f"--optimizer paged_adamw_8bit: pages its state through CUDA unified memory, and this "
+                          f"run is on {device_type}; use --optimizer adamw_8bit")
+    if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        require_bitsandbytes(optimizer)
 
 
 def check_output_dir(cfg: RunConfig) -> None:

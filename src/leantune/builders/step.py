@@ -10,6 +10,7 @@ from leantune.config import RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.builders.model import loss_function
 from leantune.precision import Precision
+from leantune.training.in_backward import OptimizerInBackward
 from leantune.training.optim import build_optimizer
 from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
 
@@ -22,15 +23,18 @@ def loss_model_for(model: torch.nn.Module, cfg: RunConfig) -> CausalLMLoss:
 
 def build_train_step(cfg: RunConfig, loss_model: CausalLMLoss, precision: Precision,
                      dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print,
-                     check_finite: bool = True, foreach: Optional[bool] = None) -> TrainStep:
+                     check_finite: bool = True, device_type: Optional[str] = None) -> TrainStep:
     """The optimizer step ``cfg`` describes, over ``loss_model``'s trainable parameters.
 
     Built after sharding (the optimizer must hold the shards). ``check_finite`` off where the
-    step only measures memory (random weights, fake tensors); ``foreach``: AdamW's multi-tensor
-    path (``leantune.training.optim.build_optimizer``).
+    step only measures memory (random weights, fake tensors); ``device_type``: the device the run
+    is for, the precision's unless the planner traces another's
+    (``leantune.training.optim.build_optimizer``).
     """
     tc = cfg.training
-    optimizer = build_optimizer(tc, loss_model.model, foreach=foreach)
-    nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log) if check_finite else None
+    optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type)
+    nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log, tc.optimizer_in_backward) if check_finite else None
     clip = tc.gradient_clipping_threshold if tc.gradient_clipping else None
-    return TrainStep(loss_model, optimizer, precision, clip=clip, dist=dist, nonfinite=nonfinite)
+    in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
+    return TrainStep(loss_model, optimizer, precision, clip=clip, dist=dist, nonfinite=nonfinite,
+                     in_backward=in_backward)

@@ -70,8 +70,9 @@ class StorageTracker(TorchDispatchMode):
         """File each trainable parameter's ``.grad`` as a gradient once autograd has accumulated it."""
         for param in parameters:
             if param.requires_grad:
+                # a hook of --optimizer_in_backward registered earlier may have stepped and freed it
                 self._hooks.append(param.register_post_accumulate_grad_hook(
-                    lambda p: self._file(p.grad, "gradient", refile=True)))
+                    lambda p: self._file(p.grad, "gradient", refile=True) if p.grad is not None else None))
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.register((t for state in optimizer.state.values() for t in state.values()), "optimizer_state")

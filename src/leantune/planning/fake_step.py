@@ -13,7 +13,7 @@ gradients first, so no forward is spent on it). With gradient accumulation two m
 run, since from the second on the gradients of the earlier ones are alive during the forward.
 
 Fake CUDA tensors are impossible on a CPU-only build of PyTorch, so a GPU target is traced on fake
-CPU tensors with the GPU's precision (its weight dtype, bf16 or fp16 autocast, foreach AdamW) and
+CPU tensors with the GPU's precision (its weight dtype, bf16 or fp16 autocast, fused AdamW) and
 the allocator's 512-byte rounding; what only a GPU adds is stated separately (``gpu_extras``).
 """
 
@@ -160,8 +160,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     """Build what ``cfg`` would train with ``mode``, for ``target``, on fake (or real, random) tensors.
 
     Fake tensors live on the CPU; real ones on ``run_on`` (a GPU, to measure a prediction for it).
-    The optimizer state exists already, so the next ``run()`` is a second step. On a GPU target
-    AdamW takes its multi-tensor path (torch's default for CUDA tensors), with its temporaries.
+    The optimizer state exists already, so the next ``run()`` is a second step. The optimizer is
+    the target's (on a GPU target AdamW's fused kernel, as a run there builds it).
     """
     run_cfg = run_config_for_mode(cfg, mode)
     precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU if fake else run_on)
@@ -171,7 +171,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
         model, place = real_model(config, precision.weight_dtype), None
     model, report = prepare_model(model, run_cfg, precision, place=place)
     train_step = build_train_step(run_cfg, loss_model_for(model, run_cfg), precision, check_finite=False,
-                                  foreach=True if target.type == "cuda" else None)
+                                  device_type=target.type)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     window = [_full_batch(run_cfg, vocab) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]

@@ -6,29 +6,39 @@ new optimizer is added here (and planned, saved and resumed with no other change
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from leantune.config import TrainingConfig
 from leantune.training.anyprecision import AnyPrecisionAdamW
+from leantune.training.low_bit import EightBitAdamWStandIn, bitsandbytes_adamw
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, foreach: Optional[bool] = None) -> torch.optim.Optimizer:
-    """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``).
+def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
+    """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``) for a ``device_type`` run.
 
-    adamw: torch's AdamW; ``foreach``: torch's choice by default (the multi-tensor path on CUDA
-    tensors), the planner passes True for a GPU target traced on CPU tensors, so it counts that
-    path's temporaries. anyprecision: ``training.anyprecision.AnyPrecisionAdamW``.
+    adamw: torch's AdamW; on CUDA its fused kernel, which steps every weight in place (the
+    multi-tensor path, torch's default there, holds a float32 copy of all of them at once); on
+    the CPU torch's per-weight loop, whose temporaries are one weight's. The planner passes the
+    target's device type, so a GPU step traced on CPU tensors counts the GPU's path.
+    anyprecision: ``training.anyprecision``; adamw_8bit, paged_adamw_8bit: ``training.low_bit``
+    (its stand-in on the planner's fake tensors). With ``--optimizer_in_backward`` each weight
+    gets a group of its own (``training.in_backward`` steps one group at a time).
     """
     params = trainable_parameters(model)
+    groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
     if tc.optimizer == "anyprecision":
-        return AnyPrecisionAdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, foreach=foreach)
+        return AnyPrecisionAdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+    if tc.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        if params and is_fake(params[0]):
+            return EightBitAdamWStandIn(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+        return bitsandbytes_adamw(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay)
+    fused = True if device_type == "cuda" else None
+    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)
 
 
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:

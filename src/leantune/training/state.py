@@ -45,7 +45,8 @@ TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "
                     "lora_alpha", "lora_dropout", "lora_target_modules", "dataset", "data_path", "batching_strategy",
                     "context_length", "val_fraction", "batch_size_training", "gradient_accumulation_steps", "seed",
                     "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
-                    "mixed_precision", "model_dtype", "loss_chunk_size", "optimizer", "pure_bf16")
+                    "mixed_precision", "model_dtype", "loss_chunk_size", "optimizer", "pure_bf16",
+                    "optimizer_in_backward")
 
 
 @dataclass

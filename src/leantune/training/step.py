@@ -22,6 +22,7 @@ from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
+from leantune.training.in_backward import OptimizerInBackward
 from leantune.training.lines import describe_sources
 from leantune.training.stopping import NonFiniteStep
 
@@ -121,6 +122,7 @@ class NonFiniteCheck:
 
     allowed: int
     log: Callable[[str], None] = print
+    in_backward: bool = False  # --optimizer_in_backward: the step's updates are applied already
 
     def problem(self, loss: float, grad_norm: Optional[float], scaled: bool, window: list[dict], step: int,
                 skipped_before: int) -> Optional[str]:
@@ -133,6 +135,10 @@ class NonFiniteCheck:
             return None
         sources = [source for batch in window for row in batch.get("sources", []) for source in row]
         what = f"step {step}: non-finite {' and '.join(problems)}; its batches hold {describe_sources(sources)}"
+        if self.in_backward:
+            raise NonFiniteStep(f"{what}. Stopped: with --optimizer_in_backward its updates were applied during "
+                                "backward, so nothing from it is saved; resume the last saved state with a lower "
+                                "--lr, or train without --optimizer_in_backward to skip such steps")
         if skipped_before >= self.allowed:
             hint = (f"{self.allowed} such step(s) were skipped already" if self.allowed else
                     "--skip_nonfinite_steps K skips up to K such steps")
@@ -147,12 +153,14 @@ class TrainStep:
 
     ``clip``: the gradient-norm threshold with ``--gradient_clipping``, else None. ``nonfinite``:
     the finite check (None where the step only measures memory: random weights, fake tensors).
+    ``in_backward``: the hooks that step each weight during backward (then there is no step after it).
     """
 
     def __init__(self, loss_model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                  clip: Optional[float] = None, dist: DistContext = SINGLE_PROCESS,
-                 nonfinite: Optional[NonFiniteCheck] = None):
+                 nonfinite: Optional[NonFiniteCheck] = None, in_backward: Optional[OptimizerInBackward] = None):
         self.loss_model, self.optimizer, self.precision = loss_model, optimizer, precision
+        self.in_backward = in_backward  # --optimizer_in_backward: the weights step during backward
         self.device = precision.device
         self.scaler = precision.make_scaler()
         self.clip, self.dist, self.nonfinite = clip, dist, nonfinite
@@ -171,6 +179,8 @@ class TrainStep:
         """
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.in_backward is not None:
+            self.in_backward.start_step()
         targets = int(self.dist.sum(sum(count_targets(batch["labels"]) for batch in window), self.device))
         normaliser = max(targets, 1) / self.dist.world_size
         loss_total = torch.zeros((), device=self.device)
@@ -186,7 +196,9 @@ class TrainStep:
         skipped = None
         if self.nonfinite is not None:
             skipped = self.nonfinite.problem(loss, grad_norm, self.scaler is not None, window, step, skipped_before)
-        if skipped:
+        if self.in_backward is not None:
+            pass  # every weight stepped in backward; a non-finite step raised above (none may be skipped)
+        elif skipped:
             self._skip_optimizer_step()
         elif self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -207,6 +219,8 @@ class TrainStep:
 
         None under a GradScaler without clipping: the gradients are still scaled, their norm means nothing.
         """
+        if self.in_backward is not None:
+            return self.in_backward.gradient_norm()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.clip is None:
             if self.scaler is not None:

@@ -1,0 +1,69 @@
+"""``--optimizer_in_backward``: each weight steps as soon as its gradient is complete, which is then freed.
+
+Backward completes the gradients one weight at a time; a post-accumulate-grad hook on each
+trainable weight steps that weight's own parameter group of the run's one optimizer and
+drops the gradient, so at most the gradients backward is producing exist at once, never the
+full set (for a full fine-tune, one float per weight less at the peak). The optimizer stays one
+ordinary object: the schedule sets its groups' learning rate, and the training state saves and
+restores it as any other.
+
+What it changes: the gradient norm is the sum of each weight's, gathered as they step; there
+is no gradient accumulation, no clipping by the global norm, no loss scaler and no skipped
+step — a step's updates are applied before its loss is checked (``config.RunConfig`` refuses
+those flags with it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class OptimizerInBackward:
+    """Steps ``optimizer``'s one-weight groups from backward hooks; ``close()`` removes the hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._group_of: dict[torch.nn.Parameter, dict] = {}
+        for group in optimizer.param_groups:
+            if len(group["params"]) != 1:
+                raise ValueError("optimizer in backward needs one parameter group per weight "
+                                 "(training.optim.build_optimizer makes them with --optimizer_in_backward)")
+            self._group_of[group["params"][0]] = group
+        self._squares: Optional[torch.Tensor] = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._step_weight) for p in self._group_of]
+
+    def start_step(self) -> None:
+        """Before the step's backward: the norm gathers afresh."""
+        self._squares = None
+
+    def gradient_norm(self) -> Optional[torch.Tensor]:
+        """The step's gradient norm (every weight's gradient, as it was when that weight stepped)."""
+        return None if self._squares is None else self._squares.sqrt()
+
+    def _step_weight(self, param: torch.nn.Parameter) -> None:
+        squares = param.grad.detach().float().square().sum()
+        self._squares = squares if self._squares is None else self._squares + squares
+        step_group(self.optimizer, self._group_of[param])
+        param.grad = None
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """``optimizer.step()`` over ``group`` alone.
+
+    Every optimizer here (torch's, bitsandbytes', anyprecision) walks ``param_groups`` when it
+    steps, so showing it one group steps that group's weight with its own state and settings;
+    the full list is put back whatever happens.
+    """
+    groups = optimizer.param_groups
+    optimizer.param_groups = [group]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups

@@ -1,0 +1,79 @@
+"""8-bit AdamW from bitsandbytes, and the stand-in the planner traces in its place.
+
+bitsandbytes' ``AdamW8bit`` keeps each moment of a weight of at least ``MIN_8BIT_SIZE`` elements
+as uint8 codes (one byte an element) plus a float32 scale per ``BLOCK`` elements, and both moments
+of a smaller weight in float32; one 256-entry float32 code book per moment is shared by all
+weights. Its step is one kernel that updates weight and moments in place (CUDA, and the CPU
+here). ``PagedAdamW8bit`` is the same with its state in CUDA unified memory, which the driver
+moves to the host when the device runs short.
+
+bitsandbytes cannot run on fake tensors (its step reads values on the host), so the planner
+traces ``EightBitAdamWStandIn``: the same state tensors, the same in-place step, no arithmetic.
+A test holds the two states equal byte for byte on real tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from leantune.config import ConfigError
+
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
+BLOCK = 256  # elements per float32 scale of the 8-bit moments
+CODE_BOOK = 256  # entries of the shared dynamic quantization map of each moment
+NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
+
+
+def require_bitsandbytes(optimizer: str) -> None:
+    """Refuse the 8-bit optimizers clearly where bitsandbytes is not installed."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"--optimizer {optimizer}: needs bitsandbytes (pip install 'leantune[lowbit]', or "
+                          "pip install bitsandbytes); or use --optimizer anyprecision")
+
+
+def bitsandbytes_adamw(optimizer: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """bitsandbytes' ``AdamW8bit`` or ``PagedAdamW8bit`` over ``params``, with the layout above."""
+    require_bitsandbytes(optimizer)
+    import bitsandbytes  # optional dependency: imported only when an 8-bit optimizer is asked for
+
+    cls = getattr(bitsandbytes.optim, NAMES[optimizer])
+    return cls(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
+
+
+class EightBitAdamWStandIn(torch.optim.Optimizer):
+    """What the planner steps instead of ``AdamW8bit``: its state layout and in-place step, on fake tensors.
+
+    The update itself is not computed (the weights of a traced step carry no values); the state is
+    created on the first step, as bitsandbytes creates it.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state.update(self._new_state(param))
+                state["step"] += 1
+                param.add_(param.grad, alpha=0.0)  # in place, as the fused kernel writes the weight
+        return None
+
+    def _new_state(self, param: torch.Tensor) -> dict:
+        if param.numel() < MIN_8BIT_SIZE:
+            return dict(step=0, state1=torch.zeros_like(param, dtype=torch.float32),
+                        state2=torch.zeros_like(param, dtype=torch.float32))
+        if param.device not in self._code_books:
+            self._code_books[param.device] = tuple(torch.zeros(CODE_BOOK, device=param.device) for _ in range(2))
+        qmap1, qmap2 = self._code_books[param.device]
+        blocks = -(-param.numel() // BLOCK)
+        return dict(step=0, state1=torch.zeros_like(param, dtype=torch.uint8), qmap1=qmap1,
+                    state2=torch.zeros_like(param, dtype=torch.uint8), qmap2=qmap2,
+                    absmax1=torch.zeros(blocks, device=param.device), absmax2=torch.zeros(blocks, device=param.device))

@@ -1,0 +1,148 @@
+"""8-bit AdamW (bitsandbytes) and the optimizer step in backward: exact, planned, resumed, refused where wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from leantune import finetuning
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.models.presets import model_config
+from leantune.planning.fake_step import trace_step
+from leantune.training.in_backward import OptimizerInBackward
+from leantune.training.low_bit import EightBitAdamWStandIn, bitsandbytes_adamw
+
+CPU = torch.device("cpu")
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def _state_bytes(optimizer) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)}
+    return sum(storages.values())
+
+
+def test_the_planners_stand_in_holds_bitsandbytes_state_byte_for_byte():
+    shapes = [(1024, 512), (100,), (64, 64), (63, 65), (300, 7)]  # 8-bit, float32 (small), the edge, odd blocks
+    states = []
+    for make in (lambda ps: bitsandbytes_adamw("adamw_8bit", ps, 1e-3, 0.0), EightBitAdamWStandIn):
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        optimizer = make(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        layout = [{k: (tuple(v.shape), v.dtype) for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
+                  for p in params]
+        states.append((layout, _state_bytes(optimizer)))
+    assert states[0] == states[1]
+
+
+def test_adamw_8bit_trains_and_its_plan_equals_the_real_step():
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64"]
+    cfg = parse_run_config([*argv, "--optimizer", "adamw_8bit"])
+    predicted, measured = (trace_step(cfg, model_config("tiny"), CPU, "none", fake=fake) for fake in (True, False))
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
+    adamw = trace_step(parse_run_config(argv), model_config("tiny"), CPU, "none")
+    # float32 AdamW keeps 8 bytes a parameter; 8-bit about 2 (+ a float32 scale per 256 elements, small weights float32)
+    ratio = predicted.breakdown["optimizer_state"] / adamw.breakdown["optimizer_state"]
+    assert 0.25 <= ratio < 0.26
+
+
+def _run(tiny_model_dir, out, *flags, steps=6, save_steps=2, resume=False, lr=3e-3):
+    argv = ["--model_name", str(tiny_model_dir), *flags, "--max_train_step", str(steps), "--num_epochs", "1",
+            "--context_length", "64", "--lr", str(lr), "--batch_size_training", "2", "--run_validation", "false",
+            "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", str(save_steps), "--output_dir",
+            str(out)]
+    if resume:
+        argv += ["--resume_from_checkpoint", "latest"]
+    finetuning.run(parse_run_config(argv), log=lambda _line: None)
+    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
+
+
+@pytest.mark.parametrize("flags", [["--optimizer", "adamw_8bit"], ["--optimizer_in_backward"],
+                                   ["--optimizer", "adamw_8bit", "--optimizer_in_backward", "--pure_bf16"]],
+                         ids=["8bit", "in-backward", "8bit-in-backward-bf16"])
+def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path, flags):
+    whole = _run(tiny_model_dir, tmp_path / "whole", *flags)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(tiny_model_dir, tmp_path / "resumed", *flags, resume=True)
+    assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "anyprecision", "adamw_8bit"])
+def test_stepping_in_backward_gives_the_weights_of_stepping_after_it(tiny_model_dir, tmp_path, optimizer):
+    """float32, one batch a step: the same updates, weight for weight, and the same losses."""
+    after = _run(tiny_model_dir, tmp_path / "after", "--optimizer", optimizer, steps=4, save_steps=0)
+    during = _run(tiny_model_dir, tmp_path / "during", "--optimizer", optimizer, "--optimizer_in_backward",
+                  steps=4, save_steps=0)
+    from safetensors.torch import load_file
+
+    weights = [load_file(tmp_path / name / "model.safetensors") for name in ("after", "during")]
+    assert after == during and weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_no_gradient_set_exists_when_stepping_in_backward():
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64"]
+    plain = trace_step(parse_run_config(argv), model_config("tiny"), CPU, "none")
+    cfg = parse_run_config([*argv, "--optimizer_in_backward"])
+    predicted, measured = (trace_step(cfg, model_config("tiny"), CPU, "none", fake=fake) for fake in (True, False))
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
+    assert plain.breakdown["gradient"] > 0
+    assert all(stage["gradient"] == 0 for stage in predicted.stage_breakdowns.values())
+    # the peak: what the step holds once its loss exists, plus one weight's gradient and its update's temporary
+    config = model_config("tiny")
+    largest = config.vocab_size * config.hidden_size * 4
+    assert plain.stage_peaks["loss"] < predicted.peak_bytes <= plain.stage_peaks["loss"] + 2 * largest
+    assert predicted.peak_bytes < plain.peak_bytes
+
+
+def test_the_gradient_norm_in_backward_is_the_norm_of_all_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    model(x).square().sum().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.AdamW([{"params": [p]} for p in model.parameters()], lr=0.0)
+    stepper = OptimizerInBackward(optimizer)
+    stepper.start_step()
+    model(x).square().sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.allclose(stepper.gradient_norm(), expected)
+    stepper.close()
+    with pytest.raises(ValueError, match="one parameter group per weight"):
+        OptimizerInBackward(torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gradient_accumulation_steps", "2"], "not with --gradient_accumulation_steps 2"),
+    (["--gradient_clipping"], "not with --gradient_clipping: the global gradient norm"),
+    (["--use_fp16"], "not with --use_fp16"),
+    (["--skip_nonfinite_steps", "1"], "not with --skip_nonfinite_steps 1"),
+    (["--target_global_batch_size", "8"], "not with --target_global_batch_size"),
+    (["--enable_fsdp"], "--optimizer_in_backward: not with --enable_fsdp"),
+])
+def test_optimizer_in_backward_refuses_what_it_cannot_do(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(["--optimizer_in_backward", *flags])
+
+
+def test_eight_bit_flags(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="--optimizer adamw_8bit: not with --enable_fsdp"):
+        parse_run_config(["--optimizer", "adamw_8bit", "--enable_fsdp"])
+    argv = ["--model_name", str(tiny_model_dir), "--optimizer", "paged_adamw_8bit", "--output_dir", str(tmp_path)]
+    with pytest.raises(ConfigError, match="paged_adamw_8bit: pages its state through CUDA unified memory, and this "
+                                          "run is on cpu; use --optimizer adamw_8bit"):
+        finetuning.run(parse_run_config(argv), log=lambda _line: None)
+
+
+def test_a_nonfinite_step_in_backward_stops_the_run_and_says_why(tiny_model_dir, tmp_path):
+    from leantune.training.stopping import NonFiniteStep
+
+    with pytest.raises(NonFiniteStep, match="with --optimizer_in_backward its updates were applied during backward"):
+        _run(tiny_model_dir, tmp_path / "run", "--optimizer_in_backward", lr=1e30, steps=6, save_steps=0)
