@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
+# No test downloads anything: this also stops bitsandbytes' import from fetching a CPU kernel from the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The smallest Llama that still has every part (GQA attention, gated MLP, two layers).
 TEST_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -52,6 +52,7 @@ FLAG_VALUES = {
     "device": (["--device", "cpu"], {"device": "cpu"}),
     "optimizer": (["--optimizer", "anyprecision"], {"optimizer": "anyprecision"}),
     "pure_bf16": (["--pure_bf16"], {"pure_bf16": True, "model_dtype": "bfloat16"}),
+    "optimizer_in_backward": (["--optimizer_in_backward"], {"optimizer_in_backward": True}),
     "attn_implementation": (["--attn_implementation", "eager"], {"attn_implementation": "eager"}),
     "dataset": (["--dataset", "custom_dataset", "--data_path", "d.jsonl"], {"dataset": "custom_dataset"}),
     "data_path": (["--data_path", "d.jsonl"], {"data_path": "d.jsonl"}),

@@ -259,3 +259,37 @@ def test_a_logit_transform_under_autocast_follows_float32(transform, dtype):
         actual = _loss_and_grads(ChunkedCrossEntropy(7, transform), head, h, labels)
     for want, got in zip(expected, actual):
         torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+# --- a trainable half-precision head (--pure_bf16 full fine-tuning): its gradient by vocabulary blocks ---------
+
+IDENTITY_AND_TRANSFORMS = {"identity": LogitTransform(1.0), **TRANSFORMS}
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 10_000])
+@pytest.mark.parametrize("transform", IDENTITY_AND_TRANSFORMS.values(), ids=IDENTITY_AND_TRANSFORMS.keys())
+def test_a_bf16_head_trains_on_the_loss_of_float32(transform, chunk):
+    """The head's gradient, formed in backward block by block, is the float64 formula's within bfloat16 rounding."""
+    head, h, labels = _setup()
+    with torch.no_grad():
+        head.weight.mul_(5)
+    head.to(torch.bfloat16)
+    h_bf16 = h.detach().bfloat16().requires_grad_()
+    expected = _reference(transform, head, h_bf16, labels)  # from the very bf16 values, in float64
+    actual = _loss_and_grads(ChunkedCrossEntropy(chunk, transform), head, h_bf16, labels)
+    assert actual[2].dtype == torch.bfloat16
+    for want, got in zip(expected, actual):
+        # bfloat16's rounding of the gradients of the logits and of the matmuls' outputs (as under autocast)
+        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_a_bf16_head_needs_no_float32_copy_of_its_gradient():
+    hidden, vocab, tokens, chunk = 1024, 8000, 512, 128
+    head, h, labels = _setup(hidden=hidden, vocab=vocab, batch=2, seq=tokens // 2 + 1)
+    head.to(torch.bfloat16)
+    h = h.detach().bfloat16().requires_grad_()
+    peak = _loss_peak(ChunkedCrossEntropy(chunk), head, h, labels)
+    weight_grad = vocab * hidden * 2  # the gradient itself, bfloat16
+    one_chunk = chunk * vocab * (4 + 2) + tokens * hidden * 2 + (64 << 10)  # float32 logits + bf16 gradient, a chunk
+    assert weight_grad < peak <= weight_grad + one_chunk + h.numel() * 2 + tokens * 4
+    assert peak < vocab * hidden * 4  # less than a float32 sum of the head's gradient would take alone

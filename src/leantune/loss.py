@@ -12,10 +12,13 @@ Two implementations with the same result:
 * ``ChunkedCrossEntropy``: walks the tokens in chunks and computes each chunk's loss *and its
   gradients* in the forward (softmax minus one-hot, times the LM head). At most one chunk of
   logits exists at a time and nothing is computed twice. Kept for backward: the gradient with
-  respect to the hidden states (``tokens x hidden``) and, when the head trains (full
-  fine-tuning), its float32 weight gradient, from the loss forward on. The plain loss creates
-  that gradient at the start of backward, so the head's gradient lives through the decoder's
-  backward either way; the fused loss only brings it forward by the loss's own backward.
+  respect to the hidden states (``tokens x hidden``) and, when a float32 head trains (full
+  fine-tuning), its weight gradient, from the loss forward on. The plain loss creates that
+  gradient at the start of backward, so the head's gradient lives through the decoder's
+  backward either way; the fused loss only brings it forward by the loss's own backward. A
+  half-precision head that trains (``--pure_bf16``) gets its gradient in backward instead, by
+  blocks of vocabulary rows over all tokens (one more pass of the head's matmul), so no float32
+  sum as large as the head exists beside it (2 GiB for Llama-3.1-8B's).
   Under autocast the head is cast to the compute dtype once per call (as autocast does for the
   plain loss); every other temporary is one chunk's size, and backward scales the kept gradients
   in place. Under float16 (``--use_fp16``) gradients formed in forward would miss the loss scale
@@ -165,26 +168,33 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             w = weight if weight.dtype == dtype else weight.to(dtype)
             want_hidden_grad = want_grads and hidden.requires_grad
             want_weight_grad = want_grads and weight.requires_grad
+            # A float32 head's gradient is summed over the chunks in place. A half-precision head
+            # would need a float32 sum as large as the head beside its own gradient (2 + 4 bytes a
+            # weight: 2 GiB more for Llama-3.1-8B): its gradient is formed in backward instead, by
+            # blocks of vocabulary rows over all tokens, from each token's log-sum-exp kept here.
+            by_blocks = want_weight_grad and weight.dtype != torch.float32
             grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight_grad else None
+            grad_weight = torch.zeros_like(weight) if want_weight_grad and not by_blocks else None
+            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_blocks else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_size):
-                h = hidden[start:start + chunk_size].to(dtype)
-                grad_logits = _chunk_loss(h, w, targets[start:start + chunk_size], total,
-                                          want_hidden_grad or want_weight_grad, transform)
+                end = start + chunk_size
+                h = hidden[start:end].to(dtype)
+                grad_logits = _chunk_loss(h, w, targets[start:end], total, want_hidden_grad or grad_weight is not None,
+                                          transform, lse_out=None if lse is None else lse[start:end])
                 if grad_logits is None:
                     continue
                 if want_hidden_grad:
-                    rows = grad_hidden[start:start + chunk_size]
+                    rows = grad_hidden[start:end]
                     if rows.dtype == grad_logits.dtype:
                         torch.mm(grad_logits, w, out=rows)  # straight into place, no temporary
                     else:
                         rows.copy_(grad_logits @ w)
-                if want_weight_grad:
+                if grad_weight is not None:
                     _add_weight_grad(grad_weight, grad_logits, h)
                 del grad_logits  # before the next chunk's logits exist, not after
         ctx.grads = (grad_hidden, grad_weight)  # not save_for_backward: scaled in place, used once
-        ctx.weight_dtype = weight.dtype
+        ctx.blocks = (hidden, weight, targets, lse, dtype, transform, chunk_size) if by_blocks else None
         return total
 
     @staticmethod
@@ -197,11 +207,53 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
+            grad_weight.mul_(grad_output)
+        if ctx.blocks is not None:
+            with torch.autocast(grad_output.device.type, enabled=False):
+                grad_weight = _weight_grad_by_vocab_blocks(*ctx.blocks, scale=grad_output)
+            ctx.blocks = None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _chunk_loss(h, w, t, total, want_grads, transform: LogitTransform):
+def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform: LogitTransform, chunk_size: int,
+                                 scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` x d(sum CE)/d(weight) in the weight's dtype, one block of vocabulary rows at a time.
+
+    Each block's logits over all tokens are recomputed (one more pass of the head's matmul) and
+    turned into softmax - one_hot with the tokens' log-sum-exp from forward; the block's rows of
+    the gradient are then one matmul over all tokens, summed in float32 inside it and rounded
+    once. A block's float32 logits are about the size of a forward chunk's.
+    """
+    h = hidden.to(dtype)
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    grad_weight = torch.empty_like(weight)
+    valid = targets != IGNORE_INDEX
+    safe_t = torch.where(valid, targets, 0)
+    rows = torch.arange(len(targets), device=targets.device)
+    block = max(1, chunk_size * weight.shape[0] // max(1, len(targets)))
+    for start in range(0, weight.shape[0], block):
+        end = min(start + block, weight.shape[0])
+        logits = (h @ w[start:end].t()).float()
+        slope = transform.apply_(logits, with_slope=True)
+        probs = logits.sub_(lse[:, None]).exp_()  # this block's columns of the softmax
+        here = valid & (safe_t >= start) & (safe_t < end)
+        probs[rows[here], safe_t[here] - start] -= 1.0
+        probs.mul_((valid * scale.float())[:, None])
+        if slope is not None:
+            probs.mul_(slope)
+        elif transform.scale != 1.0:
+            probs.mul_(transform.scale)
+        grad_logits = probs.to(dtype)
+        del logits, probs, slope
+        if grad_weight.dtype == dtype:
+            torch.mm(grad_logits.t(), h, out=grad_weight[start:end])
+        else:
+            grad_weight[start:end] = grad_logits.t() @ h
+        del grad_logits  # before the next block's logits exist
+    return grad_weight
+
+
+def _chunk_loss(h, w, t, total, want_grads, transform: LogitTransform, lse_out: Optional[torch.Tensor] = None):
     """Add one chunk's summed CE to ``total``; return d(sum CE)/d(logits) in ``h.dtype`` if wanted.
 
     The softmax is formed in place in the chunk's float32 logits buffer (``logsumexp`` would
@@ -219,6 +271,8 @@ def _chunk_loss(h, w, t, total, want_grads, transform: LogitTransform):
     sum_exp = probs.sum(dim=-1, keepdim=True)
     lse = (row_max + sum_exp.log()).squeeze(1)
     total += torch.where(valid, lse - target_logit, 0.0).sum()
+    if lse_out is not None:
+        lse_out.copy_(lse)
     if not want_grads:
         return None
     # softmax - one_hot, zero on ignored rows

@@ -78,6 +78,7 @@ class ModePlan:
     traced_tokens: int = 0  # the tokens of the traced step (``flops`` are theirs)
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
+    paged_state_bytes: int = 0  # paged_adamw_8bit's state: CUDA managed memory, not in peak_bytes (see plan_from_trace)
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
 
     def as_json(self) -> dict:
@@ -97,6 +98,13 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
         plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT))
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
+    if cfg.training.optimizer == "paged_adamw_8bit":
+        # Its state is CUDA managed memory, outside the caching allocator: on the device while there
+        # is room, moved to the host by the driver when there is not. It stays the same size through
+        # the step, so the device's peak without it is the same moment's total less its bytes.
+        plan.paged_state_bytes, plan.optimizer_state_bytes = plan.optimizer_state_bytes, 0
+        plan.peak_bytes -= plan.paged_state_bytes
+        plan.optimizer_step_peak_bytes -= plan.paged_state_bytes
     return plan
 
 

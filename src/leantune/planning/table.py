@@ -32,6 +32,8 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     for label, key in _ROWS + (_GPU_ROWS if gpu else ()):
         rows.append((label, [_size(getattr(p, key), unit) for p in plans]))
     rows.append((f"predicted peak ({unit_name})", [f"{p.peak_bytes / unit:,.2f}" for p in plans]))
+    if any(p.paged_state_bytes for p in plans):
+        rows.append(("paged state, not in it", [_size(p.paged_state_bytes, unit) for p in plans]))
     scale, flop_unit = (1e12, "TFLOPs") if max(p.flops for p in plans) >= 1e12 else (1e9, "GFLOPs")
     rows.append((f"step {flop_unit}", [f"{p.flops / scale:,.2f}" for p in plans]))
     if NONE in (p.mode for p in plans):
@@ -61,6 +63,9 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
         log("GPU-only parts (not traced; assumptions until measured on a GPU):")
         for text in EXTRA_SOURCES.values():
             log(f"  - {text}")
+    if any(plan.paged_state_bytes for plan in plans):
+        log("note: the paged optimizer state is CUDA unified memory, not in the predicted peak: on the GPU while "
+            "it has room, moved to the host by the driver when it has not (then read over PCIe every step)")
     for plan in plans:
         if plan.checkpointing.startswith("offload (derived"):
             log(f"note: {plan.checkpointing}")

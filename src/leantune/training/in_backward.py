@@ -43,7 +43,9 @@ class OptimizerInBackward:
         return None if self._squares is None else self._squares.sqrt()
 
     def _step_weight(self, param: torch.nn.Parameter) -> None:
-        squares = param.grad.detach().float().square().sum()
+        # reduced in float32 inside the kernel: a float32 copy of a bfloat16 gradient would be a
+        # temporary as large as the weight (2 GiB for Llama-3.1-8B's LM head)
+        squares = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
         step_group(self.optimizer, self._group_of[param])
         param.grad = None
