@@ -6,22 +6,29 @@
 Full fine-tuning of the default tiny Llama (no download) on the bundled data, on the CPU, for
 ``--steps`` training batches with each option: float32 AdamW (the reference), anyprecision with
 float32 weights (bfloat16 moments), anyprecision with ``--pure_bf16`` (bfloat16 weights, the
-compensated update) and plain AdamW with ``--pure_bf16`` (bfloat16 weights, no compensation: the
-case compensation exists for), at a large learning rate and at one whose updates are smaller
+compensated update), plain AdamW with ``--pure_bf16`` (bfloat16 weights, no compensation: the
+case compensation exists for), AdamW stepped in backward, bitsandbytes' 8-bit AdamW, and the
+leanest combinations (8-bit or anyprecision, bfloat16 weights, stepped in backward), at a large learning rate and at one whose updates are smaller
 than bfloat16 can resolve in the weights. A second float32 AdamW run from another seed shows how
 far two equally good runs land apart. Each run reports its final training loss (mean of the last
 20 steps) and validation loss, their difference from the reference, and its plan's peak and
-optimizer state for one step (fake tensors; the tests hold plan = measured). Nothing here is a timed test: the numbers go in the docs and the JSON.
+optimizer state for one step (fake tensors; the tests hold plan = measured). First, each option's
+planned and measured peak of one step of the small preset (full checkpointing, float32 where the
+option allows), against float32 AdamW's. Nothing here is a timed test: the numbers go in the docs
+and the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloaded: bitsandbytes' import would fetch a CPU kernel
 
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import run
@@ -35,7 +42,17 @@ OPTIONS = {
     "anyprecision, float32 weights": ["--optimizer", "anyprecision"],
     "anyprecision + pure_bf16": ["--optimizer", "anyprecision", "--pure_bf16"],
     "adamw + pure_bf16 (no compensation)": ["--pure_bf16"],
+    "adamw + optimizer_in_backward": ["--optimizer_in_backward"],
+    "adamw_8bit, float32 weights": ["--optimizer", "adamw_8bit"],
+    "adamw_8bit + pure_bf16 + in_backward": ["--optimizer", "adamw_8bit", "--pure_bf16", "--optimizer_in_backward"],
+    "anyprecision + pure_bf16 + in_backward": ["--optimizer", "anyprecision", "--pure_bf16",
+                                               "--optimizer_in_backward"],
 }
+# The memory section: the small preset (hidden 1024, 8 layers, vocabulary 32k), full fine-tuning,
+# full checkpointing, one step planned on fake tensors and measured on real ones (random weights).
+MEMORY_RUN = ["--model_name", "small", "--batch_size_training", "1", "--context_length", "512",
+              "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full"]
+MEMORY_OPTIONS = {name: flags for name, flags in OPTIONS.items() if "another seed" not in name}
 
 
 def one_run(flags: list[str], steps: int, lr: float, out: str) -> dict:
@@ -53,13 +70,42 @@ def one_run(flags: list[str], steps: int, lr: float, out: str) -> dict:
                 peak_bytes=trace.peak_bytes, optimizer_state_bytes=trace.breakdown["optimizer_state"])
 
 
+def memory_rows() -> list[dict]:
+    """Each option's planned and measured peak of one CPU step of the small preset, against float32 AdamW."""
+    from leantune.models.presets import model_config
+
+    rows = []
+    for name, flags in MEMORY_OPTIONS.items():
+        cfg = parse_run_config([*MEMORY_RUN, *flags])
+        planned, measured = (trace_step(cfg, model_config("small"), torch.device("cpu"), "full", fake=fake)
+                             for fake in (True, False))
+        rows.append(dict(option=name, flags=flags, planned_peak_bytes=planned.peak_bytes,
+                         measured_peak_bytes=measured.peak_bytes, breakdown=measured.breakdown))
+    for row in rows:
+        row["vs_adamw"] = row["measured_peak_bytes"] / rows[0]["measured_peak_bytes"]
+    return rows
+
+
+def print_memory(rows: list[dict]) -> None:
+    print(f"{'option (small preset, 1 x 512, full checkpointing)':52} {'planned MiB':>11} {'measured MiB':>12} "
+          f"{'vs AdamW':>8}")
+    for r in rows:
+        print(f"{r['option']:52} {r['planned_peak_bytes'] / 2**20:11.1f} {r['measured_peak_bytes'] / 2**20:12.1f} "
+              f"{r['vs_adamw']:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training batches per run")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-5],
                         help="learning rates: a large one, and one whose updates bfloat16 weights round away")
     parser.add_argument("--json", default="docs/results/optimizers_tiny.json")
+    parser.add_argument("--memory_only", action="store_true", help="only the planned vs measured memory section")
     args = parser.parse_args()
+    memory = memory_rows()
+    print_memory(memory)
+    if args.memory_only:
+        return
     table = []
     print(f"{'lr':>6} {'option':38} {'train loss':>10} {'vs fp32':>8} {'val loss':>9} {'vs fp32':>8} "
           f"{'peak MiB':>8} {'opt. MiB':>8}")
@@ -78,7 +124,7 @@ def main() -> None:
                   f"{r['optimizer_state_bytes'] / 2**20:8.1f}")
             table.append(r)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(dict(steps=args.steps, rows=table), indent=2) + "\n")
+    Path(args.json).write_text(json.dumps(dict(steps=args.steps, rows=table, memory=memory), indent=2) + "\n")
     print(f"wrote {args.json}")
 
 

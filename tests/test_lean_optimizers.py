@@ -146,3 +146,18 @@ def test_a_nonfinite_step_in_backward_stops_the_run_and_says_why(tiny_model_dir,
 
     with pytest.raises(NonFiniteStep, match="with --optimizer_in_backward its updates were applied during backward"):
         _run(tiny_model_dir, tmp_path / "run", "--optimizer_in_backward", lr=1e30, steps=6, save_steps=0)
+
+
+def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
+    from leantune.memory.oom import memory_fixes
+
+    def advice(*flags, device="cuda"):
+        return " | ".join(memory_fixes(parse_run_config(list(flags)), torch.device(device)))
+
+    assert "--optimizer_in_backward" in advice() and "--optimizer_in_backward" not in advice("--gradient_clipping")
+    assert "--optimizer_in_backward" not in advice("--optimizer_in_backward")
+    assert "--optimizer_in_backward" not in advice("--gradient_accumulation_steps", "2")
+    assert "--optimizer adamw_8bit (or --optimizer paged_adamw_8bit" in advice()
+    assert "--optimizer adamw_8bit" in advice(device="cpu") and "paged" not in advice(device="cpu")
+    assert "adamw_8bit" not in advice("--optimizer", "adamw_8bit")
+    assert "--optimizer_in_backward" not in advice("--use_peft") and "adamw_8bit" not in advice("--use_peft")

@@ -365,29 +365,34 @@ class RunConfig:
     def _check_optimizer_flags(self) -> None:
         """The optimizer options against the flags they cannot work with, naming both."""
         tc = self.training
-        if self.distributed.enable_fsdp and (tc.optimizer != "adamw" or tc.pure_bf16 or tc.optimizer_in_backward):
-            flag = ("--pure_bf16" if tc.pure_bf16 else "--optimizer_in_backward" if tc.optimizer_in_backward
-                    else f"--optimizer {tc.optimizer}")
+        if self.distributed.enable_fsdp and (tc.optimizer != "adamw" or tc.pure_bf16):
+            flag = "--pure_bf16" if tc.pure_bf16 else f"--optimizer {tc.optimizer}"
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
-        if not tc.optimizer_in_backward:
-            return
-        conflicts = [
-            (tc.gradient_accumulation_steps > 1, f"--gradient_accumulation_steps {tc.gradient_accumulation_steps}",
-             "each weight steps when its gradient of one batch is complete; use one batch a step"),
-            (self.memory.target_global_batch_size is not None, "--target_global_batch_size",
-             "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
-            (tc.gradient_clipping, "--gradient_clipping",
-             "the global gradient norm is known only after every weight has stepped"),
-            (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
-            (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
-             "a step's updates are applied during backward, before its loss and norm are checked, so it cannot "
-             "be skipped (a non-finite step stops the run, nothing saved from it)"),
-        ]
-        for conflict, flag, why in conflicts:
-            if conflict:
-                raise ConfigError(f"--optimizer_in_backward: not with {flag}: {why}; drop one")
+        conflicts = in_backward_conflicts(self)
+        if tc.optimizer_in_backward and conflicts:
+            flag, why = conflicts[0]
+            raise ConfigError(f"--optimizer_in_backward: not with {flag}: {why}; drop one")
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""
         return {f.name: getattr(section, f.name)
                 for section in vars(self).values() for f in fields(section)}
+
+
+def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
+    """The flags of ``cfg`` that ``--optimizer_in_backward`` cannot work with, each with why."""
+    tc = cfg.training
+    conflicts = [
+        (tc.gradient_accumulation_steps > 1, f"--gradient_accumulation_steps {tc.gradient_accumulation_steps}",
+         "each weight steps when its gradient of one batch is complete; use one batch a step"),
+        (cfg.memory.target_global_batch_size is not None, "--target_global_batch_size",
+         "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
+        (tc.gradient_clipping, "--gradient_clipping", "the global gradient norm is known only after every weight "
+                                                      "has stepped"),
+        (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
+        (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
+         "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "
+         "skipped (a non-finite step stops the run, nothing saved from it)"),
+        (cfg.distributed.enable_fsdp, "--enable_fsdp", "untested on sharded parameters yet"),
+    ]
+    return [(flag, why) for conflict, flag, why in conflicts if conflict]
