@@ -86,3 +86,26 @@ def test_the_scaler_and_autocast_follow_the_decision():
     assert isinstance(fp16_cpu.make_scaler(), torch.amp.GradScaler)
     with fp16_cpu.autocast():
         assert torch.get_autocast_dtype("cpu") is F16 and torch.is_autocast_enabled("cpu")
+
+
+def test_autocast_keeps_no_half_precision_copy_of_the_trainable_weights(monkeypatch):
+    """Full fine-tuning, float32 weights, bf16 autocast (a GPU's default, traced on the CPU), full checkpointing:
+    at the end of forward only the layers' inputs are held, not a bf16 copy of every weight (autocast's cache)."""
+    from leantune.models.presets import model_config
+    from leantune.planning.fake_step import trace_step
+    from leantune.precision import Precision
+
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "64",
+                            "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full"])
+    config = model_config("tiny")
+
+    def forward_activations():
+        trace = trace_step(cfg, config, torch.device("cuda"), "full")
+        return trace.stage_breakdowns["forward"]["activation"]
+
+    without_cache = forward_activations()
+    monkeypatch.setattr(Precision, "autocast", lambda self: torch.autocast(self.device.type, dtype=self.compute_dtype))
+    with_cache = forward_activations()
+    h, kv = config.hidden_size, config.hidden_size * config.num_key_value_heads // config.num_attention_heads
+    layer_weights = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
+    assert with_cache - without_cache >= 0.9 * layer_weights * 2  # the bf16 copies of the layers' weights

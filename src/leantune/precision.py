@@ -47,7 +47,11 @@ class Precision:
     def autocast(self):
         if self.compute_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        # No cast cache: autocast would otherwise keep a half-precision copy of every float32 trainable
+        # weight from its first use until the forward ends (2 bytes a parameter: 15 GiB for an 8B full
+        # fine-tune), even where checkpointing frees everything else. Each weight is cast where it is
+        # used instead: once a forward, as before, and again in a recomputed layer, as before.
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype, cache_enabled=False)
 
     def make_scaler(self) -> Optional[torch.amp.GradScaler]:
         """A fresh GradScaler for a run with loss scaling, else None."""
