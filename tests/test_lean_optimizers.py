@@ -161,3 +161,60 @@ def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
     assert "--optimizer adamw_8bit" in advice(device="cpu") and "paged" not in advice(device="cpu")
     assert "adamw_8bit" not in advice("--optimizer", "adamw_8bit")
     assert "--optimizer_in_backward" not in advice("--use_peft") and "adamw_8bit" not in advice("--use_peft")
+
+
+# --- --optimizer auto: the first rung of the ladder that fits ----------------------------------------------------
+
+def _rung_peaks(argv):
+    from leantune.planning.optimizer_choice import rungs_for, with_rung
+    from leantune.planning.plan import plan_modes
+
+    cfg = parse_run_config(argv)
+    return {rung: plan_modes(with_rung(cfg, rung), model_config("tiny"), CPU, ["full"])[0].peak_bytes
+            for rung in rungs_for(cfg, CPU)}
+
+
+def test_optimizer_auto_takes_the_first_rung_that_fits_and_says_so():
+    from leantune.planning.optimizer_choice import LADDER, choose_optimizer
+
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64",
+            "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full", "--optimizer", "auto"]
+    peaks = _rung_peaks(argv)
+    assert list(peaks) == list(LADDER[:5])  # no paged rung on the CPU
+    assert all(peaks[a] > peaks[b] for a, b in zip(LADDER[:4], LADDER[1:5])), peaks  # each rung leaner
+    third = LADDER[2]
+    lines = []
+    chosen = choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, peaks[third], lines.append)
+    tc = chosen.training
+    assert (tc.optimizer, tc.pure_bf16, tc.optimizer_in_backward) == ("anyprecision", True, True)
+    assert chosen.model.model_dtype == "bfloat16"
+    assert any(line.startswith("optimizer: auto chose anyprecision, bfloat16 weights") for line in lines)
+    with pytest.raises(ConfigError, match="--optimizer auto: no optimizer fits --memory_budget_gb"):
+        choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, min(peaks.values()) - 1, lines.append)
+
+
+def test_optimizer_auto_keeps_to_what_the_other_flags_allow():
+    from leantune.planning.optimizer_choice import rungs_for
+
+    def rungs(*flags, device="cpu"):
+        return [(r.optimizer, r.pure_bf16, r.in_backward)
+                for r in rungs_for(parse_run_config(["--optimizer", "auto", *flags]), torch.device(device))]
+
+    assert all(not in_backward for *_, in_backward in rungs("--gradient_clipping"))
+    assert all(not pure for _, pure, _ in rungs("--use_fp16"))
+    assert all(pure for _, pure, _ in rungs("--pure_bf16"))
+    assert rungs(device="cuda")[-1] == ("paged_adamw_8bit", True, True)
+    with pytest.raises(ConfigError, match="--optimizer auto: not with --enable_fsdp"):
+        parse_run_config(["--optimizer", "auto", "--enable_fsdp"])
+
+
+def test_a_run_with_optimizer_auto_trains_with_the_optimizer_it_chose(tiny_model_dir, tmp_path):
+    lines: list[str] = []
+    argv = ["--model_name", str(tiny_model_dir), "--optimizer", "auto", "--memory_budget_gb", "64",
+            "--max_train_step", "2", "--num_epochs", "1", "--context_length", "64", "--batch_size_training", "2",
+            "--run_validation", "false", "--num_workers_dataloader", "0", "--save_steps", "2", "--output_dir",
+            str(tmp_path)]
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    assert any(line.startswith("optimizer: auto chose AdamW (--optimizer adamw)") for line in lines)
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert saved["config"]["optimizer"] == "adamw"

@@ -90,14 +90,16 @@ class TrainingConfig:
     max_eval_step: int = field(default=0, metadata=_help("Validation batches per evaluation (0: all)."))
     lr: float = field(default=1e-4, metadata=_help("The optimizer's learning rate."))
     weight_decay: float = field(default=0.0, metadata=_help("The optimizer's decoupled weight decay."))
-    optimizer: Literal["adamw", "AdamW", "anyprecision", "adamw_8bit", "paged_adamw_8bit"] = field(
+    optimizer: Literal["adamw", "AdamW", "anyprecision", "adamw_8bit", "paged_adamw_8bit", "auto"] = field(
         default="adamw", metadata=_help(
             "adamw (llama-cookbook's AdamW): torch's AdamW, float32 states (its fused kernel on CUDA). "
             "anyprecision: AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for "
             "bfloat16 weights (--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates "
             "are not rounded away. adamw_8bit: bitsandbytes' 8-bit AdamW (about 2 bytes a parameter); "
             "paged_adamw_8bit: the same with its state in CUDA unified memory, paged to the host when the "
-            "GPU runs short (CUDA only)."))
+            "GPU runs short (CUDA only). auto: the first of these (with --pure_bf16 and "
+            "--optimizer_in_backward) whose planned step fits the memory budget, least cost to quality first "
+            "(docs/optimizers.md)."))
     optimizer_in_backward: bool = field(default=False, metadata=_help(
         "Step each weight as soon as its gradient is complete in backward and free that gradient, so the "
         "full set of gradients never exists. Needs one batch per step (no gradient accumulation), no "

@@ -16,6 +16,7 @@ from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
 from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.config import ConfigError, RunConfig
 from leantune.planning.fake_step import StepTraces, run_config_for_mode
+from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
                                     plan_modes, run_mode, with_batch)
@@ -32,14 +33,15 @@ class MemoryPlan:
 
 
 def needs_plan(cfg: RunConfig) -> bool:
-    return cfg.checkpointing.activation_checkpointing_mode == AUTO or cfg.memory.auto_batch_size
+    return (cfg.checkpointing.activation_checkpointing_mode == AUTO or cfg.memory.auto_batch_size
+            or needs_optimizer_choice(cfg))
 
 
 def _budget(cfg: RunConfig, device: torch.device) -> int:
     budget = budget_bytes(cfg, device)
     if budget is None:
-        wants = "--activation_checkpointing_mode auto" if cfg.checkpointing.activation_checkpointing_mode == AUTO \
-            else "--auto_batch_size"
+        wants = ("--optimizer auto" if needs_optimizer_choice(cfg) else "--activation_checkpointing_mode auto"
+                 if cfg.checkpointing.activation_checkpointing_mode == AUTO else "--auto_batch_size")
         raise ConfigError(f"--memory_budget_gb: {wants} on the CPU needs a budget (there is no device memory to "
                           "read); pass e.g. --memory_budget_gb 8")
     return budget
@@ -132,7 +134,8 @@ def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
 
 def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
                       traces: Optional[StepTraces] = None) -> MemoryPlan:
-    """Resolve ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any weight is loaded.
+    """Resolve ``--optimizer auto``, ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any
+    weight is loaded.
 
     ``config``: the model's (``ModelFacts.config``). The budget is read once, here: later, the
     loaded weights would be missing from the device's free memory.
@@ -140,7 +143,11 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     if not needs_plan(cfg):
         return MemoryPlan(cfg)
     budget = _budget(cfg, device)
+    if needs_optimizer_choice(cfg):  # first: the mode and the batch are chosen for the optimizer it picks
+        cfg = choose_optimizer(cfg, config, device, budget, log, traces)
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
+    if not (auto_mode or cfg.memory.auto_batch_size):
+        return MemoryPlan(cfg, plan_modes(cfg, config, device, [run_mode(cfg)], budget, traces)[0], budget)
     if auto_mode and cfg.memory.auto_batch_size:
         cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces)
     elif auto_mode:

@@ -19,6 +19,7 @@ from leantune.builders.own_loss import check_own_loss
 from leantune.models.facts import plan_model_facts
 from leantune.models.loading import ModelLoadError
 from leantune.models.presets import ModelShapeError
+from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
 from leantune.planning.plan import budget_bytes, gather_bytes, modes_to_plan, per_rank, plan_modes
 from leantune.planning.table import print_plan
 
@@ -58,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_own_loss(cfg, facts)  # a model leantune would refuse to train is not planned either
         config = facts.config
         budget = budget_bytes(cfg, target)
+        if needs_optimizer_choice(cfg):
+            if budget is None:
+                raise ConfigError("--memory_budget_gb: --optimizer auto chooses by a budget; on the CPU pass one, "
+                                  "e.g. --memory_budget_gb 8")
+            # the ladder goes to stderr with --json, which keeps stdout one JSON document
+            cfg = choose_optimizer(cfg, config, target, budget, lambda line: print(line, file=sys.stderr if as_json
+                                                                                    else sys.stdout))
         if cfg.distributed.enable_fsdp and world_size is None:
             raise ConfigError("--world_size: with --enable_fsdp, say how many processes will share the model")
         plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), None if world_size else budget)

@@ -29,6 +29,9 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
     (its stand-in on the planner's fake tensors). With ``--optimizer_in_backward`` each weight
     gets a group of its own (``training.in_backward`` steps one group at a time).
     """
+    if tc.optimizer == "auto":
+        raise ValueError("--optimizer auto is resolved by the planner (planning.optimizer_choice) before the "
+                         "optimizer is built")
     params = trainable_parameters(model)
     groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
     if tc.optimizer == "anyprecision":

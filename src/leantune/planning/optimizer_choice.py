@@ -1,0 +1,113 @@
+"""``--optimizer auto``: the first rung of the optimizer ladder whose planned step fits the budget.
+
+The rungs go from no cost to quality to the most: each keeps less per trainable weight than the
+one before (bytes a parameter, full fine-tuning, with its gradient), and each is taken only
+when the ones before it do not fit, whatever that costs in speed (more checkpointing is
+preferred to a worse optimizer). Numbers behind the order: docs/optimizers.md.
+
+1. AdamW (float32 weights and moments; fused on CUDA) ...................... 16
+2. the same, each weight stepped in backward (the same updates, exactly) ..... 12
+3. anyprecision: bfloat16 weights and moments, compensated, in backward ......  8
+4. 8-bit AdamW, float32 weights, in backward ................................  6
+5. 8-bit AdamW, bfloat16 weights (no compensation), in backward ...............  4
+6. paged 8-bit AdamW (CUDA): its 2 bytes may live in host memory ............  2 on the GPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from leantune.checkpointing.modes import AUTO
+from leantune.config import ConfigError, RunConfig, in_backward_conflicts
+from leantune.planning.fake_step import StepTraces
+from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, format_bytes, modes_to_plan, plan_modes,
+                                    run_mode, with_batch)
+
+AUTO_OPTIMIZER = "auto"
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    optimizer: str
+    pure_bf16: bool
+    in_backward: bool
+
+    @property
+    def flags(self) -> str:
+        return " ".join([f"--optimizer {self.optimizer}"] + ["--pure_bf16"] * self.pure_bf16
+                        + ["--optimizer_in_backward"] * self.in_backward)
+
+
+LADDER = (
+    Rung("AdamW", "adamw", False, False),
+    Rung("AdamW stepped in backward", "adamw", False, True),
+    Rung("anyprecision, bfloat16 weights", "anyprecision", True, True),
+    Rung("8-bit AdamW", "adamw_8bit", False, True),
+    Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True),
+    Rung("paged 8-bit AdamW, bfloat16 weights", "paged_adamw_8bit", True, True),
+)
+
+
+def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
+    """The rungs this run may take: those its other flags allow and its own optimizer flags ask for."""
+    tc = cfg.training
+    half_weights_allowed = not tc.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
+    in_backward_allowed = not in_backward_conflicts(cfg)
+    has_bitsandbytes = importlib.util.find_spec("bitsandbytes") is not None
+    return [rung for rung in LADDER
+            if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
+            and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)
+            and (has_bitsandbytes or "8bit" not in rung.optimizer)
+            and (device.type == "cuda" or not rung.optimizer.startswith("paged"))]
+
+
+def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:
+    """``cfg`` training with ``rung``'s optimizer flags (a fresh model section: --pure_bf16 sets its dtype)."""
+    training = dataclasses.replace(cfg.training, optimizer=rung.optimizer, pure_bf16=rung.pure_bf16,
+                                   optimizer_in_backward=rung.in_backward)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), training=training)
+
+
+def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, log,
+                     traces: Optional[StepTraces] = None) -> RunConfig:
+    """``cfg`` with the first rung whose least-memory checkpointing mode fits ``budget``.
+
+    The modes tried are the run's (every mode with ``auto``), at the configured batch (the
+    smallest with ``--auto_batch_size``, which then grows it on the chosen rung).
+    """
+    auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
+    modes = [m for m in modes_to_plan(cfg, device) if m != OFFLOAD] if auto_mode else [run_mode(cfg)]
+    probe = with_batch(cfg, batch_candidates(cfg)[0]) if cfg.memory.auto_batch_size else cfg
+    tried: list[tuple[Rung, ModePlan]] = []
+    for rung in rungs_for(cfg, device):
+        least = min(plan_modes(with_rung(probe, rung), config, device, modes, traces=traces),
+                    key=lambda plan: plan.peak_bytes)
+        tried.append((rung, least))
+        if least.peak_bytes <= budget:
+            _log_ladder(tried, budget, log)
+            log(f"optimizer: auto chose {rung.name} ({rung.flags}): the first that fits {format_bytes(budget)}")
+            if rung.pure_bf16 and rung.optimizer != "anyprecision":
+                log("warning: bfloat16 weights without a compensated update lose updates smaller than about 1/256 "
+                    "of a weight (a small --lr); docs/optimizers.md measures how much")
+            return with_rung(cfg, rung)
+    _log_ladder(tried, budget, log)
+    leanest = min((plan.peak_bytes for _, plan in tried), default=0)
+    raise ConfigError(f"--optimizer auto: no optimizer fits --memory_budget_gb ({format_bytes(budget)}) at batch "
+                      f"{probe.training.batch_size_training} x {cfg.data.context_length}; the leanest needs "
+                      f"{format_bytes(leanest)}. Shorten --context_length, lower --batch_size_training, or use --use_peft")
+
+
+def _log_ladder(tried: list[tuple[Rung, ModePlan]], budget: int, log) -> None:
+    log(f"optimizer ladder (least-memory checkpointing mode of each, budget {format_bytes(budget)}):")
+    for rung, plan in tried:
+        log(f"  {rung.name:50} {format_bytes(plan.peak_bytes):>12} ({plan.mode}, {rung.flags})")
+
+
+def needs_optimizer_choice(cfg: RunConfig) -> bool:
+    return cfg.training.optimizer == AUTO_OPTIMIZER
