@@ -3,7 +3,8 @@
     python benchmarks/optimizer_ladder.py        # prints a table, writes docs/results/optimizer_ladder.json
 
 Llama-3.2-1B and Llama-3.1-8B (their shapes: nothing is downloaded), full fine-tuning, one GPU,
-batch 1 x 2048, full activation checkpointing, each rung adding one option to the one before.
+batch 1 x 2048, full activation checkpointing, each rung of ``--optimizer auto``'s ladder
+(``leantune.planning.optimizer_choice.LADDER``), leanest last.
 Every number is ``leantune plan``'s: the run's own step traced on fake tensors through the real
 optimizer (its planned stand-in for bitsandbytes), plus the GPU's stated extras. On the CPU the
 tests hold each option's plan equal to its measured step (tests/test_optimizers.py,
@@ -20,25 +21,18 @@ import torch
 
 from leantune.cli_args import parse_run_config
 from leantune.models.presets import model_config
+from leantune.planning.optimizer_choice import LADDER, Rung, with_rung
 from leantune.planning.plan import GIB, plan_modes
 
 MODELS = ("Llama-3.2-1B", "Llama-3.1-8B")
 RUN = ["--batch_size_training", "1", "--context_length", "2048", "--enable_activation_checkpointing",
        "--activation_checkpointing_mode", "full", "--device", "cuda"]
-LADDER = {
-    "adamw (float32 weights; fused on CUDA)": [],
-    "anyprecision + pure_bf16": ["--optimizer", "anyprecision", "--pure_bf16"],
-    "+ optimizer_in_backward": ["--optimizer", "anyprecision", "--pure_bf16", "--optimizer_in_backward"],
-    "adamw_8bit + pure_bf16 + in_backward": ["--optimizer", "adamw_8bit", "--pure_bf16", "--optimizer_in_backward"],
-    "paged_adamw_8bit + pure_bf16 + in_backward": ["--optimizer", "paged_adamw_8bit", "--pure_bf16",
-                                                   "--optimizer_in_backward"],
-}
 
 
-def plan_rung(model: str, flags: list[str]) -> dict:
-    cfg = parse_run_config(["--model_name", model, *RUN, *flags])
+def plan_rung(model: str, rung: Rung) -> dict:
+    cfg = with_rung(parse_run_config(["--model_name", model, *RUN]), rung)
     plan = plan_modes(cfg, model_config(model), torch.device("cuda"), ["full"], None)[0]
-    return dict(model=model, flags=flags, **plan.as_json())
+    return dict(model=model, option=rung.name, flags=rung.flags, **plan.as_json())
 
 
 def main() -> None:
@@ -46,15 +40,15 @@ def main() -> None:
     parser.add_argument("--json", default="docs/results/optimizer_ladder.json")
     args = parser.parse_args()
     rows = []
-    print(f"{'model':13} {'option':44} {'weights':>8} {'grads':>7} {'opt.':>7} {'temp.':>7} {'acts+loss':>9} "
+    print(f"{'model':13} {'option':50} {'weights':>8} {'grads':>7} {'opt.':>7} {'temp.':>7} {'acts+loss':>9} "
           f"{'peak GiB':>8} {'paged':>6}")
     for model in MODELS:
-        for name, flags in LADDER.items():
-            row = dict(plan_rung(model, flags), option=name)
+        for rung in LADDER:
+            row = plan_rung(model, rung)
             rows.append(row)
             cells = [row[k] / GIB for k in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
                                              "temporary_bytes")]
-            print(f"{model:13} {name:44} " + " ".join(f"{c:7.2f}" for c in cells)
+            print(f"{model:13} {rung.name:50} " + " ".join(f"{c:7.2f}" for c in cells)
                   + f" {(row['activation_bytes'] + row['loss_bytes']) / GIB:9.2f} {row['peak_bytes'] / GIB:8.2f}"
                   f" {row['paged_state_bytes'] / GIB:6.2f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
