@@ -218,3 +218,37 @@ def test_a_run_with_optimizer_auto_trains_with_the_optimizer_it_chose(tiny_model
     assert any(line.startswith("optimizer: auto chose AdamW (--optimizer adamw)") for line in lines)
     saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert saved["config"]["optimizer"] == "adamw"
+
+
+def test_the_leanest_rung_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
+    """The GPU default for 8-bit AdamW on bfloat16 weights stepped in backward, on a CPU stand-in
+    (bfloat16 weights under bfloat16 autocast, bitsandbytes on CPU tensors)."""
+    from leantune.precision import Precision
+
+    stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    losses = _run(tiny_model_dir, tmp_path, "--optimizer", "adamw_8bit", "--pure_bf16", "--optimizer_in_backward",
+                  steps=8, save_steps=0)
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_adamw_for_a_gpu_is_torchs_fused_kernel():
+    """What a CUDA run builds, stepped on CPU tensors (the fused kernel runs there too): AdamW's numbers."""
+    from leantune.training.optim import build_optimizer
+
+    tc = parse_run_config([]).training
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(64, 32) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused, default = build_optimizer(tc, models[0], "cuda"), build_optimizer(tc, models[1], "cpu")
+    assert fused.defaults["fused"] is True and not default.defaults["fused"]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in models[0].parameters()]
+        for model, optimizer in zip(models, (fused, default)):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="--optimizer auto is resolved by the planner"):
+        build_optimizer(parse_run_config(["--optimizer", "auto"]).training, models[0], "cpu")
