@@ -26,11 +26,12 @@ def _state_bytes(optimizer) -> int:
     return sum(storages.values())
 
 
-def test_the_planners_stand_in_holds_bitsandbytes_state_byte_for_byte():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planners_stand_in_holds_bitsandbytes_state_tensors(dtype):
     shapes = [(1024, 512), (100,), (64, 64), (63, 65), (300, 7)]  # 8-bit, float32 (small), the edge, odd blocks
     states = []
     for make in (lambda ps: bitsandbytes_adamw("adamw_8bit", ps, 1e-3, 0.0), EightBitAdamWStandIn):
-        params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in shapes]
         optimizer = make(params)
         for p in params:
             p.grad = torch.randn_like(p)
@@ -252,3 +253,111 @@ def test_adamw_for_a_gpu_is_torchs_fused_kernel():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="--optimizer auto is resolved by the planner"):
         build_optimizer(parse_run_config(["--optimizer", "auto"]).training, models[0], "cpu")
+
+
+def test_the_batch_check_measures_the_step_in_backward_without_the_gradient_set(tmp_path):
+    """--auto_batch_size's real step frees each gradient as the run will: it needs what the plan predicted."""
+    import re
+
+    from leantune.models.tiny import make_tiny_model
+
+    # wide layers (17M parameters), so that the gradients weigh more than a small batch's activations
+    wide = make_tiny_model(tmp_path / "wide", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    lines: list[str] = []
+    argv = ["--model_name", str(wide), "--optimizer_in_backward", "--auto_batch_size",
+            "--memory_budget_gb", "0.5", "--max_train_step", "1", "--num_epochs", "1", "--context_length", "64",
+            "--run_validation", "false", "--num_workers_dataloader", "0", "--save_model", "false",
+            "--output_dir", str(tmp_path / "out")]
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    confirmed = [line for line in lines if line.startswith("batch size: confirmed")]
+    assert confirmed, [line for line in lines if "batch size" in line]
+    needed, predicted = (float(v.replace(",", "")) for v in re.search(
+        r"\(([\d.,]+) MiB with the optimizer's needs; predicted ([\d.,]+) MiB\)", confirmed[0]).groups())
+    assert abs(needed - predicted) <= 1.0  # measured with the full set of gradients: 7 MiB more
+
+
+def test_resuming_a_run_stepped_in_backward_never_makes_every_gradient(tiny_model_dir, tmp_path, monkeypatch):
+    """torch fills an empty optimizer with a zero gradient for every weight at once before loading a state;
+    leantune makes the state one weight at a time first, so torch finds it made."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    found_empty = []
+    original = dcp_state._init_optim_state
+    monkeypatch.setattr(dcp_state, "_init_optim_state",
+                        lambda optim: (found_empty.append(not optim.state), original(optim))[1])
+    whole = _run(tiny_model_dir, tmp_path / "whole", "--optimizer_in_backward")
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    found_empty.clear()
+    resumed = _run(tiny_model_dir, tmp_path / "resumed", "--optimizer_in_backward", resume=True)
+    assert found_empty and not any(found_empty) and resumed[-4:] == whole[-4:]
+
+
+def test_a_resume_that_switches_stepping_in_backward_is_refused_by_name(tiny_model_dir, tmp_path):
+    """Its optimizer has one parameter group per weight; the saved one has one for all: not the same state."""
+    _run(tiny_model_dir, tmp_path / "whole", steps=4)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    with pytest.raises(ConfigError, match="--optimizer_in_backward False -> True"):
+        _run(tiny_model_dir, tmp_path / "resumed", "--optimizer_in_backward", resume=True, steps=4)
+
+
+def test_a_paged_plan_leaves_out_only_the_moments_bitsandbytes_pages():
+    from leantune.planning.plan import plan_modes
+    from leantune.training.low_bit import PAGED_MIN_SIZE
+
+    argv = ["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "64", "--pure_bf16",
+            "--optimizer_in_backward", "--device", "cuda", "--optimizer"]
+    config = model_config("tiny")
+    on_device, paged = (plan_modes(parse_run_config([*argv, name]), config, torch.device("cuda"), ["none"])[0]
+                        for name in ("adamw_8bit", "paged_adamw_8bit"))
+    from leantune.models.facts import meta_model
+
+    large = [p.numel() for p in meta_model(config, torch.bfloat16).parameters() if p.numel() >= PAGED_MIN_SIZE]
+    blocks = sum(-(-2 * n // 512) * 512 for n in large)  # two uint8 moments each, as the allocator rounds them
+    assert large and paged.paged_state_bytes == blocks
+    assert paged.peak_bytes == on_device.peak_bytes - blocks
+    assert 0 < paged.optimizer_state_bytes == on_device.optimizer_state_bytes - blocks  # scales, small weights
+
+
+def test_a_resumed_paged_optimizer_pages_its_large_moments_again():
+    """bitsandbytes loads a state into ordinary device memory; leantune moves the large moments back into
+    paged buffers (a stand-in for bitsandbytes' paged optimizer here: paging needs CUDA)."""
+    from leantune.training.low_bit import restore_paging
+
+    class PagedLike:
+        is_paged = True
+
+        def __init__(self, params):
+            self.state = {p: {"state1": torch.full(p.shape, 3, dtype=torch.uint8), "absmax1": torch.zeros(4)}
+                          for p in params}
+            self.buffers = []
+
+        def get_state_buffer(self, p, dtype):
+            self.buffers.append(torch.zeros(p.shape, dtype=dtype))
+            return self.buffers[-1]
+
+    large, small = torch.empty(400, 400), torch.empty(10)
+    optimizer = PagedLike([large, small])
+    loaded_small = optimizer.state[small]["state1"]
+    restore_paging(optimizer)
+    assert len(optimizer.buffers) == 1 and optimizer.state[large]["state1"] is optimizer.buffers[0]
+    assert bool((optimizer.buffers[0] == 3).all()) and optimizer.state[small]["state1"] is loaded_small
+
+
+def test_stepping_in_backward_a_tied_head_under_checkpointing_and_bf16_autocast(tmp_path, monkeypatch):
+    """The tied embedding gets two gradient contributions: its hook must step once, after both. Under bf16
+    autocast (float32 weights) and non-reentrant checkpointing, as on a GPU: the weights of stepping after."""
+    from safetensors.torch import load_file
+
+    from leantune.models.tiny import make_tiny_model
+    from leantune.precision import Precision
+
+    tied = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    stand_in = Precision(CPU, torch.float32, torch.bfloat16, False, "CPU stand-in: bf16 autocast")
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    ckpt = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "full"]
+    after = _run(tied, tmp_path / "after", *ckpt, steps=4, save_steps=0)
+    during = _run(tied, tmp_path / "during", *ckpt, "--optimizer_in_backward", steps=4, save_steps=0)
+    weights = [load_file(tmp_path / name / "model.safetensors") for name in ("after", "during")]
+    assert after == during and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -96,8 +96,8 @@ class TrainingConfig:
             "anyprecision: AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for "
             "bfloat16 weights (--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates "
             "are not rounded away. adamw_8bit: bitsandbytes' 8-bit AdamW (about 2 bytes a parameter); "
-            "paged_adamw_8bit: the same with its state in CUDA unified memory, paged to the host when the "
-            "GPU runs short (CUDA only). auto: the first of these (with --pure_bf16 and "
+            "paged_adamw_8bit: the same with the large weights' moments in CUDA unified memory, paged to the "
+            "host when the GPU runs short (CUDA only). auto: the first of these (with --pure_bf16 and "
             "--optimizer_in_backward) whose planned step fits the memory budget, least cost to quality first "
             "(docs/optimizers.md)."))
     optimizer_in_backward: bool = field(default=False, metadata=_help(

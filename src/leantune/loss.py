@@ -16,7 +16,8 @@ Two implementations with the same result:
   fine-tuning), its weight gradient, from the loss forward on. The plain loss creates that
   gradient at the start of backward, so the head's gradient lives through the decoder's
   backward either way; the fused loss only brings it forward by the loss's own backward. A
-  half-precision head that trains (``--pure_bf16``) gets its gradient in backward instead, by
+  half-precision head that trains (``--pure_bf16``, or FSDP's bfloat16 compute copy of a float32
+  head) gets its gradient in backward instead, by
   blocks of vocabulary rows over all tokens (one more pass of the head's matmul), so no float32
   sum as large as the head exists beside it (2 GiB for Llama-3.1-8B's).
   Under autocast the head is cast to the compute dtype once per call (as autocast does for the

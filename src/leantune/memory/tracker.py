@@ -103,10 +103,14 @@ class StorageTracker(TorchDispatchMode):
                 self.totals[category] += entry[1]
                 entry[2] = category
             return
-        nbytes = -(-storage.nbytes() // self.round_to) * self.round_to
+        nbytes = self.rounded(storage.nbytes())
         ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
         self._live[key] = [ref, nbytes, category, StorageWeakRef(storage)]
         self.totals[category] += nbytes
+
+    def rounded(self, nbytes: int) -> int:
+        """``nbytes`` as counted: rounded up to ``round_to``."""
+        return -(-nbytes // self.round_to) * self.round_to
 
     def _forget(self, key: int) -> None:
         entry = self._live.pop(key, None)

@@ -82,7 +82,7 @@ def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    fields = {**TINY_SHAPE, **overrides}
+    fields = {"tie_word_embeddings": False, **TINY_SHAPE, **overrides}
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     config = AutoConfig.for_model(
         FAMILIES[family],
@@ -90,7 +90,6 @@ def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
         **fields,
     )
     torch.manual_seed(seed)

@@ -35,6 +35,10 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -
     def run(batch: int) -> int:
         loss_model = loss_model_for(model, cfg)  # the run's own loss, as builders.step joins it
         vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
+        # --optimizer_in_backward frees each gradient once its weight has stepped: so does this step
+        # (without stepping), or it would hold the full set of gradients the run never does
+        hooks = ([p.register_post_accumulate_grad_hook(_drop_gradient) for p in model.parameters() if p.requires_grad]
+                 if cfg.training.optimizer_in_backward else [])
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 ids = torch.randint(0, vocab, (batch, cfg.data.context_length), device=device)
@@ -42,9 +46,15 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -
                     loss_and_backward(loss_model, ids, ids, precision)
                 return meter.budget_bytes_used
         finally:
+            for hook in hooks:
+                hook.remove()
             model.zero_grad(set_to_none=True)
 
     return run
+
+
+def _drop_gradient(param: torch.nn.Parameter) -> None:
+    param.grad = None
 
 
 def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],

@@ -54,6 +54,7 @@ class StepTrace:
     stage_peaks: dict  # the largest total in each stage: forward, loss, backward, optimizer
     stage_breakdowns: dict = dataclasses.field(default_factory=dict)  # bytes per category at each stage's peak
     tokens: int = 0  # in the traced window: batches x rows x context
+    paged_state_bytes: int = 0  # of the optimizer state: what a paged optimizer keeps in unified memory
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -233,10 +234,12 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
         tracker.close()
         for hook in hooks:
             hook.remove()
+    paged = getattr(optimizer, "paged_state", lambda: [])()
     return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
                      layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
                      dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
-                     sum(batch["input_ids"].numel() for batch in step.window))
+                     sum(batch["input_ids"].numel() for batch in step.window),
+                     sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged))
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:

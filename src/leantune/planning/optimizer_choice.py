@@ -10,7 +10,7 @@ preferred to a worse optimizer). Numbers behind the order: docs/optimizers.md.
 3. anyprecision: bfloat16 weights and moments, compensated, in backward ......  8
 4. 8-bit AdamW, float32 weights, in backward ................................  6
 5. 8-bit AdamW, bfloat16 weights (no compensation), in backward ...............  4
-6. paged 8-bit AdamW (CUDA): its 2 bytes may live in host memory ............  2 on the GPU
+6. paged 8-bit AdamW (CUDA): its moments may live in host memory ............  2 on the GPU
 """
 
 from __future__ import annotations

@@ -98,11 +98,13 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
         plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT))
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
-    if cfg.training.optimizer == "paged_adamw_8bit":
-        # Its state is CUDA managed memory, outside the caching allocator: on the device while there
-        # is room, moved to the host by the driver when there is not. It stays the same size through
-        # the step, so the device's peak without it is the same moment's total less its bytes.
-        plan.paged_state_bytes, plan.optimizer_state_bytes = plan.optimizer_state_bytes, 0
+    if trace.paged_state_bytes and target.type == "cuda":
+        # A paged optimizer's large moments are CUDA managed memory, outside the caching allocator:
+        # on the device while there is room, moved to the host by the driver when there is not.
+        # They stay the same size through the step, so the device's peak without them is the same
+        # moment's total less their bytes (their scales and the small weights' moments stay counted).
+        plan.paged_state_bytes = trace.paged_state_bytes
+        plan.optimizer_state_bytes -= plan.paged_state_bytes
         plan.peak_bytes -= plan.paged_state_bytes
         plan.optimizer_step_peak_bytes -= plan.paged_state_bytes
     return plan

@@ -43,8 +43,8 @@ class OptimizerInBackward:
         return None if self._squares is None else self._squares.sqrt()
 
     def _step_weight(self, param: torch.nn.Parameter) -> None:
-        # reduced in float32 inside the kernel: a float32 copy of a bfloat16 gradient would be a
-        # temporary as large as the weight (2 GiB for Llama-3.1-8B's LM head)
+        # the norm asked for in float32 of the gradient as it is: ``.float()`` first would make a
+        # float32 copy as large as the weight (2 GiB for Llama-3.1-8B's LM head)
         squares = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
         step_group(self.optimizer, self._group_of[param])
@@ -69,3 +69,24 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
         optimizer.step()
     finally:
         optimizer.param_groups = groups
+
+
+def create_state_weight_by_weight(optimizer: torch.optim.Optimizer) -> None:
+    """An empty optimizer's state, made one weight at a time (a zero gradient, a step at learning rate 0).
+
+    Loading a saved state into an empty optimizer makes torch create it first, with a zero
+    gradient for every weight at once: the full set of gradients ``--optimizer_in_backward``
+    never holds. Made here one group at a time, that set never exists; the weights do not move
+    (a zero gradient at rate 0), and the state made is then replaced by the saved one.
+    """
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        group["lr"] = 0.0 if not torch.is_tensor(lr) else torch.zeros_like(lr)
+        try:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+            step_group(optimizer, group)
+        finally:
+            group["lr"] = lr
+            for param in group["params"]:
+                param.grad = None

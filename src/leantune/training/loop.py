@@ -278,7 +278,8 @@ class Trainer:
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.parts.tokenizer, self.optimizer,
-                          self.parts.scheduler, self.step.scaler, self.step.loss_model, self.dist, self.device)
+                          self.parts.scheduler, self.step.scaler, self.step.loss_model, self.dist, self.device,
+                          self.step.in_backward)
 
     def save_training_state(self) -> Optional[Path]:
         """Everything needed to continue exactly from here, in ``OUTPUT_DIR/checkpoint-STEP``.

@@ -4,12 +4,13 @@ bitsandbytes' ``AdamW8bit`` keeps each moment of a weight of at least ``MIN_8BIT
 as uint8 codes (one byte an element) plus a float32 scale per ``BLOCK`` elements, and both moments
 of a smaller weight in float32; one 256-entry float32 code book per moment is shared by all
 weights. Its step is one kernel that updates weight and moments in place (CUDA, and the CPU
-here). ``PagedAdamW8bit`` is the same with its state in CUDA unified memory, which the driver
-moves to the host when the device runs short.
+here). ``PagedAdamW8bit`` is the same with the 8-bit moments of weights of at least
+``PAGED_MIN_SIZE`` elements in CUDA unified memory, which the driver moves to the host when the
+device runs short; their scales, the code books and small weights' moments stay in device memory.
 
 bitsandbytes cannot run on fake tensors (its step reads values on the host), so the planner
 traces ``EightBitAdamWStandIn``: the same state tensors, the same in-place step, no arithmetic.
-A test holds the two states equal byte for byte on real tensors.
+A test holds the two states to the same tensors (shapes, dtypes, bytes) on real tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from leantune.config import ConfigError
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
 BLOCK = 256  # elements per float32 scale of the 8-bit moments
 CODE_BOOK = 256  # entries of the shared dynamic quantization map of each moment
+PAGED_MIN_SIZE = 100_000  # a paged optimizer pages the 8-bit moments of weights this large; the rest stays put
 NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
 
 
@@ -49,9 +51,17 @@ class EightBitAdamWStandIn(torch.optim.Optimizer):
     created on the first step, as bitsandbytes creates it.
     """
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, paged: bool = False):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.paged = paged
         self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def paged_state(self) -> list[torch.Tensor]:
+        """The state tensors a paged optimizer keeps in unified memory (none unless ``paged``)."""
+        if not self.paged:
+            return []
+        return [state[key] for param, state in self.state.items() if param.numel() >= PAGED_MIN_SIZE
+                for key in ("state1", "state2") if state.get(key) is not None and state[key].dtype == torch.uint8]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,3 +87,22 @@ class EightBitAdamWStandIn(torch.optim.Optimizer):
         return dict(step=0, state1=torch.zeros_like(param, dtype=torch.uint8), qmap1=qmap1,
                     state2=torch.zeros_like(param, dtype=torch.uint8), qmap2=qmap2,
                     absmax1=torch.zeros(blocks, device=param.device), absmax2=torch.zeros(blocks, device=param.device))
+
+
+def restore_paging(optimizer: torch.optim.Optimizer) -> None:
+    """Put a paged optimizer's loaded moments back in unified memory.
+
+    bitsandbytes' ``load_state_dict`` moves a saved state to the weights' device as ordinary
+    memory, so a resumed paged run would hold in device memory what its plan leaves out.
+    """
+    if not getattr(optimizer, "is_paged", False):
+        return
+    for param, state in optimizer.state.items():
+        if param.numel() < PAGED_MIN_SIZE:
+            continue
+        for key in ("state1", "state2"):
+            value = state.get(key)
+            if torch.is_tensor(value) and value.dtype == torch.uint8:
+                paged = optimizer.get_state_buffer(param, dtype=value.dtype)
+                paged.copy_(value)
+                state[key] = paged

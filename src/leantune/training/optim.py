@@ -38,7 +38,8 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
         return AnyPrecisionAdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay)
     if tc.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         if params and is_fake(params[0]):
-            return EightBitAdamWStandIn(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+            return EightBitAdamWStandIn(groups, lr=tc.lr, weight_decay=tc.weight_decay,
+                                        paged=tc.optimizer == "paged_adamw_8bit")
         return bitsandbytes_adamw(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay)
     fused = True if device_type == "cuda" else None
     return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)

@@ -34,6 +34,8 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
+from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight
+from leantune.training.low_bit import restore_paging
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -86,6 +88,7 @@ class StateParts:
     loss_model: torch.nn.Module
     dist: DistContext = SINGLE_PROCESS
     device: torch.device = torch.device("cpu")  # whose RNG (beside the CPU's) is saved
+    in_backward: Optional[OptimizerInBackward] = None  # --optimizer_in_backward's hooks, when they step
 
 
 def recover_replaced(output_dir: str | Path) -> None:
@@ -234,8 +237,11 @@ class TrainingStateStore:
         distributed = parts.dist.distributed
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) if reads else {}
+        if not parts.optimizer.state and parts.in_backward is not None:
+            create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
         set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
                                  options=StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed))
+        restore_paging(parts.optimizer)
         parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
