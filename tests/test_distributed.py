@@ -22,7 +22,8 @@ CASES = {
         "--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
         "--gradient_accumulation_steps", "2", "--gradient_clipping", "true", "--max_train_step", "4"],
     "full-ft-no-checkpointing": ["--max_train_step", "3", "--enable_memory_monitoring"],
-    "full-ft-full": ["--enable_activation_checkpointing", "--max_train_step", "3"],
+    # saves at step 2 and, after validation, the end state: validation's forward must leave the shards in place
+    "full-ft-full": ["--enable_activation_checkpointing", "--max_train_step", "3", "--save_steps", "2"],
     "lora-selective": ["--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing",
                        "--activation_checkpointing_mode", "selective_ops", "--max_train_step", "3"],
     "lora-no-checkpointing": ["--use_peft", "--lora_dropout", "0", "--max_train_step", "3"],

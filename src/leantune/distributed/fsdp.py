@@ -37,6 +37,21 @@ def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch
     return loss_model
 
 
+def reshard(module: torch.nn.Module) -> None:
+    """Put every FSDP unit of ``module`` back in its sharded state.
+
+    A forward with no backward after it (validation) leaves the root's parameters gathered: the
+    module then holds full tensors in place of the shards the optimizer holds, so the optimizer's
+    state no longer maps to the module's parameters (saving it fails), and the gathered copy
+    takes memory until the next step.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def full_state_dict(loss_model: torch.nn.Module, trainable_only: bool) -> dict:
     """The model's whole state dict gathered on rank 0 (in host memory), keys as the unwrapped model has them.
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from leantune.config import RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.distributed.fsdp import reshard
 from leantune.labels import count_targets
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.memory.tracker import persistent_bytes
@@ -164,6 +165,8 @@ class Trainer:
                 loss_total += self.step.loss_model(batch["input_ids"].to(self.device),
                                                    batch["labels"].to(self.device)).float()
             targets += count_targets(batch["labels"])
+        if self.dist.distributed:
+            reshard(self.step.loss_model)  # the root's parameters stay gathered after a forward alone
         self.model.train()
         loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait
         val_loss = loss_sum / max(targets, 1)
