@@ -61,7 +61,9 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
 
     Every optimizer here (torch's, bitsandbytes', anyprecision) walks ``param_groups`` when it
     steps, so showing it one group steps that group's weight with its own state and settings;
-    the full list is put back whatever happens.
+    the full list is put back whatever happens. (bitsandbytes' per-parameter overrides, set
+    through its ``GlobalOptimManager``, are looked up by group and position and would not follow;
+    leantune sets none.)
     """
     groups = optimizer.param_groups
     optimizer.param_groups = [group]
