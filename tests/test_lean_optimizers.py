@@ -28,7 +28,8 @@ def _state_bytes(optimizer) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_planners_stand_in_holds_bitsandbytes_state_tensors(dtype):
-    shapes = [(1024, 512), (100,), (64, 64), (63, 65), (300, 7)]  # 8-bit, float32 (small), the edge, odd blocks
+    # 8-bit, float32 (small), the 8-bit edge, odd blocks, bitsandbytes' paging edge (100,000 elements)
+    shapes = [(1024, 512), (100,), (64, 64), (63, 65), (300, 7), (1000, 100)]
     states = []
     for make in (lambda ps: bitsandbytes_adamw("adamw_8bit", ps, 1e-3, 0.0), EightBitAdamWStandIn):
         params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in shapes]
@@ -67,11 +68,18 @@ def _run(tiny_model_dir, out, *flags, steps=6, save_steps=2, resume=False, lr=3e
 @pytest.mark.parametrize("flags", [["--optimizer", "adamw_8bit"], ["--optimizer_in_backward"],
                                    ["--optimizer", "adamw_8bit", "--optimizer_in_backward", "--pure_bf16"]],
                          ids=["8bit", "in-backward", "8bit-in-backward-bf16"])
-def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path, flags):
+def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path, flags, monkeypatch):
+    from leantune.training import state
+
+    loaded_through = []  # the optimizers whose state loading went through paged_loading (a no-op unless paged)
+    original = state.paged_loading
+    monkeypatch.setattr(state, "paged_loading", lambda optimizer: (loaded_through.append(type(optimizer).__name__),
+                                                                   original(optimizer))[1])
     whole = _run(tiny_model_dir, tmp_path / "whole", *flags)
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(tiny_model_dir, tmp_path / "resumed", *flags, resume=True)
     assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]
+    assert loaded_through == ["AdamW8bit" if "adamw_8bit" in flags else "AdamW"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "anyprecision", "adamw_8bit"])
@@ -286,10 +294,12 @@ def test_resuming_a_run_stepped_in_backward_never_makes_every_gradient(tiny_mode
     original = dcp_state._init_optim_state
     monkeypatch.setattr(dcp_state, "_init_optim_state",
                         lambda optim: (found_empty.append(not optim.state), original(optim))[1])
-    whole = _run(tiny_model_dir, tmp_path / "whole", "--optimizer_in_backward")
+    # weight decay: a state made at the run's learning rate would move the weights even with zero gradients
+    flags = ["--optimizer_in_backward", "--weight_decay", "0.1"]
+    whole = _run(tiny_model_dir, tmp_path / "whole", *flags)
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     found_empty.clear()
-    resumed = _run(tiny_model_dir, tmp_path / "resumed", "--optimizer_in_backward", resume=True)
+    resumed = _run(tiny_model_dir, tmp_path / "resumed", *flags, resume=True)
     assert found_empty and not any(found_empty) and resumed[-4:] == whole[-4:]
 
 
@@ -313,36 +323,51 @@ def test_a_paged_plan_leaves_out_only_the_moments_bitsandbytes_pages():
     from leantune.models.facts import meta_model
 
     large = [p.numel() for p in meta_model(config, torch.bfloat16).parameters() if p.numel() >= PAGED_MIN_SIZE]
-    blocks = sum(-(-2 * n // 512) * 512 for n in large)  # two uint8 moments each, as the allocator rounds them
+    blocks = sum(2 * (-(-n // 512) * 512) for n in large)  # two uint8 moments each, each rounded by the allocator
     assert large and paged.paged_state_bytes == blocks
     assert paged.peak_bytes == on_device.peak_bytes - blocks
     assert 0 < paged.optimizer_state_bytes == on_device.optimizer_state_bytes - blocks  # scales, small weights
 
 
-def test_a_resumed_paged_optimizer_pages_its_large_moments_again():
-    """bitsandbytes loads a state into ordinary device memory; leantune moves the large moments back into
-    paged buffers (a stand-in for bitsandbytes' paged optimizer here: paging needs CUDA)."""
-    from leantune.training.low_bit import restore_paging
+def test_a_resumed_paged_optimizer_loads_its_moments_into_its_paged_buffers(monkeypatch):
+    """bitsandbytes' PagedAdamW8bit, its paging stood in for on the CPU (paging needs CUDA): loading a saved
+    state puts the large moments into the paged buffers made when the state was created, nowhere else."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    class PagedLike:
-        is_paged = True
+    from leantune.training.low_bit import PAGED_MIN_SIZE, paged_loading
 
-        def __init__(self, params):
-            self.state = {p: {"state1": torch.full(p.shape, 3, dtype=torch.uint8), "absmax1": torch.zeros(4)}
-                          for p in params}
-            self.buffers = []
+    made = []
 
-        def get_state_buffer(self, p, dtype):
-            self.buffers.append(torch.zeros(p.shape, dtype=dtype))
-            return self.buffers[-1]
+    def paged_buffer(self, p, dtype=torch.float32):
+        buffer = torch.zeros_like(p, dtype=dtype)
+        if p.numel() >= PAGED_MIN_SIZE:
+            buffer.is_paged = True
+            made.append(buffer)
+        return buffer
 
-    large, small = torch.empty(400, 400), torch.empty(10)
-    optimizer = PagedLike([large, small])
-    loaded_small = optimizer.state[small]["state1"]
-    restore_paging(optimizer)
-    assert len(optimizer.buffers) == 1 and optimizer.state[large]["state1"] is optimizer.buffers[0]
-    assert bool((optimizer.buffers[0] == 3).all()) and optimizer.state[small]["state1"] is loaded_small
+    monkeypatch.setattr(bnb.optim.PagedAdamW8bit, "get_state_buffer", paged_buffer)
+    monkeypatch.setattr(bnb.optim.PagedAdamW8bit, "prefetch_state", lambda self, p: None)  # a CUDA call
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(500, 400), torch.nn.Linear(400, 10))  # 200,000 and 4,000 weights
 
+    def stepped_optimizer():
+        optimizer = bnb.optim.PagedAdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return optimizer
+
+    saved = get_optimizer_state_dict(model, stepped_optimizer())
+    made.clear()
+    fresh = bnb.optim.PagedAdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+    with paged_loading(fresh):
+        set_optimizer_state_dict(model, fresh, saved)
+    large = fresh.state[model[0].weight]
+    assert len(made) == 2 and large["state1"] is made[0] and large["state2"] is made[1]  # no second buffer
+    expected = saved["state"]["0.weight"]["__bnb_optimizer_quant_state__"]
+    assert torch.equal(large["state1"], expected["state1"]) and torch.equal(large["state2"], expected["state2"])
+    assert "load_state_dict" not in vars(fresh)  # the class's own loading again
 
 def test_stepping_in_backward_a_tied_head_under_checkpointing_and_bf16_autocast(tmp_path, monkeypatch):
     """The tied embedding gets two gradient contributions: its hook must step once, after both. Under bf16

@@ -158,15 +158,17 @@ class Trainer:
         self.model.eval()
         loss_total, targets = torch.zeros((), device=self.device), 0
         limit = self.cfg.training.max_eval_step
-        for index, batch in enumerate(self.val_loader):
-            if limit and index >= limit:
-                break
-            with self.parts.precision.autocast():
-                loss_total += self.step.loss_model(batch["input_ids"].to(self.device),
-                                                   batch["labels"].to(self.device)).float()
-            targets += count_targets(batch["labels"])
-        if self.dist.distributed:
-            reshard(self.step.loss_model)  # the root's parameters stay gathered after a forward alone
+        try:
+            for index, batch in enumerate(self.val_loader):
+                if limit and index >= limit:
+                    break
+                with self.parts.precision.autocast():
+                    loss_total += self.step.loss_model(batch["input_ids"].to(self.device),
+                                                       batch["labels"].to(self.device)).float()
+                targets += count_targets(batch["labels"])
+        finally:
+            if self.dist.distributed:
+                reshard(self.step.loss_model)  # the root's parameters stay gathered after a forward alone
         self.model.train()
         loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait
         val_loss = loss_sum / max(targets, 1)

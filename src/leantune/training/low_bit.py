@@ -15,6 +15,7 @@ A test holds the two states to the same tensors (shapes, dtypes, bytes) on real 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -57,7 +58,11 @@ class EightBitAdamWStandIn(torch.optim.Optimizer):
         self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def paged_state(self) -> list[torch.Tensor]:
-        """The state tensors a paged optimizer keeps in unified memory (none unless ``paged``)."""
+        """The state tensors a paged optimizer keeps in unified memory (none unless ``paged``).
+
+        bitsandbytes pages any state buffer of ``PAGED_MIN_SIZE`` elements or more; with its
+        8-bit threshold at ``MIN_8BIT_SIZE`` only the uint8 moments can be that large.
+        """
         if not self.paged:
             return []
         return [state[key] for param, state in self.state.items() if param.numel() >= PAGED_MIN_SIZE
@@ -89,20 +94,33 @@ class EightBitAdamWStandIn(torch.optim.Optimizer):
                     absmax1=torch.zeros(blocks, device=param.device), absmax2=torch.zeros(blocks, device=param.device))
 
 
-def restore_paging(optimizer: torch.optim.Optimizer) -> None:
-    """Put a paged optimizer's loaded moments back in unified memory.
+@contextlib.contextmanager
+def paged_loading(optimizer: torch.optim.Optimizer):
+    """Around loading a saved state into ``optimizer``: a paged optimizer's moments go into its paged buffers.
 
-    bitsandbytes' ``load_state_dict`` moves a saved state to the weights' device as ordinary
-    memory, so a resumed paged run would hold in device memory what its plan leaves out.
+    bitsandbytes' ``load_state_dict`` would move every loaded moment to the device as ordinary
+    memory, all at once (where paging was chosen because they do not fit), and leave the paged
+    buffers it made when its state was first created unused. Here it loads them where they are
+    (the host) and they are copied into those buffers; the rest of the state goes to the device.
+    Other optimizers load as usual.
     """
     if not getattr(optimizer, "is_paged", False):
+        yield
         return
-    for param, state in optimizer.state.items():
-        if param.numel() < PAGED_MIN_SIZE:
-            continue
-        for key in ("state1", "state2"):
-            value = state.get(key)
-            if torch.is_tensor(value) and value.dtype == torch.uint8:
-                paged = optimizer.get_state_buffer(param, dtype=value.dtype)
-                paged.copy_(value)
-                state[key] = paged
+    method = type(optimizer).load_state_dict
+
+    def load_into_pages(state_dict):
+        pages = {param: {key: value for key, value in state.items() if getattr(value, "is_paged", False)}
+                 for param, state in optimizer.state.items()}  # made when the state was created
+        method(optimizer, state_dict, move_to_device=False)
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    page = pages.get(param, {}).get(key)
+                    state[key] = page.copy_(value) if page is not None else value.to(param.device)
+
+    optimizer.load_state_dict = load_into_pages
+    try:
+        yield
+    finally:
+        del optimizer.load_state_dict  # the class's own again

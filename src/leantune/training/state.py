@@ -35,7 +35,7 @@ from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
 from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight
-from leantune.training.low_bit import restore_paging
+from leantune.training.low_bit import paged_loading
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -239,9 +239,10 @@ class TrainingStateStore:
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) if reads else {}
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
-        set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
-                                 options=StateDictOptions(full_state_dict=distributed, broadcast_from_rank0=distributed))
-        restore_paging(parts.optimizer)
+        with paged_loading(parts.optimizer):
+            set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
+                                     options=StateDictOptions(full_state_dict=distributed,
+                                                              broadcast_from_rank0=distributed))
         parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
