@@ -386,3 +386,17 @@ def test_stepping_in_backward_a_tied_head_under_checkpointing_and_bf16_autocast(
     during = _run(tied, tmp_path / "during", *ckpt, "--optimizer_in_backward", steps=4, save_steps=0)
     weights = [load_file(tmp_path / name / "model.safetensors") for name in ("after", "during")]
     assert after == during and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_state_saved_before_a_flag_existed_resumes_only_with_that_flags_default(tiny_model_dir, tmp_path):
+    """A state without --optimizer in its config was trained with AdamW: anyprecision would load AdamW's state."""
+    _run(tiny_model_dir, tmp_path / "whole", steps=4)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    state_file = tmp_path / "resumed" / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for flag in ("optimizer", "pure_bf16", "optimizer_in_backward"):
+        del state["config"][flag]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match="--optimizer 'adamw' -> 'anyprecision'"):
+        _run(tiny_model_dir, tmp_path / "resumed", "--optimizer", "anyprecision", resume=True, steps=4)
+    assert len(_run(tiny_model_dir, tmp_path / "resumed", resume=True, steps=4)) == 4  # with the default: resumes

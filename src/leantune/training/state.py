@@ -172,8 +172,11 @@ def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 
         raise ConfigError(f"--resume_from_checkpoint {path}: the saved run ended its epoch early at --max_train_step "
                           f"{saved.get('max_train_step')} (the epoch's scheduler step and validation ran), so it cannot "
                           "continue exactly with another limit. Resume an earlier checkpoint-STEP, or keep the limit")
-    changed = [f"--{name} {saved.get(name)!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
-               if name in saved and _normal(saved[name]) != _normal(now[name])]
+    # a flag newer than the saved state: that run had its default (e.g. no --optimizer: AdamW)
+    defaults = RunConfig().flat()
+    was = {name: saved.get(name, defaults[name]) for name in TRAJECTORY_FLAGS}
+    changed = [f"--{name} {was[name]!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
+               if _normal(was[name]) != _normal(now[name])]
     if changed:
         raise ConfigError(f"--resume_from_checkpoint {path}: these flags differ from the saved run, so it could not "
                           f"continue exactly: {'; '.join(changed)}. Pass the saved values (see {path / STATE_FILE})")
