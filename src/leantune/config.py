@@ -370,15 +370,15 @@ class RunConfig:
         if self.distributed.enable_fsdp and (tc.optimizer != "adamw" or tc.pure_bf16):
             flag = "--pure_bf16" if tc.pure_bf16 else f"--optimizer {tc.optimizer}"
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
-        conflicts = in_backward_conflicts(self)
-        if tc.optimizer_in_backward and conflicts:
-            flag, why = conflicts[0]
-            raise ConfigError(f"--optimizer_in_backward: not with {flag}: {why}; drop one")
+        if tc.optimizer_in_backward and in_backward_conflicts(self):
+            raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*in_backward_conflicts(self)[0]))
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""
-        return {f.name: getattr(section, f.name)
-                for section in vars(self).values() for f in fields(section)}
+        return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
+
+
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # --optimizer values that need bitsandbytes
 
 
 def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -389,8 +389,7 @@ def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
          "each weight steps when its gradient of one batch is complete; use one batch a step"),
         (cfg.memory.target_global_batch_size is not None, "--target_global_batch_size",
          "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
-        (tc.gradient_clipping, "--gradient_clipping", "the global gradient norm is known only after every weight "
-                                                      "has stepped"),
+        (tc.gradient_clipping, "--gradient_clipping", "the global gradient norm is known only after every weight has stepped"),
         (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
         (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
          "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "

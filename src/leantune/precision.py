@@ -58,6 +58,11 @@ class Precision:
         return torch.amp.GradScaler(self.device.type) if self.loss_scaling else None
 
 
+def pure_bf16_allowed(cfg: RunConfig) -> bool:
+    """Whether ``--pure_bf16`` could be added to ``cfg`` (the conflicts ``RunConfig`` refuses, by name, when given)."""
+    return not cfg.training.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
+
+
 def _bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from leantune.builders.own_loss import check_own_loss
-from leantune.config import ConfigError, RunConfig
+from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.training.low_bit import require_bitsandbytes
@@ -48,7 +48,7 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
     if optimizer == "paged_adamw_8bit" and device_type != "cuda":
         raise ConfigError(f"--optimizer paged_adamw_8bit: pages its state through CUDA unified memory, and this "
                           f"run is on {device_type}; use --optimizer adamw_8bit")
-    if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+    if optimizer in EIGHT_BIT_OPTIMIZERS:
         require_bitsandbytes(optimizer)
 
 

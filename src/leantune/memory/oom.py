@@ -10,7 +10,8 @@ import torch
 
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
-from leantune.config import RunConfig, in_backward_conflicts
+from leantune.config import EIGHT_BIT_OPTIMIZERS, RunConfig, in_backward_conflicts
+from leantune.precision import pure_bf16_allowed
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
 
@@ -51,7 +52,6 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
                      f"--activation_checkpointing_mode {offload}")
     if not cfg.peft.use_peft:
         fixes.extend(_optimizer_fixes(cfg, device))
-    if not cfg.peft.use_peft:
         fixes.append("train a LoRA adapter instead of every weight (no gradients or optimizer state for the "
                      "base): --use_peft")
     return fixes
@@ -63,12 +63,11 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     if not tc.optimizer_in_backward and not in_backward_conflicts(cfg):
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
-    if tc.optimizer not in ("adamw_8bit", "paged_adamw_8bit") and not cfg.distributed.enable_fsdp:
+    if tc.optimizer not in EIGHT_BIT_OPTIMIZERS and not cfg.distributed.enable_fsdp:
         paged = (" (or --optimizer paged_adamw_8bit: paged to host memory when the GPU runs short)"
                  if device.type == "cuda" else "")
         fixes.append(f"8-bit AdamW moments, about 2 bytes a parameter instead of 8: --optimizer adamw_8bit{paged}")
-    lean_allowed = (not tc.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
-                    and not cfg.distributed.enable_fsdp)  # the flags' conflicts (config.RunConfig)
+    lean_allowed = pure_bf16_allowed(cfg) and not cfg.distributed.enable_fsdp
     if lean_allowed and (tc.optimizer != "anyprecision" or not tc.pure_bf16):
         fixes.append("bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
                      "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer anyprecision "

@@ -16,17 +16,18 @@ preferred to a worse optimizer). Numbers behind the order: docs/optimizers.md.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from leantune.checkpointing.modes import AUTO
-from leantune.config import ConfigError, RunConfig, in_backward_conflicts
+from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig, in_backward_conflicts
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, format_bytes, modes_to_plan, plan_modes,
                                     run_mode, with_batch)
+from leantune.precision import pure_bf16_allowed
+from leantune.training.low_bit import bitsandbytes_installed
 
 AUTO_OPTIMIZER = "auto"
 
@@ -57,14 +58,14 @@ LADDER = (
 def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
     """The rungs this run may take: those its other flags allow and its own optimizer flags ask for."""
     tc = cfg.training
-    half_weights_allowed = not tc.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
+    half_weights_allowed = pure_bf16_allowed(cfg)
     in_backward_allowed = not in_backward_conflicts(cfg)
-    has_bitsandbytes = importlib.util.find_spec("bitsandbytes") is not None
+    has_bitsandbytes = bitsandbytes_installed()
     return [rung for rung in LADDER
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
             and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)
-            and (has_bitsandbytes or "8bit" not in rung.optimizer)
-            and (device.type == "cuda" or not rung.optimizer.startswith("paged"))]
+            and (has_bitsandbytes or rung.optimizer not in EIGHT_BIT_OPTIMIZERS)
+            and (device.type == "cuda" or rung.optimizer != "paged_adamw_8bit")]
 
 
 def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:

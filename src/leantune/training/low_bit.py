@@ -29,9 +29,13 @@ PAGED_MIN_SIZE = 100_000  # a paged optimizer pages the 8-bit moments of weights
 NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
 
 
+def bitsandbytes_installed() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def require_bitsandbytes(optimizer: str) -> None:
     """Refuse the 8-bit optimizers clearly where bitsandbytes is not installed."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not bitsandbytes_installed():
         raise ConfigError(f"--optimizer {optimizer}: needs bitsandbytes (pip install 'leantune[lowbit]', or "
                           "pip install bitsandbytes); or use --optimizer anyprecision")
 

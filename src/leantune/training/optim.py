@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from leantune.config import TrainingConfig
+from leantune.config import EIGHT_BIT_OPTIMIZERS, TrainingConfig
 from leantune.training.anyprecision import AnyPrecisionAdamW
 from leantune.training.low_bit import EightBitAdamWStandIn, bitsandbytes_adamw
 
@@ -36,7 +36,7 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
     groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
     if tc.optimizer == "anyprecision":
         return AnyPrecisionAdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay)
-    if tc.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+    if tc.optimizer in EIGHT_BIT_OPTIMIZERS:
         if params and is_fake(params[0]):
             return EightBitAdamWStandIn(groups, lr=tc.lr, weight_decay=tc.weight_decay,
                                         paged=tc.optimizer == "paged_adamw_8bit")
