@@ -35,7 +35,18 @@ LONG_PROMPT = json.dumps({"prompt": "word " * 300, "completion": "ok"})
 # id: (flags, {file name: content (str, or bytes)}, exit code, text in the error)
 CASES = {
     "unknown flag": (["--batch_size", "4"], {}, 2, "unknown flag --batch_size; did you mean --batch_size_training?"),
-    "cookbook-only flag": (["--quantization", "4bit"], {}, 2, "--quantization is a llama-cookbook flag"),
+    "cookbook-only flag": (["--freeze_layers", "true"], {}, 2, "--freeze_layers is a llama-cookbook flag"),
+    "quantized full fine-tuning": (["--quantization", "4bit"], {}, 2,
+                                   "--quantization 4bit: quantized base weights cannot be trained (full fine-tuning); "
+                                   "add --use_peft"),
+    "quantized with fsdp": (["--quantization", "4bit", "--use_peft", "--enable_fsdp"], {}, 2,
+                            "--quantization 4bit: not with --enable_fsdp"),
+    "4-bit option on 8-bit": (["--quantization", "8bit", "--use_peft", "--quant_type", "fp4"], {}, 2,
+                              "--quant_type: applies to --quantization 4bit, not --quantization 8bit; drop it"),
+    "4-bit option alone": (["--use_peft", "--quantization_config.quant_type", "fp4"], {}, 2,
+                           "--quant_type: applies to --quantization 4bit, not an unquantized base; add --quantization 4bit"),
+    "float16 compute on the cpu": (["--quantization", "4bit", "--use_peft", "--compute_dtype", "float16"], {}, 2,
+                                   "--compute_dtype float16: needs a CUDA GPU, and this run is on cpu"),
     "not a number": (["--lr", "fast"], {}, 2, "--lr: invalid float value: 'fast'"),
     "zero lr": (["--lr", "0"], {}, 2, "--lr: must be positive (got 0.0)"),
     "zero batch": (["--batch_size_training", "0"], {}, 2, "--batch_size_training: must be at least 1 (got 0)"),

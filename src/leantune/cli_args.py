@@ -19,7 +19,6 @@ from leantune.config import SECTIONS, ConfigError, RunConfig
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
 COOKBOOK_ONLY_FLAGS = {
-    "quantization": "quantized base weights are not supported yet",
     "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
     "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",
     "num_freeze_layers": "layer freezing is not supported",
@@ -32,6 +31,18 @@ COOKBOOK_ONLY_FLAGS = {
     "dist_checkpoint_root_folder": "distributed checkpoints are on the roadmap",
     "dist_checkpoint_folder": "distributed checkpoints are on the roadmap",
 }
+
+
+# llama-cookbook also takes a config dataclass's field as --CONFIG.FIELD (--quantization_config.quant_type nf4).
+COOKBOOK_SECTION_PREFIXES = ("--quantization_config.",)
+
+
+def _without_section_prefix(token: str) -> str:
+    """``--quantization_config.quant_type`` -> ``--quant_type`` (the cookbook's two spellings of one flag)."""
+    for prefix in COOKBOOK_SECTION_PREFIXES:
+        if token.startswith(prefix):
+            return "--" + token[len(prefix):]
+    return token
 
 
 class _Parser(HfArgumentParser):
@@ -58,7 +69,7 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     """
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [_without_section_prefix(token) for token in (sys.argv[1:] if argv is None else argv)]
     parser = build_parser()
     config_path, argv = _take_config_flag(argv)
     file_args = _config_file_args(Path(config_path), parser) if config_path else []
@@ -102,6 +113,7 @@ def _config_file_args(path: Path, parser: HfArgumentParser) -> list[str]:
     valid = known_flags(parser)
     args: list[str] = []
     for key, value in data.items():
+        key = _without_section_prefix(f"--{key}")[2:]
         if key not in valid:
             raise ConfigError(f"--config: {path}: {_describe_unknown(str(key), valid)}")
         if value is None:

@@ -12,11 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from leantune.builders.own_loss import check_own_loss
 from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.facts import ModelFacts, run_model_facts
-from leantune.training.low_bit import require_bitsandbytes
+from leantune.models.quantized import compute_dtype, require_bitsandbytes
+from leantune.precision import choose_precision
+from leantune.training.low_bit import require_8bit_library
 from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
@@ -43,13 +47,16 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
 
 
 def check_optimizer(cfg: RunConfig, device_type: str) -> None:
-    """The 8-bit optimizers need bitsandbytes; the paged one, CUDA's unified memory."""
+    """The 8-bit optimizers and a quantized base need bitsandbytes; the paged optimizer, CUDA's unified memory."""
     optimizer = cfg.training.optimizer
     if optimizer == "paged_adamw_8bit" and device_type != "cuda":
         raise ConfigError(f"--optimizer paged_adamw_8bit: pages its state through CUDA unified memory, and this "
                           f"run is on {device_type}; use --optimizer adamw_8bit")
     if optimizer in EIGHT_BIT_OPTIMIZERS:
-        require_bitsandbytes(optimizer)
+        require_8bit_library(optimizer)
+    if cfg.quant.enabled:
+        require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
+        compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one
 
 
 def check_output_dir(cfg: RunConfig) -> None:

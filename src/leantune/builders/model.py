@@ -13,10 +13,12 @@ import torch
 
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
-from leantune.config import RunConfig
+from leantune.config import QuantizationConfig, RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
 from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
+from leantune.models.quantized import (base_weight_bytes, prepare_quantized_for_training, quantized_layers,
+                                       run_bnb_config)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 
@@ -53,9 +55,11 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
     if place is None:
-        model.to(precision.device)
+        if not quantized_layers(model):  # a quantized base is loaded where it trains; it cannot move
+            model.to(precision.device)
     else:
         place(model)
+    prepare_quantized_for_training(model)
     policy = policy_from_config(cfg.checkpointing)
     report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
     return model.train(), report
@@ -75,11 +79,26 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     else:
-        model, report = prepare_model(load_model(cfg.model, precision.weight_dtype, facts.attention), cfg, precision)
+        loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
+                            run_bnb_config(cfg.quant, precision), precision.device)
+        model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
         f"{unwrap_model(model).config._attn_implementation} attention) "
         f"on {precision.device}")
+    if cfg.quant.enabled:
+        log(describe_quantization(cfg.quant, model))
     log(report.summary_line())
     return model, tokenizer
+
+
+def describe_quantization(quant: QuantizationConfig, model: torch.nn.Module) -> str:
+    layers = quantized_layers(model)
+    kind = layers[0].weight.quant_state if quant.quantization == "4bit" else None
+    how = ("LLM.int8" if kind is None else f"{kind.quant_type} blocks of {kind.blocksize}"
+           + (", double quantization" if kind.nested else "") + f", {str(layers[0].compute_dtype).removeprefix('torch.')} compute")
+    held = base_weight_bytes(model)
+    return (f"quantization: {len(layers)} Linear layers in {quant.quantization} ({how}): "
+            f"{held['quantized_bytes'] / 2**20:,.1f} MiB, {held['quantized_bytes'] / held['bf16_bytes']:.3f} of their "
+            "bfloat16 bytes; the LM head and embeddings unquantized")

@@ -9,7 +9,8 @@ needs only its weight, so its output was never what filled memory.
 The rule here looks at what backward needs instead:
 
 * **Saved**: attention outputs (the SDPA ops, and with eager attention its two matmuls, QK^T and
-  probabilities x V), and the outputs of the q/k/v/o and gate/up projections. Attention is the
+  probabilities x V), and the outputs of the q/k/v/o and gate/up projections (also as a quantized
+  base's bitsandbytes matmul, whose recompute would dequantize the weight again). Attention is the
   one op whose cost grows with the context, and the projections feed the elementwise ops (RoPE,
   SiLU, the gated product, RMSNorm) whose backward needs their inputs.
 * **Recomputed**: everything elementwise (norms, RoPE, SiLU, products, residual adds, dropout —
@@ -55,6 +56,17 @@ _ATTENTION = {
                  "_flash_attention_forward", "_efficient_attention_forward")
     if hasattr(aten, name)
 }
+
+# A quantized base layer's matmul (``--quantization``) is one bitsandbytes operator, known by name so that
+# bitsandbytes need not be installed: 4-bit's dequantize-and-multiply, 8-bit's int8 product and rescale.
+QUANTIZED_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::int8_scaled_mm",
+                               "bitsandbytes::int8_mixed_scaled_mm"})
+
+
+def is_matmul(op) -> bool:
+    """A matmul of a projection: aten's, or a quantized base layer's."""
+    return op in MATMULS or (op.namespace == "bitsandbytes" and op.name() in QUANTIZED_MATMULS)
+
 
 LORA_B, DOWN_PROJ = "lora_B", "down_proj"
 _ROLE_ORDER = (LORA_B, DOWN_PROJ)  # the order describe() lists them in
@@ -146,7 +158,7 @@ class MatmulRoles:
         """The ``create_selective_checkpoint_contexts`` policy: see the module docstring."""
         if op in _ATTENTION:
             return CheckpointPolicy.MUST_SAVE
-        if op in MATMULS and self.current() is None:
+        if is_matmul(op) and self.current() is None:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -31,6 +31,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from leantune.memory.custom_ops import replay_of
+
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
 # The category of a storage created in each stage of a step.
 STAGES = {"forward": "activation", "loss": "loss", "backward": "temporary", "optimizer": "temporary"}
@@ -79,11 +81,16 @@ class StorageTracker(TorchDispatchMode):
 
     def register_model(self, model: torch.nn.Module) -> None:
         self.register(model.parameters(), "parameter")
+        self.register((t for p in model.parameters() for t in carried_tensors(p)), "parameter")
         self.register(model.buffers(), "buffer")
         self.register((p.grad for p in model.parameters() if p.grad is not None), "gradient")
 
     # ------------------------------------------------------------- counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        replay = replay_of(func)
+        if replay is not None:  # a kernel that allocates inside: its steps, each seen by this mode
+            with self:
+                return replay(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
@@ -139,6 +146,20 @@ class StorageTracker(TorchDispatchMode):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def carried_tensors(param: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
+    """Tensors a parameter keeps as Python attributes, and those of the plain objects it keeps, ``depth``
+    levels down: bitsandbytes keeps a quantized weight's state so (4-bit: the per-block absmax and, with
+    double quantization, its own absmax, code book and offset; 8-bit: the per-row scales). They are
+    part of the weights' bytes though no module lists them. Modules it points to are not walked."""
+    found, level = [], [param]
+    for _ in range(depth):
+        objects = [value for item in level for value in getattr(item, "__dict__", {}).values()
+                   if not isinstance(value, torch.nn.Module)]
+        found += [value for value in objects if isinstance(value, torch.Tensor)]
+        level = [value for value in objects if not isinstance(value, torch.Tensor) and hasattr(value, "__dict__")]
+    return found
 
 
 def persistent_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -50,16 +51,22 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str):
+def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
+               device: Optional[torch.device] = None):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
-    ``--attn_implementation`` by ``models.facts.run_model_facts``)."""
+    ``--attn_implementation`` by ``models.facts.run_model_facts``).
+
+    ``quantized``: a ``BitsAndBytesConfig``; its Linear layers are then quantized as they load, onto
+    ``device`` (where a quantized model must be loaded: bitsandbytes quantizes on the way there).
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     source = resolve_model_path(cfg.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
+    placement = {} if quantized is None else {"quantization_config": quantized, "device_map": {"": str(device)}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention, **placement)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "
@@ -117,4 +124,10 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    return trainable, sum(_weights_in(p) for p in model.parameters())
+
+
+def _weights_in(param: torch.Tensor) -> int:
+    """The weights a parameter holds: a packed 4-bit one holds two a byte (its ``quant_state`` knows the shape)."""
+    state = getattr(param, "quant_state", None)
+    return state.shape.numel() if state is not None else param.numel()

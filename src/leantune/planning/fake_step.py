@@ -33,6 +33,7 @@ from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
+from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
 from leantune.models.structure import decoder_layers, unwrap_model
 from leantune.precision import Precision, choose_precision
 from leantune.training.step import TrainStep
@@ -103,7 +104,11 @@ def fake_placer(mode: FakeTensorMode):
         for module in model.modules():
             for name, param in list(module._parameters.items()):
                 if param is not None:
-                    if id(param) not in done:
+                    if id(param) in done:
+                        pass
+                    elif is_quantized_weight(param):  # packed by bitsandbytes' own code, on a fake weight
+                        done[id(param)] = fake_quantized_weight(param, lambda t: convert(mode, t, CPU), mode)
+                    else:
                         done[id(param)] = torch.nn.Parameter(convert(mode, param, CPU), requires_grad=param.requires_grad)
                     module._parameters[name] = done[id(param)]
             for name, buffer in list(module._buffers.items()):
@@ -165,11 +170,15 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     the target's (on a GPU target AdamW's fused kernel, as a run there builds it).
     """
     run_cfg = run_config_for_mode(cfg, mode)
-    precision = dataclasses.replace(target_precision(run_cfg, target), device=CPU if fake else run_on)
+    on_target = target_precision(run_cfg, target)
+    precision = dataclasses.replace(on_target, device=CPU if fake else run_on)
     if fake:
         model, place = meta_model(config, precision.weight_dtype), fake_placer(FakeTensorMode(allow_non_fake_inputs=True))
     else:
         model, place = real_model(config, precision.weight_dtype), None
+    quantized = run_bnb_config(run_cfg.quant, on_target)
+    if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
+        quantize_linear_layers(model, quantized, precision.weight_dtype)
     model, report = prepare_model(model, run_cfg, precision, place=place)
     train_step = build_train_step(run_cfg, loss_model_for(model, run_cfg), precision, check_finite=False,
                                   device_type=target.type)

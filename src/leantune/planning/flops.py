@@ -6,16 +6,19 @@ own model preparation, loss and optimizer step. *Model* FLOPs are those of the s
 activation checkpointing; *hardware* FLOPs include what checkpointing recomputes. FLOPs are linear
 in the rows of full-length packed batches, so per token they do not depend on the batch size.
 LoRA's model FLOPs are the traced ones (no weight gradients for the frozen base), not 6·N·tokens.
+A 4-bit base's matmuls are counted as the dequantized matmuls they run (``memory.custom_ops``);
+an 8-bit base's, which cannot be traced, as the unquantized ones of the same shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from leantune.checkpointing.modes import NONE, flops_mode
-from leantune.config import RunConfig
+from leantune.config import QuantizationConfig, RunConfig
 from leantune.planning.fake_step import StepTraces, traced
 from leantune.planning.plan import run_mode
 from leantune.report.flops import TokenFlops
@@ -30,6 +33,8 @@ def count_token_flops(cfg: RunConfig, config, device: torch.device,
     mode): only the recompute may differ between them.
     """
     target = torch.device(device.type)
+    if cfg.quant.quantization == "8bit":  # not traceable (data-dependent); its matmuls have the unquantized shapes
+        cfg = dataclasses.replace(cfg, quant=QuantizationConfig())
     without = traced(traces, cfg, config, target, NONE)
     model = without.flops / without.tokens
     mode = flops_mode(run_mode(cfg))  # offloading moves bytes, not FLOPs

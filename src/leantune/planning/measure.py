@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from leantune.config import RunConfig
+from leantune.memory.tracker import carried_tensors
 from leantune.planning.fake_step import CUDA_BLOCK_BYTES, PreparedStep, prepare_step
 
 
@@ -26,9 +27,11 @@ def _rounded(nbytes: int, round_to: int) -> int:
 
 
 def live_storage_bytes(step: PreparedStep, round_to: int = 1) -> int:
-    """Bytes of the storages a step starts from: parameters, buffers, gradients, optimizer state, the batch."""
+    """Bytes of the storages a step starts from: parameters (with a quantized weight's state), buffers,
+    gradients, optimizer state, the batch."""
     model, optimizer = step.model, step.optimizer
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+    tensors = [*model.parameters(), *(t for p in model.parameters() for t in carried_tensors(p)), *model.buffers(),
+               *(p.grad for p in model.parameters() if p.grad is not None),
                *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)),
                *(t for batch in step.window for t in batch.values())]
     storages = {}

@@ -27,7 +27,7 @@ from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, format_bytes, modes_to_plan, plan_modes,
                                     run_mode, with_batch)
 from leantune.precision import pure_bf16_allowed
-from leantune.training.low_bit import bitsandbytes_installed
+from leantune.models.quantized import bitsandbytes_installed
 
 AUTO_OPTIMIZER = "auto"
 

@@ -46,6 +46,9 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
 def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
     kind = (f"LoRA r{cfg.peft.lora_r} on {', '.join(cfg.peft.lora_target_modules)}" if cfg.peft.use_peft
             else "full fine-tuning")
+    quant = cfg.quant
+    if quant.quantization == "4bit":
+        kind += f" on a 4-bit {quant.quant_type} base{' (double quantization)' if quant.use_double_quant else ''}"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
     return (f"plan: {cfg.model.model_name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"

@@ -16,11 +16,10 @@ A test holds the two states to the same tensors (shapes, dtypes, bytes) on real 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
 
-from leantune.config import ConfigError
+from leantune.models.quantized import import_bitsandbytes, require_bitsandbytes
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
 BLOCK = 256  # elements per float32 scale of the 8-bit moments
@@ -29,23 +28,15 @@ PAGED_MIN_SIZE = 100_000  # a paged optimizer pages the 8-bit moments of weights
 NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
 
 
-def bitsandbytes_installed() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
-def require_bitsandbytes(optimizer: str) -> None:
+def require_8bit_library(optimizer: str) -> None:
     """Refuse the 8-bit optimizers clearly where bitsandbytes is not installed."""
-    if not bitsandbytes_installed():
-        raise ConfigError(f"--optimizer {optimizer}: needs bitsandbytes (pip install 'leantune[lowbit]', or "
-                          "pip install bitsandbytes); or use --optimizer anyprecision")
+    require_bitsandbytes(f"--optimizer {optimizer}", "or use --optimizer anyprecision")
 
 
 def bitsandbytes_adamw(optimizer: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """bitsandbytes' ``AdamW8bit`` or ``PagedAdamW8bit`` over ``params``, with the layout above."""
-    require_bitsandbytes(optimizer)
-    import bitsandbytes  # optional dependency: imported only when an 8-bit optimizer is asked for
-
-    cls = getattr(bitsandbytes.optim, NAMES[optimizer])
+    require_8bit_library(optimizer)
+    cls = getattr(import_bitsandbytes().optim, NAMES[optimizer])
     return cls(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
 
 

@@ -48,7 +48,7 @@ TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "
                     "context_length", "val_fraction", "batch_size_training", "gradient_accumulation_steps", "seed",
                     "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
                     "mixed_precision", "model_dtype", "loss_chunk_size", "optimizer", "pure_bf16",
-                    "optimizer_in_backward")
+                    "optimizer_in_backward", "quantization", "quant_type", "use_double_quant", "compute_dtype")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Literal, Optional
 
 from leantune.checkpointing.modes import AUTO, DEFAULT, MODES, mode_choices, mode_help, owner_of_flag, policy_class
 from leantune.checkpointing.policies import LayerMix, parse_layer_mix
+from leantune.config.checks import ConfigError, _help, _require
+from leantune.config.quantization import QuantizationConfig, quantization_conflicts
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
 DEFAULT_MODEL_NAME = "leantune-tiny-llama"
@@ -21,19 +23,6 @@ CheckpointingMode = Literal[mode_choices()]
 
 # --lora_target_modules all-linear: every linear layer but the output head (peft's name and meaning).
 ALL_LINEAR = "all-linear"
-
-
-class ConfigError(ValueError):
-    """An invalid flag value; the message names the flag and what would be valid."""
-
-
-def _help(text: str, **extra) -> dict:
-    return {"help": text, **extra}
-
-
-def _require(condition: bool, flag: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"--{flag}: {message}")
 
 
 @dataclass
@@ -322,8 +311,8 @@ class OutputConfig:
                  "resume_from_checkpoint", "give a checkpoint-STEP directory or 'latest'")
 
 
-SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, CheckpointingConfig, MemoryConfig,
-            DistributedConfig, OutputConfig)
+SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, QuantizationConfig, CheckpointingConfig,
+            MemoryConfig, DistributedConfig, OutputConfig)
 
 
 @dataclass
@@ -334,6 +323,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     peft: PeftSettings = field(default_factory=PeftSettings)
+    quant: QuantizationConfig = field(default_factory=QuantizationConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -348,6 +338,7 @@ class RunConfig:
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
         self._check_optimizer_flags()
+        quantization_conflicts(self.quant, self.peft.use_peft, self.distributed.enable_fsdp)
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")

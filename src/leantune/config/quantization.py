@@ -1,0 +1,60 @@
+"""``--quantization 4bit|8bit`` and its options: the frozen base held in 4 or 8 bits (QLoRA).
+
+The flags are llama-cookbook's (``--quantization`` and its ``quantization_config``'s fields, which
+the cookbook also takes as ``--quantization_config.FIELD``); the defaults are QLoRA's (NF4, double
+quantization), where the cookbook defaults to FP4 without double quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from leantune.config.checks import ConfigError, _help, _require
+
+FOUR_BIT_OPTIONS = {"quant_type": "nf4", "compute_dtype": "auto", "quant_storage": "uint8"}  # flag -> default
+
+
+@dataclass
+class QuantizationConfig:
+    quantization: Optional[Literal["4bit", "8bit"]] = field(default=None, metadata=_help(
+        "Hold the frozen base weights quantized (bitsandbytes; needs --use_peft: QLoRA trains LoRA adapters on "
+        "them). 4bit: NF4 blocks of 64 with double quantization, dequantized one layer at a time for each "
+        "matmul; 8bit: LLM.int8. The LM head and the embeddings stay in the weights' dtype."))
+    quant_type: Literal["nf4", "fp4"] = field(default="nf4", metadata=_help(
+        "4bit: the 4-bit data type. nf4 (QLoRA's NormalFloat, leantune's default) or fp4 (llama-cookbook's default)."))
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help(
+        "4bit: the dtype the weights are dequantized to for each matmul. auto: the run's autocast dtype "
+        "(bfloat16 on a bf16 GPU, float16 with --use_fp16), else the weights' dtype (float32 on the CPU)."))
+    use_double_quant: bool = field(default=True, metadata=_help(
+        "4bit: quantize the per-block scales too (8 bits in blocks of 256), about 0.37 bits a weight saved."))
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = field(default="uint8", metadata=_help(
+        "4bit: the dtype the packed 4-bit weights are stored as (same bytes; a sharder would need it to match "
+        "the other weights' dtype)."))
+
+    def __post_init__(self):
+        changed = [flag for flag, default in FOUR_BIT_OPTIONS.items() if getattr(self, flag) != default]
+        for flag in changed:
+            _require(self.quantization == "4bit", flag,
+                     f"applies to --quantization 4bit, not {self._described()}; "
+                     + ("drop it" if self.quantization else "add --quantization 4bit"))
+
+    def _described(self) -> str:
+        return f"--quantization {self.quantization}" if self.quantization else "an unquantized base"
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantization is not None
+
+
+def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsdp: bool) -> None:
+    """Refuse, naming both flags, what a quantized base cannot train with."""
+    if not quant.enabled:
+        return
+    flag = f"--quantization {quant.quantization}"
+    if not use_peft:
+        raise ConfigError(f"{flag}: quantized base weights cannot be trained (full fine-tuning); add --use_peft "
+                          "to train LoRA adapters on the quantized base (QLoRA)")
+    if enable_fsdp:
+        raise ConfigError(f"{flag}: not with --enable_fsdp (FSDP2 cannot shard bitsandbytes' packed weights and "
+                          "their quantization state yet); drop one: one GPU holds an 8B QLoRA step")

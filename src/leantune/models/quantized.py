@@ -1,0 +1,185 @@
+"""A quantized frozen base (``--quantization 4bit|8bit``): bitsandbytes' Linear layers, made the way
+transformers makes them, from loaded weights, random ones or the planner's fake ones.
+
+A run loads its base through ``from_pretrained(quantization_config=...)``, as any QLoRA user does.
+The planner and the measurements build the same layers with transformers' own quantizer
+(``quantize_linear_layers``: the same layers converted, the LM head and embeddings left as they
+are) and bitsandbytes' own ``quantize_4bit``, on fake tensors where it plans: the packed weights
+and their quantization state are what bitsandbytes makes, not a formula.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional
+
+import torch
+
+from leantune.config import ConfigError, QuantizationConfig
+from leantune.memory.tracker import carried_tensors
+from leantune.precision import Precision
+
+
+def bitsandbytes_installed() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def require_bitsandbytes(flag: str, alternative: str) -> None:
+    """Refuse ``flag`` clearly where bitsandbytes is not installed, naming the fix and ``alternative``."""
+    if not bitsandbytes_installed():
+        raise ConfigError(f"{flag}: needs bitsandbytes (pip install 'leantune[lowbit]', or pip install "
+                          f"bitsandbytes); {alternative}")
+
+
+def import_bitsandbytes():
+    """``bitsandbytes``, imported without its warning about a CPU inference kernel from the hub: training
+    never uses that kernel (``prepare_quantized_for_training``), so the warning would only mislead."""
+    quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]  # kernels: the hub's kernel loader
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # optional dependency: only a quantized base or an 8-bit optimizer imports it
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return bitsandbytes
+
+
+def compute_dtype(quant: QuantizationConfig, precision: Precision) -> torch.dtype:
+    """The dtype a 4-bit layer dequantizes its weight to for each matmul (``--compute_dtype``).
+
+    auto: the autocast dtype, else the weights' (float32 on the CPU). Under autocast the matmul runs
+    in the autocast dtype whatever a layer asks, so another choice there is refused rather than ignored.
+    """
+    run_dtype = precision.compute_dtype or precision.weight_dtype
+    if quant.compute_dtype == "auto":
+        return run_dtype
+    dtype = getattr(torch, quant.compute_dtype)
+    device = precision.device.type
+    if dtype is torch.float16 and device != "cuda":
+        raise ConfigError(f"--compute_dtype float16: needs a CUDA GPU, and this run is on {device}; use "
+                          "--compute_dtype auto (float32) or bfloat16")
+    if dtype is torch.bfloat16 and device == "cuda" and precision.compute_dtype is torch.float16:
+        raise ConfigError("--compute_dtype bfloat16: this run computes in float16 (--use_fp16, or a GPU without "
+                          "bfloat16); use --compute_dtype float16 or auto")
+    if precision.compute_dtype is not None and dtype is not precision.compute_dtype:
+        autocast = str(precision.compute_dtype).removeprefix("torch.")
+        raise ConfigError(f"--compute_dtype {quant.compute_dtype}: the run's {autocast} autocast computes every "
+                          f"matmul in {autocast}; use --compute_dtype auto or {autocast}")
+    return dtype
+
+
+def bnb_config(quant: QuantizationConfig, compute: torch.dtype):
+    """transformers' ``BitsAndBytesConfig`` for ``quant``, dequantizing to ``compute`` (4bit)."""
+    from transformers import BitsAndBytesConfig
+
+    if quant.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
+                              bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=quant.use_double_quant,
+                              bnb_4bit_quant_storage=getattr(torch, quant.quant_storage))
+
+
+def run_bnb_config(quant: QuantizationConfig, precision: Precision):
+    """The ``BitsAndBytesConfig`` a run loads its base with, or None for an unquantized base."""
+    if not quant.enabled:
+        return None
+    require_bitsandbytes(f"--quantization {quant.quantization}", "or drop --quantization")
+    import_bitsandbytes()
+    return bnb_config(quant, compute_dtype(quant, precision))
+
+
+def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.dtype) -> torch.nn.Module:
+    """Swap ``model``'s Linear layers for bitsandbytes' as transformers' quantizer does for ``config``
+    (a ``BitsAndBytesConfig``), in place: the same layers, the LM head and tied weights left alone.
+
+    Real weights are quantized where they are; a meta model's quantized weights stay on meta, in
+    ``weight_dtype`` (the dtype a run loads them in), for the planner's ``fake_quantized_weight``.
+    """
+    from transformers.quantizers import AutoHfQuantizer
+
+    originals = {name: module.weight for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map={"": "cpu"})
+    for name, module in model.named_modules():
+        if name in originals and type(module) is not torch.nn.Linear:
+            module.weight = _quantized_like(module.weight, originals[name], weight_dtype)
+    return model
+
+
+def _quantized_like(meta_weight: torch.nn.Parameter, original: torch.Tensor, weight_dtype: torch.dtype):
+    """``meta_weight``'s kind of bitsandbytes parameter holding ``original`` (quantized unless on meta)."""
+    cls = type(meta_weight)
+    settings = {key: value for key, value in vars(meta_weight).items() if key != "SCB"}
+    data = original.detach().to(weight_dtype)
+    param = cls(data, requires_grad=False, **settings)
+    return param if data.device.type == "meta" else param.to(data.device)
+
+
+def is_quantized_weight(param: torch.Tensor) -> bool:
+    """A bitsandbytes 4-bit or 8-bit weight (whether quantized yet or still on meta)."""
+    return type(param).__name__ in ("Params4bit", "Int8Params") and type(param).__module__.startswith("bitsandbytes")
+
+
+def fake_quantized_weight(weight: torch.nn.Parameter, fake, fake_mode) -> torch.nn.Parameter:
+    """The fake parameter a meta 4-bit weight becomes: bitsandbytes' own ``quantize_4bit`` run on a fake
+    weight of its shape and dtype, so the packed data and every quantization-state tensor (absmax, the
+    double quantization's tables) are the ones it makes. ``fake``: meta tensor -> fake tensor.
+
+    A fake tensor cannot become a ``Params4bit``; a plain parameter carrying ``quant_state`` is what
+    ``Linear4bit.forward`` and ``matmul_4bit`` read. 8-bit (LLM.int8) is not planned: its outlier
+    split depends on the data.
+    """
+    bnb = import_bitsandbytes()
+    if not isinstance(weight, bnb.nn.Params4bit):
+        raise ConfigError("--quantization 8bit: the planner cannot trace LLM.int8 (its outlier split depends on "
+                          "the data); plan with --quantization 4bit, or pick --activation_checkpointing_mode and "
+                          "--batch_size_training yourself")
+    _warm_code_books(bnb)
+    with fake_mode:
+        packed, state = bnb.functional.quantize_4bit(
+            fake(torch.empty(weight.shape, dtype=weight.dtype, device="meta")), blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
+            quant_type=weight.quant_type, quant_storage=weight.quant_storage)
+    param = torch.nn.Parameter(packed, requires_grad=False)
+    param.quant_state = state
+    return param
+
+
+def _warm_code_books(bnb) -> None:
+    # quantize_4bit builds its 8-bit code book (double quantization) with .tolist(), which a fake
+    # tensor cannot answer; one real call caches it, and every later call, fake ones too, reuses it.
+    bnb.functional.quantize_4bit(torch.zeros(64, 64), compress_statistics=True)
+
+
+def quantized_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The bitsandbytes Linear layers of ``model`` (none unless bitsandbytes is loaded)."""
+    names = ("Linear4bit", "Linear8bitLt")
+    return [m for m in model.modules() if type(m).__name__ in names and type(m).__module__.startswith("bitsandbytes")]
+
+
+def prepare_quantized_for_training(model: torch.nn.Module) -> None:
+    """Keep bitsandbytes' CPU inference path out of training.
+
+    On a CPU with AVX512-BF16, a 4-bit layer run in eval mode without gradients (validation) repacks
+    its weight in place for a CPU inference kernel; the next training forward then runs that kernel,
+    which has no backward for the input, so the layers below would silently get no gradient.
+    """
+    for layer in quantized_layers(model):
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            layer.support_avx512bf16_for_cpu = False
+
+
+def base_weight_bytes(model: torch.nn.Module) -> Optional[dict]:
+    """Bytes of the quantized layers' weights (packed data and quantization state) and what the same
+    weights take in bfloat16; None for an unquantized model."""
+    layers = quantized_layers(model)
+    if not layers:
+        return None
+    held = bf16 = 0
+    for layer in layers:
+        weight = layer.weight
+        held += weight.untyped_storage().nbytes() + sum(t.untyped_storage().nbytes() for t in carried_tensors(weight))
+        bf16 += layer.in_features * layer.out_features * 2
+    return {"quantized_bytes": held, "bf16_bytes": bf16}
