@@ -79,9 +79,11 @@ def test_fixes_follow_the_run_they_are_for():
     assert fixes[1].endswith("--batch_size_training 3 --gradient_accumulation_steps 4")  # 12 rows a step, as before
     assert fixes[2] == "shorter rows: --context_length 1024 (now 2048)"
     assert "--activation_checkpointing_mode offload" in fixes[3]
-    assert len(fixes) == 4  # LoRA already: no --use_peft advice
+    assert fixes[4].endswith("--quantization 4bit")
+    assert len(fixes) == 5  # LoRA already: no --use_peft advice
     single = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload",
-                               "--batch_size_training", "1", "--context_length", "64", "--use_peft"])
+                               "--batch_size_training", "1", "--context_length", "64", "--use_peft", "--quantization",
+                               "4bit"])
     assert memory_fixes(single, cuda) == []  # nothing left to turn: the generic plan advice follows
     lean = parse_run_config(["--optimizer", "anyprecision", "--pure_bf16", "--enable_activation_checkpointing"])
     lean_fixes = memory_fixes(lean, cuda)

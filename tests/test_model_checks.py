@@ -160,7 +160,8 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
     cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--attn_implementation", "flex_attention"])
     facts = run_model_facts(cfg.model, "cuda")
     asked = []
-    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention: asked.append(attention) or 1 / 0)
+    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention, *_quantized: asked.append(
+        attention) or 1 / 0)
     monkeypatch.setattr(builders_model, "meta_model", lambda _config, _dtype, cpu_stand_in=True: asked.append(
         cpu_stand_in) or 1 / 0)
     for on_meta in (False, True):

@@ -46,26 +46,37 @@ def _loaded(tiny_model_dir, *argv):
 
 
 def _held(model) -> list:
-    """(name, shape, dtype) of every parameter and of the quantization state it carries, in order."""
+    """(name, shape, dtype) of every parameter and of the quantization state it carries, in order; then each
+    module's class (peft wraps a bitsandbytes layer in its own LoRA class) and a 4-bit layer's compute dtype."""
     held = []
     for name, param in model.named_parameters():
         state = getattr(param, "quant_state", None)
         held.append((name, tuple(state.shape) if state is not None else tuple(param.shape), param.dtype,
                      sorted((tuple(t.shape), t.dtype) for t in carried_tensors(param))))
+    for name, module in model.named_modules():
+        held.append((name, type(module).__module__, type(module).__name__, getattr(module, "compute_dtype", None)))
     return held
 
 
-def test_the_planner_traces_the_storages_a_run_loads(tiny_model_dir):
-    """transformers' loading and the planner's fake quantization give the same layers and the same tensors."""
-    loaded = _loaded(tiny_model_dir)
-    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QLORA])
+@pytest.mark.parametrize("precision", [[], ["--model_dtype", "bfloat16"]], ids=["float32", "bf16"])
+def test_the_planner_traces_the_storages_a_run_loads(tiny_model_dir, precision):
+    """transformers' loading and the planner's fake quantization give the same layers, LoRA classes,
+    compute dtypes and tensors."""
+    loaded = _loaded(tiny_model_dir, *precision)
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QLORA, *precision])
     planned = prepare_step(cfg, loaded.config, CPU, None).model
     assert _held(planned) == _held(loaded)
+    q_proj = loaded.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q_proj).__module__ == "peft.tuners.lora.bnb"
+    assert q_proj.base_layer.compute_dtype is (torch.bfloat16 if precision else torch.float32)
     four_bit = [name for name, module in loaded.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
     assert len(four_bit) == 7 * loaded.config.num_hidden_layers  # every projection, nothing else
     assert type(loaded.get_output_embeddings()) is torch.nn.Linear  # the LM head stays unquantized
     state = loaded.base_model.model.model.layers[0].mlp.up_proj.weight.quant_state
-    assert (state.quant_type, state.blocksize, state.nested, state.dtype) == ("nf4", 64, True, torch.float32)
+    dtype = torch.bfloat16 if precision else torch.float32  # the weights' dtype, which dequantizing gives back
+    assert (state.quant_type, state.blocksize, state.nested, state.dtype) == ("nf4", 64, True, dtype)
+    assert (state.dtype, state.absmax.dtype) == next(
+        (s.dtype, s.absmax.dtype) for s in (getattr(p, "quant_state", None) for p in planned.parameters()) if s)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -173,9 +184,10 @@ def test_selective_ops_saves_the_quantized_projections(tiny_model_dir, mode, rec
 
 
 def test_validation_does_not_switch_the_base_to_an_inference_kernel(tiny_model_dir):
-    """bitsandbytes repacks a 4-bit weight for a CPU inference kernel on an eval forward without gradients;
-    training after validation must still send gradients through the base."""
-    model = with_lora(_loaded_base(tiny_model_dir))
+    """bitsandbytes repacks a 4-bit weight for a CPU inference kernel on an eval forward without gradients
+    (on a CPU with AVX512-BF16), and that kernel has no backward: the layers below would get no gradient.
+    The run's model (its builder) must train after validation as before it."""
+    model = _loaded(tiny_model_dir)
     ids, labels = make_batch(model.config.vocab_size)
     before = gradients(model, ids, labels)
     model.zero_grad(set_to_none=True)
@@ -198,14 +210,21 @@ def _run(tiny_model_dir, out, *extra, steps=8, save_steps=0, resume=False, quant
     return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
 
 
+SWITCHES = {"no quantization": (("--use_peft",), "--quantization '4bit' -> None"),
+            "fp4": ((*QLORA, "--quant_type", "fp4"), "--quant_type 'nf4' -> 'fp4'"),
+            "single quantization": ((*QLORA, "--no_use_double_quant"), "--use_double_quant True -> False"),
+            "bf16 compute": ((*QLORA, "--compute_dtype", "bfloat16"), "--compute_dtype 'auto' -> 'bfloat16'")}
+
+
 def test_a_resumed_qlora_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path):
     whole = _run(tiny_model_dir, tmp_path / "whole", steps=6, save_steps=2)
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(tiny_model_dir, tmp_path / "resumed", steps=6, save_steps=2, resume=True)
     assert len(whole) == 6 and resumed[-4:] == whole[-4:]
-    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "switched" / "checkpoint-2")
-    with pytest.raises(ConfigError, match="--quantization '4bit' -> None"):
-        _run(tiny_model_dir, tmp_path / "switched", steps=6, resume=True, quant=("--use_peft",))
+    for name, (quant, message) in SWITCHES.items():  # another quantization would not continue the same run
+        shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / name / "checkpoint-2")
+        with pytest.raises(ConfigError, match=message):
+            _run(tiny_model_dir, tmp_path / name, steps=6, resume=True, quant=quant)
 
 
 def test_the_seed_command_with_4bit_trains_and_its_adapter_loads_on_the_unquantized_base(tiny_model_dir, tmp_path,
@@ -238,6 +257,8 @@ def test_an_8bit_base_trains_but_is_not_planned(tiny_model_dir, tmp_path):
     losses = _run(tiny_model_dir, tmp_path / "int8", steps=4, quant=("--use_peft", "--quantization", "8bit"))
     assert len(losses) == 4 and all(loss == loss for loss in losses)
     cfg = flags("--use_peft", "--quantization", "8bit")
+    held = quantized.base_weight_bytes(_loaded(tiny_model_dir, "--quantization", "8bit"))
+    assert 0.5 <= held["quantized_bytes"] / held["bf16_bytes"] < 0.55  # int8 codes once, and a scale per row
     with pytest.raises(ConfigError, match="--quantization 8bit: the planner cannot trace LLM.int8"):
         trace_step(cfg, model_config("tiny"), CPU, "none")
     plain = count_token_flops(flags("--use_peft"), model_config("tiny"), CPU)
@@ -250,15 +271,34 @@ def test_auto_mode_and_batch_plan_a_quantized_base(tiny_model_dir, tmp_path):
     assert len(losses) == 2
 
 
-def test_compute_dtype_refuses_what_autocast_would_override():
+def test_compute_dtype_refuses_a_dtype_the_rest_of_the_step_does_not_compute_in():
     cfg = parse_run_config([*QLORA, "--compute_dtype", "float32"])
     on_gpu = choose_precision(cfg, CUDA, bf16_supported=True)
-    with pytest.raises(ConfigError, match="--compute_dtype float32: the run's bfloat16 autocast computes every matmul"):
+    with pytest.raises(ConfigError, match="--compute_dtype float32: this run computes in bfloat16 .autocast., and bitsandbytes' matmul "
+                       "would run apart from it in float32; use --compute_dtype auto or bfloat16"):
         quantized.compute_dtype(cfg.quant, on_gpu)
     assert quantized.compute_dtype(parse_run_config(list(QLORA)).quant, on_gpu) is torch.bfloat16
     fp16 = parse_run_config([*QLORA, "--use_fp16", "--compute_dtype", "bfloat16"])
-    with pytest.raises(ConfigError, match="use --compute_dtype float16 or auto"):
+    with pytest.raises(ConfigError, match="this run computes in float16 .autocast.*use --compute_dtype auto or float16"):
         quantized.compute_dtype(fp16.quant, choose_precision(fp16, CUDA, bf16_supported=False))
+    for half in ("bfloat16", "float16"):  # a float32 GPU run: no bf16 on the GPU, or mixed precision off
+        no_bf16 = parse_run_config([*QLORA, "--compute_dtype", half])
+        with pytest.raises(ConfigError, match=f"--compute_dtype {half}: this GPU run computes in float32"):
+            quantized.compute_dtype(no_bf16.quant, choose_precision(no_bf16, CUDA, bf16_supported=False))
+    on_cpu = parse_run_config([*QLORA, "--compute_dtype", "bfloat16"])
+    assert quantized.compute_dtype(on_cpu.quant, choose_precision(on_cpu, CPU)) is torch.bfloat16
+
+
+@pytest.mark.parametrize("target, asked", [(CUDA, True), (CPU, False)], ids=["gpu", "cpu"])
+def test_a_gpu_plan_answers_the_device_free_autocast_question_as_the_gpu_would(target, asked):
+    """peft's bitsandbytes LoRA layers cast their input to float32 only when ``torch.is_autocast_enabled()``
+    (CUDA's autocast) says no: a GPU plan, traced under CPU autocast, must not trace that cast."""
+    step = prepare_step(flags(*QLORA), model_config("tiny"), target, "none")
+    answers = []
+    q_proj = step.model.base_model.model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda *_: answers.append(torch.is_autocast_enabled()))
+    step.run()
+    assert answers == [asked] and torch.is_autocast_enabled() is False
 
 
 def test_quantization_without_bitsandbytes_is_refused_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Sequence
 
 from transformers import HfArgumentParser
 
-from leantune.config import SECTIONS, ConfigError, RunConfig
+from leantune.config import SECTIONS, ConfigError, QuantizationConfig, RunConfig
 
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
@@ -34,14 +35,17 @@ COOKBOOK_ONLY_FLAGS = {
 
 
 # llama-cookbook also takes a config dataclass's field as --CONFIG.FIELD (--quantization_config.quant_type nf4).
-COOKBOOK_SECTION_PREFIXES = ("--quantization_config.",)
+COOKBOOK_SECTIONS = {"quantization_config": QuantizationConfig}
 
 
 def _without_section_prefix(token: str) -> str:
-    """``--quantization_config.quant_type`` -> ``--quant_type`` (the cookbook's two spellings of one flag)."""
-    for prefix in COOKBOOK_SECTION_PREFIXES:
-        if token.startswith(prefix):
-            return "--" + token[len(prefix):]
+    """``--quantization_config.quant_type`` -> ``--quant_type`` (the cookbook's two spellings of one flag); a
+    field of another section keeps its prefix (and is an unknown flag)."""
+    section, dot, rest = token.removeprefix("--").partition(".")
+    field = rest.partition("=")[0]
+    if token.startswith("--") and dot and section in COOKBOOK_SECTIONS and \
+            field in {f.name for f in fields(COOKBOOK_SECTIONS[section])}:
+        return f"--{rest}"
     return token
 
 

@@ -12,7 +12,8 @@ from typing import Literal, Optional
 
 from leantune.config.checks import ConfigError, _help, _require
 
-FOUR_BIT_OPTIONS = {"quant_type": "nf4", "compute_dtype": "auto", "quant_storage": "uint8"}  # flag -> default
+# flag -> default (a default cannot be told from the same value given, so only other values are checked)
+FOUR_BIT_OPTIONS = {"quant_type": "nf4", "compute_dtype": "auto", "use_double_quant": True, "quant_storage": "uint8"}
 
 
 @dataclass
@@ -35,6 +36,7 @@ class QuantizationConfig:
     def __post_init__(self):
         changed = [flag for flag, default in FOUR_BIT_OPTIONS.items() if getattr(self, flag) != default]
         for flag in changed:
+            flag = flag if flag != "use_double_quant" else "no_use_double_quant"
             _require(self.quantization == "4bit", flag,
                      f"applies to --quantization 4bit, not {self._described()}; "
                      + ("drop it" if self.quantization else "add --quantization 4bit"))

@@ -50,24 +50,26 @@ def import_bitsandbytes():
 def compute_dtype(quant: QuantizationConfig, precision: Precision) -> torch.dtype:
     """The dtype a 4-bit layer dequantizes its weight to for each matmul (``--compute_dtype``).
 
-    auto: the autocast dtype, else the weights' (float32 on the CPU). Under autocast the matmul runs
-    in the autocast dtype whatever a layer asks, so another choice there is refused rather than ignored.
+    auto: the autocast dtype, else the weights' (float32 on the CPU). bitsandbytes' matmul has no
+    autocast rule: it runs in whatever dtype its layer casts to, so a compute dtype other than the
+    step's would run the base's matmuls apart from the rest of it (float32: slower; float16: without
+    the loss scaling the rest of the step would need). Such a choice is refused, naming the fix.
     """
     run_dtype = precision.compute_dtype or precision.weight_dtype
     if quant.compute_dtype == "auto":
         return run_dtype
-    dtype = getattr(torch, quant.compute_dtype)
-    device = precision.device.type
+    dtype, device = getattr(torch, quant.compute_dtype), precision.device.type
+    flag = f"--compute_dtype {quant.compute_dtype}"
     if dtype is torch.float16 and device != "cuda":
-        raise ConfigError(f"--compute_dtype float16: needs a CUDA GPU, and this run is on {device}; use "
-                          "--compute_dtype auto (float32) or bfloat16")
-    if dtype is torch.bfloat16 and device == "cuda" and precision.compute_dtype is torch.float16:
-        raise ConfigError("--compute_dtype bfloat16: this run computes in float16 (--use_fp16, or a GPU without "
-                          "bfloat16); use --compute_dtype float16 or auto")
+        raise ConfigError(f"{flag}: needs a CUDA GPU, and this run is on {device}; use --compute_dtype auto "
+                          "(float32) or bfloat16")
     if precision.compute_dtype is not None and dtype is not precision.compute_dtype:
         autocast = str(precision.compute_dtype).removeprefix("torch.")
-        raise ConfigError(f"--compute_dtype {quant.compute_dtype}: the run's {autocast} autocast computes every "
-                          f"matmul in {autocast}; use --compute_dtype auto or {autocast}")
+        raise ConfigError(f"{flag}: this run computes in {autocast} (autocast), and bitsandbytes' matmul would run "
+                          f"apart from it in {quant.compute_dtype}; use --compute_dtype auto or {autocast}")
+    if device == "cuda" and precision.compute_dtype is None and dtype is not torch.float32:
+        raise ConfigError(f"{flag}: this GPU run computes in float32 (--mixed_precision off, or no bfloat16 on this "
+                          "GPU); use --compute_dtype auto, or --use_fp16 for float16 with loss scaling")
     return dtype
 
 
@@ -106,6 +108,8 @@ def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.d
     for name, module in model.named_modules():
         if name in originals and type(module) is not torch.nn.Linear:
             module.weight = _quantized_like(module.weight, originals[name], weight_dtype)
+    # as after loading: the flags peft reads to wrap these layers in its bitsandbytes LoRA classes
+    quantizer.postprocess_model(model)
     return model
 
 
@@ -177,9 +181,9 @@ def base_weight_bytes(model: torch.nn.Module) -> Optional[dict]:
     layers = quantized_layers(model)
     if not layers:
         return None
-    held = bf16 = 0
+    storages = {}  # each storage once: an 8-bit weight's int8 codes are also its ``CB``
     for layer in layers:
-        weight = layer.weight
-        held += weight.untyped_storage().nbytes() + sum(t.untyped_storage().nbytes() for t in carried_tensors(weight))
-        bf16 += layer.in_features * layer.out_features * 2
-    return {"quantized_bytes": held, "bf16_bytes": bf16}
+        for tensor in (layer.weight, *carried_tensors(layer.weight)):
+            storages[id(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
+    bf16 = sum(layer.in_features * layer.out_features * 2 for layer in layers)
+    return {"quantized_bytes": sum(storages.values()), "bf16_bytes": bf16}

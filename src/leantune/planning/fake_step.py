@@ -19,6 +19,7 @@ the allocator's 512-byte rounding; what only a GPU adds is stated separately (``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -148,6 +149,7 @@ class PreparedStep:
     window: list
     total_layers: int
     checkpointing: str
+    cuda_autocast_stand_in: bool = False  # a GPU's autocast traced as the CPU's
 
     @property
     def model(self) -> torch.nn.Module:
@@ -158,7 +160,22 @@ class PreparedStep:
         return self.train_step.optimizer
 
     def run(self):
-        return self.train_step.run(self.window)
+        with _device_free_autocast_question() if self.cuda_autocast_stand_in else contextlib.nullcontext():
+            return self.train_step.run(self.window)
+
+
+@contextlib.contextmanager
+def _device_free_autocast_question():
+    """``torch.is_autocast_enabled()`` without a device asks about CUDA's autocast; while CPU autocast stands
+    in for it, it gets the stand-in's answer, as on the GPU it gets CUDA's. peft's bitsandbytes LoRA layers ask
+    it (to cast their input to float32 only without autocast): the CPU's answer would trace a cast that the
+    GPU does not make."""
+    asks = torch.is_autocast_enabled
+    torch.is_autocast_enabled = lambda *args, **kwargs: asks(*args, **kwargs) if args or kwargs else asks("cpu")
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = asks
 
 
 def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True,
@@ -186,7 +203,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     window = [_full_batch(run_cfg, vocab) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
-    return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE)
+    return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
+                        cuda_autocast_stand_in=target.type == "cuda" and precision.device.type == "cpu")
 
 
 def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
