@@ -13,11 +13,11 @@ import torch
 
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
-from leantune.config import QuantizationConfig, RunConfig
+from leantune.config import RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
 from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
-from leantune.models.quantized import (base_weight_bytes, prepare_quantized_for_training, quantized_layers,
+from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
 from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
@@ -92,13 +92,3 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     log(report.summary_line())
     return model, tokenizer
 
-
-def describe_quantization(quant: QuantizationConfig, model: torch.nn.Module) -> str:
-    layers = quantized_layers(model)
-    kind = layers[0].weight.quant_state if quant.quantization == "4bit" else None
-    how = ("LLM.int8" if kind is None else f"{kind.quant_type} blocks of {kind.blocksize}"
-           + (", double quantization" if kind.nested else "") + f", {str(layers[0].compute_dtype).removeprefix('torch.')} compute")
-    held = base_weight_bytes(model)
-    return (f"quantization: {len(layers)} Linear layers in {quant.quantization} ({how}): "
-            f"{held['quantized_bytes'] / 2**20:,.1f} MiB, {held['quantized_bytes'] / held['bf16_bytes']:.3f} of their "
-            "bfloat16 bytes; the LM head and embeddings unquantized")

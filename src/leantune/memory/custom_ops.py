@@ -3,8 +3,9 @@
 A ``TorchDispatchMode`` sees a custom operator once, with its output; what its kernel allocates
 inside (and frees before returning) is invisible to it. bitsandbytes' 4-bit matmul is such an
 operator: for a training batch it dequantizes the whole weight to the compute dtype and then runs
-an ordinary matmul (on the CPU always, on a GPU above 1,536 rows a step: its fused kernels serve
-smaller batches, without that temporary). ``StorageTracker`` replays it as those two steps, so
+an ordinary matmul (on the CPU always; on a GPU above 1,536 rows a step, and below that where its
+per-GPU heuristic does not pick a fused kernel, which has no such temporary: the plan then
+overstates the step by that one weight). ``StorageTracker`` replays it as those two steps, so
 the dequantized weight is counted while it lives, the matmul's FLOPs are counted, and the result
 is the same computation the kernel does.
 """

@@ -144,8 +144,9 @@ def fake_quantized_weight(weight: torch.nn.Parameter, fake, fake_mode) -> torch.
     _warm_code_books(bnb)
     with fake_mode:
         packed, state = bnb.functional.quantize_4bit(
-            fake(torch.empty(weight.shape, dtype=weight.dtype, device="meta")), blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
-            quant_type=weight.quant_type, quant_storage=weight.quant_storage)
+            fake(torch.empty(weight.shape, dtype=weight.dtype, device="meta")), blocksize=weight.blocksize,
+            compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
+            quant_storage=weight.quant_storage)
     param = torch.nn.Parameter(packed, requires_grad=False)
     param.quant_state = state
     return param
@@ -187,3 +188,19 @@ def base_weight_bytes(model: torch.nn.Module) -> Optional[dict]:
             storages[id(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
     bf16 = sum(layer.in_features * layer.out_features * 2 for layer in layers)
     return {"quantized_bytes": sum(storages.values()), "bf16_bytes": bf16}
+
+
+def describe_quantization(quant: QuantizationConfig, model: torch.nn.Module) -> str:
+    """The run's line about its quantized base: what, how, and its bytes against bfloat16's."""
+    layers = quantized_layers(model)
+    if quant.quantization == "4bit":
+        state = layers[0].weight.quant_state
+        double = ", double quantization" if state.nested else ""
+        compute = str(layers[0].compute_dtype).removeprefix("torch.")
+        how = f"{state.quant_type} blocks of {state.blocksize}{double}, {compute} compute"
+    else:
+        how = "LLM.int8"
+    held = base_weight_bytes(model)
+    return (f"quantization: {len(layers)} Linear layers in {quant.quantization} ({how}): "
+            f"{held['quantized_bytes'] / 2**20:,.1f} MiB, {held['quantized_bytes'] / held['bf16_bytes']:.3f} of "
+            "their bfloat16 bytes; the LM head and embeddings unquantized")
