@@ -34,18 +34,22 @@ COOKBOOK_ONLY_FLAGS = {
 }
 
 
-# llama-cookbook also takes a config dataclass's field as --CONFIG.FIELD (--quantization_config.quant_type nf4).
-COOKBOOK_SECTIONS = {"quantization_config": QuantizationConfig}
+# llama-cookbook also takes a config dataclass's field as --CONFIG.FIELD: --quantization_config.quant_type nf4
+# (leantune's --quant_type), --custom_dataset.file F (leantune's --custom_dataset_file). CONFIG -> (the
+# prefix of leantune's flag, the fields taken).
+COOKBOOK_SECTIONS = {"quantization_config": ("", {f.name for f in fields(QuantizationConfig)}),
+                     "custom_dataset": ("custom_dataset_", {"file"})}
 
 
 def _without_section_prefix(token: str) -> str:
-    """``--quantization_config.quant_type`` -> ``--quant_type`` (the cookbook's two spellings of one flag); a
-    field of another section keeps its prefix (and is an unknown flag)."""
+    """``--quantization_config.quant_type`` -> ``--quant_type``, ``--custom_dataset.file`` ->
+    ``--custom_dataset_file`` (the cookbook's spelling of leantune's flag); any other dotted flag is left as
+    it is (and is an unknown flag)."""
     section, dot, rest = token.removeprefix("--").partition(".")
-    field = rest.partition("=")[0]
-    if token.startswith("--") and dot and section in COOKBOOK_SECTIONS and \
-            field in {f.name for f in fields(COOKBOOK_SECTIONS[section])}:
-        return f"--{rest}"
+    if token.startswith("--") and dot and section in COOKBOOK_SECTIONS:
+        prefix, taken = COOKBOOK_SECTIONS[section]
+        if rest.partition("=")[0] in taken:
+            return f"--{prefix}{rest}"
     return token
 
 

@@ -25,7 +25,7 @@ class RunData:
         common = dict(strategy=cfg.data.batching_strategy, context_length=cfg.data.context_length,
                       pad_id=self.pad_id, seed=cfg.training.seed, num_workers=cfg.data.num_workers_dataloader,
                       rank=self.dist.rank, world_size=self.dist.world_size)
-        source = cfg.data.data_path or "the bundled dataset"
+        source = data_source(cfg)
         try:
             train_loader = make_dataloader(self.train_examples, batch_size=cfg.training.batch_size_training,
                                            shuffle=True, **common)
@@ -38,8 +38,13 @@ class RunData:
                                              shuffle=False, **common)
             except NothingToLearn as err:
                 raise DatasetError(f"{source}: validation split: {err} (or --run_validation false)") from None
-        self.log(f"data: {cfg.data.dataset} from {cfg.data.data_path or 'bundled instructions'}: "
+        self.log(f"data: {cfg.data.dataset} from {data_source(cfg, bundled='bundled instructions')}: "
                  f"{len(self.train_examples)} train / {len(self.val_examples)} validation examples, "
                  f"{len(train_loader)} batches of {cfg.training.batch_size_training} x {cfg.data.context_length} "
                  f"({cfg.data.batching_strategy}) per epoch")
         return train_loader, val_loader
+
+
+def data_source(cfg: RunConfig, bundled: str = "the bundled dataset") -> str:
+    """Where the run's records come from, as its messages name it (``bundled``: the bundled set's name)."""
+    return cfg.data.data_path or cfg.data.custom_dataset_file or bundled

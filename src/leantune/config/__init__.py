@@ -13,6 +13,7 @@ from typing import Literal, Optional
 from leantune.checkpointing.modes import AUTO, DEFAULT, MODES, mode_choices, mode_help, owner_of_flag, policy_class
 from leantune.checkpointing.policies import LayerMix, parse_layer_mix
 from leantune.config.checks import ConfigError, _help, _require
+from leantune.config.data import DataConfig
 from leantune.config.quantization import QuantizationConfig, quantization_conflicts
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
@@ -44,26 +45,6 @@ class ModelConfig:
 
     def __post_init__(self):
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")
-
-
-@dataclass
-class DataConfig:
-    dataset: Literal["alpaca_dataset", "custom_dataset"] = field(default="alpaca_dataset", metadata=_help(
-        "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
-        "custom_dataset: {prompt, completion} or {text} records from --data_path."))
-    data_path: Optional[str] = field(default=None, metadata=_help("A JSON or JSONL file of records."))
-    batching_strategy: Literal["packing", "padding"] = field(default="packing", metadata=_help(
-        "packing: fill every row with context_length tokens; padding: one example per row, padded."))
-    context_length: int = field(default=2048, metadata=_help("Tokens per row (packing) or the truncation length."))
-    val_fraction: float = field(default=0.05, metadata=_help("Fraction of records held out for validation."))
-    num_workers_dataloader: int = field(default=1, metadata=_help("DataLoader worker processes (0: in-process)."))
-
-    def __post_init__(self):
-        _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
-        _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
-        _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
-        _require(self.dataset != "custom_dataset" or bool(self.data_path), "data_path",
-                 "custom_dataset needs a file: pass --data_path FILE.jsonl")
 
 
 @dataclass

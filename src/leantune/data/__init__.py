@@ -7,6 +7,7 @@ from pathlib import Path
 
 from leantune.config import DataConfig
 from leantune.data.batching import make_dataloader
+from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
 from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, format_prompt
 from leantune.data.records import DatasetError, read_records
 from leantune.data.synthetic import ASSET_PATH
@@ -28,7 +29,13 @@ def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, 
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[list, list]:
-    """Tokenized (train, validation) examples for ``cfg.dataset``."""
+    """Tokenized (train, validation) examples for ``cfg.dataset``.
+
+    A cookbook dataset file gives both splits itself (``validation`` unless ``--val_fraction 0``)."""
+    if cfg.custom_dataset_file:
+        file = cfg.custom_dataset_file
+        train = custom_file_examples(file, tokenizer, TRAIN_SPLIT)
+        return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if cfg.val_fraction else []
     source = Path(cfg.data_path) if cfg.data_path else ASSET_PATH
     records = read_records(source)
     train, val = split_records(records, cfg.val_fraction, seed)

@@ -1,0 +1,38 @@
+"""The data section: which records, read how, batched how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from leantune.config.checks import _help, _require
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["alpaca_dataset", "custom_dataset"] = field(default="alpaca_dataset", metadata=_help(
+        "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
+        "custom_dataset: {prompt, completion} or {text} records from --data_path, or llama-cookbook's Python "
+        "dataset file (--custom_dataset.file)."))
+    data_path: Optional[str] = field(default=None, metadata=_help("A JSON or JSONL file of records."))
+    custom_dataset_file: Optional[str] = field(default=None, metadata=_help(
+        "llama-cookbook's --custom_dataset.file FILE.py[:FUNCTION]: a Python file whose FUNCTION (default "
+        "get_custom_dataset) takes (dataset_config, tokenizer, split) and returns rows of input_ids and labels; "
+        "called with split 'train' and, for validation, 'validation'."))
+    batching_strategy: Literal["packing", "padding"] = field(default="packing", metadata=_help(
+        "packing: fill every row with context_length tokens; padding: one example per row, padded."))
+    context_length: int = field(default=2048, metadata=_help("Tokens per row (packing) or the truncation length."))
+    val_fraction: float = field(default=0.05, metadata=_help("Fraction of records held out for validation."))
+    num_workers_dataloader: int = field(default=1, metadata=_help("DataLoader worker processes (0: in-process)."))
+
+    def __post_init__(self):
+        _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
+        _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
+        _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
+        custom = self.dataset == "custom_dataset"
+        _require(not custom or bool(self.data_path or self.custom_dataset_file), "data_path",
+                 "custom_dataset needs data: pass --data_path FILE.jsonl, or --custom_dataset.file FILE.py")
+        _require(not (self.data_path and self.custom_dataset_file), "custom_dataset.file",
+                 "conflicts with --data_path (each names the data); drop one")
+        _require(custom or not self.custom_dataset_file, "custom_dataset.file",
+                 f"applies to --dataset custom_dataset, not {self.dataset}; add --dataset custom_dataset")

@@ -1,0 +1,71 @@
+"""llama-cookbook's Python dataset files: ``--dataset custom_dataset --custom_dataset.file FILE.py[:FUNCTION]``.
+
+The file defines ``get_custom_dataset(dataset_config, tokenizer, split)`` (or the function named
+after the colon), as the cookbook's custom datasets do, returning rows that hold ``input_ids`` and
+``labels`` (``attention_mask`` is read and dropped: leantune batches the rows itself). It is called
+once for ``train`` and once for ``validation``, the cookbook's split names, with a
+``dataset_config`` carrying the cookbook's fields. Rows may be dicts, a ``datasets.Dataset`` or
+anything iterable; lists or tensors of token ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+from leantune.data.records import DatasetError
+
+DEFAULT_FUNCTION = "get_custom_dataset"
+TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"  # the cookbook's custom_dataset defaults
+
+
+def dataset_function(spec: str):
+    """The function ``FILE.py[:FUNCTION]`` names, imported from that file."""
+    path_text, name = spec.rsplit(":", 1) if ":" in spec and not spec.endswith(".py") else (spec, DEFAULT_FUNCTION)
+    path = Path(path_text)
+    if path.suffix != ".py" or not path.is_file():
+        raise DatasetError(f"--custom_dataset.file {spec}: no Python file {path}; give FILE.py or FILE.py:FUNCTION")
+    module_spec = importlib.util.spec_from_file_location(f"leantune_custom_dataset_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: whatever it raises, say where
+        raise DatasetError(f"--custom_dataset.file {spec}: importing {path} failed: "
+                           f"{type(err).__name__}: {err}") from err
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise DatasetError(f"--custom_dataset.file {spec}: {path} defines no function {name}(dataset_config, "
+                           f"tokenizer, split); name yours after a colon, e.g. {path}:my_function")
+    return path, function
+
+
+def custom_file_examples(spec: str, tokenizer, split: str) -> list[dict]:
+    """The examples the file's function returns for ``split``: ``{"input_ids", "labels", "_source"}`` each."""
+    path, function = dataset_function(spec)
+    config = SimpleNamespace(dataset="custom_dataset", file=str(path), train_split=TRAIN_SPLIT,
+                             test_split=VALIDATION_SPLIT, data_path="")
+    try:
+        rows = function(config, tokenizer, split)
+    except Exception as err:
+        raise DatasetError(f"{path.name}: {function.__name__}(dataset_config, tokenizer, {split!r}) failed: "
+                           f"{type(err).__name__}: {err}") from err
+    return [_example(row, f"{path.name} {split} row {index}") for index, row in enumerate(rows)]
+
+
+def _example(row, where: str) -> dict:
+    if not hasattr(row, "keys") or "input_ids" not in row:
+        raise DatasetError(f"{where}: expected a mapping with input_ids (and labels); got "
+                           f"{sorted(row.keys()) if hasattr(row, 'keys') else type(row).__name__}")
+    ids = _token_ids(row["input_ids"], where, "input_ids")
+    labels = _token_ids(row["labels"], where, "labels") if "labels" in row else list(ids)
+    if len(labels) != len(ids):
+        raise DatasetError(f"{where}: {len(labels)} labels for {len(ids)} input_ids; give one label per token")
+    return {"input_ids": ids, "labels": labels, "_source": where}
+
+
+def _token_ids(value, where: str, field: str) -> list[int]:
+    values = value.tolist() if hasattr(value, "tolist") else value
+    if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+        raise DatasetError(f"{where}: {field} must be a flat list of token ids")
+    return values
