@@ -97,6 +97,11 @@ CASES = {
                                          {"rowless.py": "def get_custom_dataset(c, t, split):\n    return [{'text': 'x'}]\n"},
                                          1, "rowless.py train row 0: expected a mapping with input_ids (and labels); "
                                          "got ['text']"),
+    "chat flag without chat data": (["--assistant_turns", "last"], {}, 2,
+                                    "--assistant_turns: applies to --dataset chat_dataset, not alpaca_dataset"),
+    "chat record without an answer": (["--dataset", "chat_dataset", "--data_path", "{tmp}/chat.jsonl"],
+                                      {"chat.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'}, 1,
+                                      "chat.jsonl:1: no assistant turn to learn from"),
     "missing data file": (["--dataset", "custom_dataset", "--data_path", "{tmp}/nope.jsonl"], {}, 1,
                           "dataset file not found"),
     "not utf-8": (["--dataset", "custom_dataset", "--data_path", "{tmp}/latin1.jsonl"],

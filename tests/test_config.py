@@ -56,6 +56,8 @@ FLAG_VALUES = {
     "attn_implementation": (["--attn_implementation", "eager"], {"attn_implementation": "eager"}),
     "dataset": (["--dataset", "custom_dataset", "--data_path", "d.jsonl"], {"dataset": "custom_dataset"}),
     "data_path": (["--data_path", "d.jsonl"], {"data_path": "d.jsonl"}),
+    "chat_template": (["--dataset", "chat_dataset", "--chat_template", "t.jinja"], {"chat_template": "t.jinja"}),
+    "assistant_turns": (["--dataset", "chat_dataset", "--assistant_turns", "last"], {"assistant_turns": "last"}),
     "custom_dataset_file": (["--dataset", "custom_dataset", "--custom_dataset_file", "d.py"],
                             {"custom_dataset_file": "d.py"}),
     "batching_strategy": (["--batching_strategy", "padding"], {"batching_strategy": "padding"}),

@@ -10,10 +10,16 @@ from leantune.config.checks import _help, _require
 
 @dataclass
 class DataConfig:
-    dataset: Literal["alpaca_dataset", "custom_dataset"] = field(default="alpaca_dataset", metadata=_help(
+    dataset: Literal["alpaca_dataset", "custom_dataset", "chat_dataset"] = field(default="alpaca_dataset", metadata=_help(
         "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
         "custom_dataset: {prompt, completion} or {text} records from --data_path, or llama-cookbook's Python "
-        "dataset file (--custom_dataset.file)."))
+        "dataset file (--custom_dataset.file); chat_dataset: {messages: [{role, content}]} or ShareGPT "
+        "{conversations: [{from, value}]} records in the tokenizer's chat template, the loss on the assistant's "
+        "turns (the bundled set as one-question chats without --data_path)."))
+    chat_template: Optional[str] = field(default=None, metadata=_help(
+        "chat_dataset: a Jinja chat template (a file, or its text) to use instead of the tokenizer's."))
+    assistant_turns: Literal["all", "last"] = field(default="all", metadata=_help(
+        "chat_dataset: the assistant turns the loss is on: every one, or the last of each conversation."))
     data_path: Optional[str] = field(default=None, metadata=_help("A JSON or JSONL file of records."))
     custom_dataset_file: Optional[str] = field(default=None, metadata=_help(
         "llama-cookbook's --custom_dataset.file FILE.py[:FUNCTION]: a Python file whose FUNCTION (default "
@@ -36,3 +42,7 @@ class DataConfig:
                  "conflicts with --data_path (each names the data); drop one")
         _require(custom or not self.custom_dataset_file, "custom_dataset.file",
                  f"applies to --dataset custom_dataset, not {self.dataset}; add --dataset custom_dataset")
+        for flag, changed in (("chat_template", self.chat_template is not None),
+                              ("assistant_turns", self.assistant_turns != "all")):
+            _require(not changed or self.dataset == "chat_dataset", flag,
+                     f"applies to --dataset chat_dataset, not {self.dataset}; add --dataset chat_dataset")

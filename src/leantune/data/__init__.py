@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 from leantune.config import DataConfig
 from leantune.data.batching import make_dataloader
+from leantune.data.chat import alpaca_as_chat, encode_chats, read_template
 from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
 from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, format_prompt
 from leantune.data.records import DatasetError, read_records
@@ -38,10 +40,14 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[list, list]:
         return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if cfg.val_fraction else []
     source = Path(cfg.data_path) if cfg.data_path else ASSET_PATH
     records = read_records(source)
-    train, val = split_records(records, cfg.val_fraction, seed)
-    encode = ENCODERS[cfg.dataset]
-    return _with_sources(encode(train, tokenizer, source), train, source), \
-        _with_sources(encode(val, tokenizer, source), val, source)
+    encode = ENCODERS.get(cfg.dataset)
+    if cfg.dataset == "chat_dataset":
+        records = records if cfg.data_path else [alpaca_as_chat(r) for r in records]
+        encode = functools.partial(encode_chats, template=read_template(cfg.chat_template),
+                                   last_only=cfg.assistant_turns == "last")
+    # every record encoded before the split: what is wrong inside one is said before counting problems
+    examples = _with_sources(encode(records, tokenizer, source), records, source)
+    return split_records(examples, cfg.val_fraction, seed)
 
 
 def _with_sources(examples: list, records: list, source: Path) -> list:

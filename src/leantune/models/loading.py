@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
-from leantune.models.tiny import ensure_default_model
+from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 
 
 class ModelLoadError(RuntimeError):
@@ -44,6 +44,8 @@ def load_tokenizer(cfg: ModelConfig):
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer from {source!r}: {err}") from None
+    if cfg.model_name == DEFAULT_MODEL_NAME and not tokenizer.chat_template:  # built before it had one
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     if tokenizer.pad_token_id is None:
         # Llama tokenizers ship without a pad token; padded positions are masked out of the loss,
         # so reusing EOS for them changes nothing that is learned.

@@ -42,6 +42,13 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
             "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "cohere": "cohere"}
 
 
+# The tiny tokenizer's chat template (--dataset chat_dataset offline): Llama 3's layout with plain-text role
+# headers (the tokenizer has no header tokens, and adding some would change the tiny model), EOS ending a turn.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>\n{{ message['content'] | trim }}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<assistant>\n{% endif %}")
+
+
 def leantune_home() -> Path:
     """Where leantune keeps what it builds for itself (``$LEANTUNE_HOME``, else ``~/.cache/leantune``)."""
     return Path(os.environ.get("LEANTUNE_HOME", Path.home() / ".cache" / "leantune"))
@@ -70,7 +77,9 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
         show_progress=False,
     )
     bpe.train_from_iterator(_tokenizer_corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):

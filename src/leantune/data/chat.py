@@ -1,0 +1,111 @@
+"""Chat records (``--dataset chat_dataset``) in the tokenizer's chat template, the loss on the assistant's turns.
+
+A record is OpenAI-style ``{"messages": [{"role", "content"}, ...]}`` or ShareGPT's
+``{"conversations": [{"from", "value"}, ...]}`` (``human``/``gpt``/``system``). Roles must run: an
+optional system prompt, then user and assistant in turn, ending with the assistant.
+
+Which tokens are the assistant's is found in the template's own text, not guessed from tokens: for
+each assistant turn, the conversation rendered up to the turn's generation prompt and rendered
+through the turn give the turn's characters (its content and end-of-turn marker; whitespace the
+template puts after the marker is not the assistant's). The text is then tokenized segment by
+segment, so the prompt before each answer is tokenized exactly as it is at inference (on its own,
+ending with the generation prompt) and no token straddles a boundary. A template that renders the
+earlier turns differently once later ones follow cannot be split so, and is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from leantune.data.records import DatasetError
+from leantune.labels import IGNORE_INDEX
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def conversation(record: dict, where: str) -> list[dict]:
+    """The record's turns as ``[{"role", "content"}]``, checked: roles in order, ending with the assistant."""
+    if isinstance(record.get("messages"), list):
+        turns = [_turn(t, "role", "content", where, i) for i, t in enumerate(record["messages"])]
+    elif isinstance(record.get("conversations"), list):
+        turns = [_turn(t, "from", "value", where, i) for i, t in enumerate(record["conversations"])]
+    else:
+        keys = sorted(k for k in record if k != "_line")
+        raise DatasetError(f"{where}: expected 'messages' (a list of role/content turns) or 'conversations' "
+                           f"(ShareGPT's from/value turns); found {keys}")
+    body = turns[1:] if turns and turns[0]["role"] == "system" else turns
+    expected = ["user", "assistant"] * (len(body) // 2 + 1)
+    for index, turn in enumerate(body):
+        if turn["role"] != expected[index]:
+            raise DatasetError(f"{where}: turn {index + len(turns) - len(body)} is {turn['role']!r} where "
+                               f"{expected[index]!r} was due (an optional system prompt, then user and assistant "
+                               "in turn)")
+    if not body or body[-1]["role"] != "assistant":
+        raise DatasetError(f"{where}: no assistant turn to learn from" if len(body) < 2 else
+                           f"{where}: ends with a user turn that has no answer; end with the assistant's")
+    return turns
+
+
+def _turn(turn, role_key: str, content_key: str, where: str, index: int) -> dict:
+    if not isinstance(turn, dict) or not isinstance(turn.get(content_key), str):
+        raise DatasetError(f"{where}: turn {index} needs a {role_key!r} and a string {content_key!r}")
+    role = turn.get(role_key)
+    if role_key == "from":
+        role = SHAREGPT_ROLES.get(role)
+    if role not in ("system", "user", "assistant"):
+        raise DatasetError(f"{where}: turn {index} has role {turn.get(role_key)!r}; use system, user or assistant"
+                           + (" (ShareGPT: system, human or gpt)" if role_key == "from" else ""))
+    return {"role": role, "content": turn[content_key]}
+
+
+def encode_chat(turns: list[dict], tokenizer, where: str, template=None, last_only: bool = False) -> dict:
+    """``input_ids`` and ``labels`` of one conversation: labels on the assistant's tokens (its last turn's only
+    with ``last_only``) and IGNORE_INDEX elsewhere."""
+    def render(upto: int, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(turns[:upto], tokenize=False, add_generation_prompt=prompt,
+                                             chat_template=template)
+
+    whole = render(len(turns), False)
+    answers = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
+    spans = []
+    for index in answers[-1:] if last_only else answers:
+        before, through = render(index, True), render(index + 1, False)
+        if not (through.startswith(before) and whole.startswith(through)):
+            raise DatasetError(f"{where}: the chat template renders the turns before assistant turn {index} "
+                               "differently once it follows, so its tokens cannot be told apart exactly; use "
+                               "--chat_template with a template that only appends")
+        spans.append((len(before), len(through.rstrip())))
+    ids, labels, start = [], [], 0
+    for begin, end in spans:
+        for text, trained in ((whole[start:begin], False), (whole[begin:end], True)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            labels += piece if trained else [IGNORE_INDEX] * len(piece)
+        start = end
+    tail = tokenizer(whole[start:], add_special_tokens=False)["input_ids"] if whole[start:] else []
+    return {"input_ids": ids + tail, "labels": labels + [IGNORE_INDEX] * len(tail)}
+
+
+def read_template(value: str | None) -> str | None:
+    """``--chat_template``: a template file's text, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
+
+
+def encode_chats(records: list[dict], tokenizer, source, template: str | None = None,
+                 last_only: bool = False) -> list[dict]:
+    """Every record of ``source`` as a chat example (``conversation`` then ``encode_chat``)."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"--dataset chat_dataset: the tokenizer ({tokenizer.name_or_path}) has no chat template; "
+                           "pass one with --chat_template FILE.jinja (or the template's text)")
+    return [encode_chat(conversation(record, f"{source}:{record.get('_line', '?')}"), tokenizer,
+                        f"{source}:{record.get('_line', '?')}", template, last_only) for record in records]
+
+
+def alpaca_as_chat(record: dict) -> dict:
+    """The bundled instruction records as one-question conversations (the bundled data's chat copy)."""
+    question = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": record["output"]}],
+            "_line": record.get("_line", "?")}

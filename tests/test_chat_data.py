@@ -1,0 +1,112 @@
+"""--dataset chat_dataset: chat records in the tokenizer's template, the loss on the assistant's turns only."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from leantune import finetuning
+from leantune.config import DataConfig
+from leantune.data import build_datasets
+from leantune.data.chat import conversation, encode_chat, encode_chats
+from leantune.data.records import DatasetError
+from leantune.labels import IGNORE_INDEX
+
+# Meta's Llama 3 layout (headers, the content trimmed, <|eot_id|>) and ChatML (Qwen's: content as it is,
+# <|im_end|> then a newline the assistant does not write).
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TEMPLATES = {"llama3": (LLAMA3, "<|eot_id|>", str.strip), "chatml": (CHATML, "<|im_end|>", lambda text: text)}
+
+CHAT = {"messages": [{"role": "system", "content": "You answer briefly."},
+                     {"role": "user", "content": "Reverse the word cat."},
+                     {"role": "assistant", "content": " tac\n"},
+                     {"role": "user", "content": "And dog?"},
+                     {"role": "assistant", "content": "god, which is dog reversed."}], "_line": 3}
+
+
+def _with_template(tokenizer, name):
+    template, end_of_turn, _ = TEMPLATES[name]
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                "<|eot_id|>", "<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("last_only", [False, True], ids=["every-turn", "last-turn"])
+def test_the_labelled_tokens_are_the_assistant_contents_and_end_of_turn(tokenizer, name, last_only):
+    _, end_of_turn, shown = TEMPLATES[name]
+    tokenizer = _with_template(tokenizer, name)
+    example = encode_chat(conversation(CHAT, "chat.jsonl:3"), tokenizer, "chat.jsonl:3", last_only=last_only)
+    answers = [t["content"] for t in CHAT["messages"] if t["role"] == "assistant"]
+    expected = [tokenizer(shown(a) + end_of_turn, add_special_tokens=False)["input_ids"]
+                for a in (answers[-1:] if last_only else answers)]
+    labelled = [t for t in example["labels"] if t != IGNORE_INDEX]
+    assert labelled == [t for ids in expected for t in ids]
+    assert tokenizer.decode(labelled) == "".join(shown(a) + end_of_turn for a in (answers[-1:] if last_only else answers))
+    # the prompt is tokenized as at inference: on its own, ending with the generation prompt
+    prompt = tokenizer.apply_chat_template(CHAT["messages"][:2], tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert example["input_ids"][:len(prompt_ids)] == prompt_ids
+    assert all(t == IGNORE_INDEX for t in example["labels"][:len(prompt_ids)])
+
+
+def test_sharegpt_conversations_read_as_messages():
+    shared = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                                {"from": "gpt", "value": "a"}]}
+    assert conversation(shared, "x") == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                         {"role": "assistant", "content": "a"}]
+
+
+BAD = {
+    "no assistant turn": ({"messages": [{"role": "user", "content": "q"}]}, "chat.jsonl:5: no assistant turn"),
+    "roles out of order": ({"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"}]},
+                           "chat.jsonl:5: turn 1 is 'user' where 'assistant' was due"),
+    "a late system prompt": ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]},
+                             "chat.jsonl:5: turn 1 is 'system' where 'assistant' was due"),
+    "unanswered question": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                          {"role": "user", "content": "q"}]},
+                            "chat.jsonl:5: ends with a user turn that has no answer"),
+    "no turns": ({"prompt": "q"}, "chat.jsonl:5: expected 'messages'"),
+    "a turn without content": ({"messages": [{"role": "user"}]},
+                               "chat.jsonl:5: turn 0 needs a 'role' and a string 'content'"),
+    "an unknown role": ({"conversations": [{"from": "bot", "value": "a"}]},
+                        "chat.jsonl:5: turn 0 has role 'bot'; use system, user or assistant (ShareGPT"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_conversations_are_named_by_file_and_line(tokenizer, case):
+    record, message = BAD[case]
+    with pytest.raises(DatasetError, match=message.replace("(", r"\(")):
+        encode_chats([{**record, "_line": 5}], tokenizer, "chat.jsonl")
+
+
+def test_a_tokenizer_without_a_template_is_refused_naming_the_flag(tokenizer):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(DatasetError, match="has no chat template; pass one with --chat_template"):
+        encode_chats([CHAT], bare, "chat.jsonl")
+    assert encode_chats([CHAT], bare, "chat.jsonl", template=CHATML)  # the flag's template is used
+
+
+def test_a_chat_run_trains_on_the_bundled_chats_and_on_a_file(tiny_model_dir, tmp_path, capsys, tokenizer):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(CHAT) + "\n" for _ in range(20)))
+    for extra in ([], ["--data_path", str(data), "--assistant_turns", "last"]):
+        out = tmp_path / f"out{len(extra)}"
+        code = finetuning.main(["--model_name", str(tiny_model_dir), "--dataset", "chat_dataset", *extra, "--use_peft",
+                                "--output_dir", str(out), "--context_length", "128", "--max_train_step", "3",
+                                "--num_epochs", "1", "--num_workers_dataloader", "0", "--save_metrics"])
+        assert code == 0, capsys.readouterr().err
+        assert len(json.loads((out / "metrics.json").read_text())["train_steps"]) == 3
+    train, _ = build_datasets(DataConfig(dataset="chat_dataset"), tokenizer, seed=0)
+    first = [t for t in train[0]["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(first).endswith(tokenizer.eos_token) and "<assistant>" not in tokenizer.decode(first)
