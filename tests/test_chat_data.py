@@ -110,3 +110,22 @@ def test_a_chat_run_trains_on_the_bundled_chats_and_on_a_file(tiny_model_dir, tm
     train, _ = build_datasets(DataConfig(dataset="chat_dataset"), tokenizer, seed=0)
     first = [t for t in train[0]["labels"] if t != IGNORE_INDEX]
     assert tokenizer.decode(first).endswith(tokenizer.eos_token) and "<assistant>" not in tokenizer.decode(first)
+
+
+def test_a_templates_own_refusal_names_the_record(tokenizer):
+    refusing = ("{% for message in messages %}{% if message['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}{{ message['content'] }}{% endfor %}")
+    with pytest.raises(DatasetError, match="chat.jsonl:3: the chat template refused this conversation: System role"):
+        encode_chats([CHAT], tokenizer, "chat.jsonl", template=refusing)
+
+
+def test_an_empty_answer_adds_no_token_the_template_does_not_render(tokenizer):
+    plain = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant: {% endif %}")
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a"}], "_line": 1}
+    example = encode_chats([chat], tokenizer, "chat.jsonl", template=plain)[0]
+    rendered = tokenizer.apply_chat_template(chat["messages"], tokenize=False, chat_template=plain)
+    assert tokenizer.decode(example["input_ids"]) == rendered
+    # the empty answer trains nothing; the prompt's trailing space rides on the next answer's first token
+    assert tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX]) == " a"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from leantune import finetuning
 from leantune.config import DataConfig
 from leantune.data import build_datasets
+from leantune.data.records import DatasetError
 
 # A dataset file as the cookbook's custom datasets are written: rows of input_ids, attention_mask and labels
 # (here tensors in an iterable for the train split, as a datasets.Dataset with a torch format gives them, and
@@ -60,3 +63,34 @@ def test_a_named_function_and_its_labels_are_taken_as_they_are(tokenizer, tmp_pa
     assert validation == [{**train[0], "_source": "data.py validation row 0"}]
     assert build_datasets(DataConfig(dataset="custom_dataset", custom_dataset_file=f"{dataset}:masked_prompt",
                                      val_fraction=0.0), tokenizer, seed=0)[1] == []
+
+
+BAD_FILES = {
+    "returns None": ("def get_custom_dataset(c, t, split):\n    return None\n", "returned None"),
+    "fails while iterated": ("def get_custom_dataset(c, t, split):\n    yield {}['input_ids']\n",
+                             "get_custom_dataset(dataset_config, tokenizer, 'train') failed: KeyError"),
+    "an id beyond the vocabulary": ("def get_custom_dataset(c, t, split):\n    return [{'input_ids': [1, 10**9]}]\n",
+                                    "train row 0: input_ids holds 1000000000, outside the tokenizer's"),
+    "a label neither an id nor -100": ("def get_custom_dataset(c, t, split):\n"
+                                       "    return [{'input_ids': [1, 2], 'labels': [1, -5]}]\n",
+                                       "train row 0: labels holds -5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_what_a_dataset_file_gets_wrong_is_named(tokenizer, tmp_path, case):
+    source, message = BAD_FILES[case]
+    dataset = tmp_path / f"bad_{case.replace(' ', '_')}.py"
+    dataset.write_text(source)
+    with pytest.raises(DatasetError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_datasets(DataConfig(dataset="custom_dataset", custom_dataset_file=str(dataset)), tokenizer, seed=0)
+
+
+def test_a_file_with_a_dataclass_imports_as_a_module(tokenizer, tmp_path):
+    dataset = tmp_path / "with_dataclass.py"
+    dataset.write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n"
+                       "from typing import ClassVar\n\n@dataclass\nclass Settings:\n    n: ClassVar[int] = 2\n\n"
+                       "def get_custom_dataset(c, t, split):\n    return [{'input_ids': [1] * Settings.n}]\n")
+    train, validation = build_datasets(DataConfig(dataset="custom_dataset", custom_dataset_file=str(dataset)),
+                                       tokenizer, seed=0, validation=False)
+    assert train[0]["input_ids"] == [1, 1] and validation == []

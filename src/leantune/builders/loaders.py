@@ -16,7 +16,8 @@ class RunData:
     """The run's tokenized examples (read once; a bad record is a ``DatasetError`` here, before any weight loads)."""
 
     def __init__(self, cfg: RunConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS):
-        self.train_examples, self.val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed)
+        self.train_examples, self.val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed,
+                                                                validation=cfg.training.run_validation)
         self.pad_id, self.log, self.dist = tokenizer.pad_token_id, log, dist
 
     def loaders(self, cfg: RunConfig):

@@ -30,14 +30,16 @@ def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, 
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[list, list]:
+def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = True) -> tuple[list, list]:
     """Tokenized (train, validation) examples for ``cfg.dataset``.
 
-    A cookbook dataset file gives both splits itself (``validation`` unless ``--val_fraction 0``)."""
+    A cookbook dataset file gives both splits itself: its ``validation`` split is asked for only with
+    ``validation`` (the run validates) and a ``--val_fraction`` above 0, whose value it does not use."""
     if cfg.custom_dataset_file:
         file = cfg.custom_dataset_file
         train = custom_file_examples(file, tokenizer, TRAIN_SPLIT)
-        return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if cfg.val_fraction else []
+        wanted = validation and cfg.val_fraction > 0
+        return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if wanted else []
     source = Path(cfg.data_path) if cfg.data_path else ASSET_PATH
     records = read_records(source)
     encode = ENCODERS.get(cfg.dataset)

@@ -7,10 +7,10 @@ optional system prompt, then user and assistant in turn, ending with the assista
 Which tokens are the assistant's is found in the template's own text, not guessed from tokens: for
 each assistant turn, the conversation rendered up to the turn's generation prompt and rendered
 through the turn give the turn's characters (its content and end-of-turn marker; whitespace the
-template puts after the marker is not the assistant's). The text is then tokenized segment by
-segment, so the prompt before each answer is tokenized exactly as it is at inference (on its own,
-ending with the generation prompt) and no token straddles a boundary. A template that renders the
-earlier turns differently once later ones follow cannot be split so, and is refused.
+template puts after the marker is not the assistant's). The whole rendering is tokenized once, as
+the model reads it, and a token is the assistant's when it holds any of those characters (the
+tokenizer's offsets say where). A template that renders the earlier turns differently once later
+ones follow is refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -62,8 +62,11 @@ def encode_chat(turns: list[dict], tokenizer, where: str, template=None, last_on
     """``input_ids`` and ``labels`` of one conversation: labels on the assistant's tokens (its last turn's only
     with ``last_only``) and IGNORE_INDEX elsewhere."""
     def render(upto: int, prompt: bool) -> str:
-        return tokenizer.apply_chat_template(turns[:upto], tokenize=False, add_generation_prompt=prompt,
-                                             chat_template=template)
+        try:
+            return tokenizer.apply_chat_template(turns[:upto], tokenize=False, add_generation_prompt=prompt,
+                                                 chat_template=template)
+        except Exception as err:  # the template's own refusals (Gemma's "System role not supported") and errors
+            raise DatasetError(f"{where}: the chat template refused this conversation: {err}") from None
 
     whole = render(len(turns), False)
     answers = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
@@ -74,16 +77,24 @@ def encode_chat(turns: list[dict], tokenizer, where: str, template=None, last_on
             raise DatasetError(f"{where}: the chat template renders the turns before assistant turn {index} "
                                "differently once it follows, so its tokens cannot be told apart exactly; use "
                                "--chat_template with a template that only appends")
-        spans.append((len(before), len(through.rstrip())))
-    ids, labels, start = [], [], 0
-    for begin, end in spans:
-        for text, trained in ((whole[start:begin], False), (whole[begin:end], True)):
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-            ids += piece
-            labels += piece if trained else [IGNORE_INDEX] * len(piece)
-        start = end
-    tail = tokenizer(whole[start:], add_special_tokens=False)["input_ids"] if whole[start:] else []
-    return {"input_ids": ids + tail, "labels": labels + [IGNORE_INDEX] * len(tail)}
+        spans.append((len(before), max(len(before), len(through.rstrip()))))
+    return _labelled(whole, spans, tokenizer, where)
+
+
+def _labelled(text: str, spans: list[tuple[int, int]], tokenizer, where: str) -> dict:
+    """``text`` tokenized whole (as the model reads it), each token labelled when it holds any character of a
+    span: where a template's generation prompt ends in a space the answer's first token carries it (" a")."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise DatasetError(f"{where}: --dataset chat_dataset needs a fast tokenizer (its character offsets tell the "
+                           "assistant's tokens apart); load one with tokenizers installed") from None
+    ids, labels = encoded["input_ids"], [IGNORE_INDEX] * len(encoded["input_ids"])
+    for begin, end in (span for span in spans if span[0] < span[1]):  # an empty answer has no token of its own
+        for k, (start, stop) in enumerate(encoded["offset_mapping"]):
+            if start < end and stop > begin:
+                labels[k] = ids[k]
+    return {"input_ids": ids, "labels": labels}
 
 
 def read_template(value: str | None) -> str | None:

@@ -10,16 +10,20 @@ anything iterable; lists or tensors of token ids.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 from leantune.data.records import DatasetError
+from leantune.labels import IGNORE_INDEX
 
 DEFAULT_FUNCTION = "get_custom_dataset"
 TRAIN_SPLIT, VALIDATION_SPLIT = "train", "validation"  # the cookbook's custom_dataset defaults
 
 
+@functools.lru_cache(maxsize=8)  # imported once for both splits
 def dataset_function(spec: str):
     """The function ``FILE.py[:FUNCTION]`` names, imported from that file."""
     path_text, name = spec.rsplit(":", 1) if ":" in spec and not spec.endswith(".py") else (spec, DEFAULT_FUNCTION)
@@ -28,6 +32,7 @@ def dataset_function(spec: str):
         raise DatasetError(f"--custom_dataset.file {spec}: no Python file {path}; give FILE.py or FILE.py:FUNCTION")
     module_spec = importlib.util.spec_from_file_location(f"leantune_custom_dataset_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickling look it up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:  # the user's file: whatever it raises, say where
@@ -45,27 +50,39 @@ def custom_file_examples(spec: str, tokenizer, split: str) -> list[dict]:
     path, function = dataset_function(spec)
     config = SimpleNamespace(dataset="custom_dataset", file=str(path), train_split=TRAIN_SPLIT,
                              test_split=VALIDATION_SPLIT, data_path="")
+    call = f"{path.name}: {function.__name__}(dataset_config, tokenizer, {split!r})"
     try:
         rows = function(config, tokenizer, split)
+        if rows is None:
+            raise DatasetError(f"{call} returned None; return its rows (a list, or a datasets.Dataset)")
+        rows = list(rows)  # a generator or a lazily mapped dataset runs the user's code here
+    except DatasetError:
+        raise
     except Exception as err:
-        raise DatasetError(f"{path.name}: {function.__name__}(dataset_config, tokenizer, {split!r}) failed: "
-                           f"{type(err).__name__}: {err}") from err
-    return [_example(row, f"{path.name} {split} row {index}") for index, row in enumerate(rows)]
+        raise DatasetError(f"{call} failed: {type(err).__name__}: {err}") from err
+    vocab = len(tokenizer)
+    return [_example(row, f"{path.name} {split} row {index}", vocab) for index, row in enumerate(rows)]
 
 
-def _example(row, where: str) -> dict:
+def _example(row, where: str, vocab: int) -> dict:
     if not hasattr(row, "keys") or "input_ids" not in row:
         raise DatasetError(f"{where}: expected a mapping with input_ids (and labels); got "
                            f"{sorted(row.keys()) if hasattr(row, 'keys') else type(row).__name__}")
-    ids = _token_ids(row["input_ids"], where, "input_ids")
-    labels = _token_ids(row["labels"], where, "labels") if "labels" in row else list(ids)
+    ids = _token_ids(row["input_ids"], where, "input_ids", vocab)
+    labels = _token_ids(row["labels"], where, "labels", vocab) if "labels" in row else list(ids)
     if len(labels) != len(ids):
         raise DatasetError(f"{where}: {len(labels)} labels for {len(ids)} input_ids; give one label per token")
     return {"input_ids": ids, "labels": labels, "_source": where}
 
 
-def _token_ids(value, where: str, field: str) -> list[int]:
+def _token_ids(value, where: str, field: str, vocab: int) -> list[int]:
+    """A flat list of ids below ``vocab`` (labels may also be IGNORE_INDEX): checked here, where the file and
+    row can be named, rather than as a device-side assert in the embedding."""
     values = value.tolist() if hasattr(value, "tolist") else value
-    if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise DatasetError(f"{where}: {field} must be a flat list of token ids")
+    bad = [v for v in values if not (0 <= v < vocab or (field == "labels" and v == IGNORE_INDEX))]
+    if bad:
+        raise DatasetError(f"{where}: {field} holds {bad[0]}, outside the tokenizer's {vocab} ids"
+                           + (" (and -100 for no loss)" if field == "labels" else ""))
     return values
