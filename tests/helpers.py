@@ -33,6 +33,15 @@ def gradients(model, ids, labels, loss_fn=causal_lm_loss_sum, seed: int = 123):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def assert_same_gradients(plain, checkpointed) -> None:
+    """One seeded step of each gives exactly equal gradients (float32), for the same non-empty set of weights."""
+    ids, labels = make_batch(plain.config.vocab_size)
+    expected, actual = gradients(plain, ids, labels), gradients(checkpointed, ids, labels)
+    assert expected.keys() == actual.keys() and expected
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
 def activation_bytes(model, ids, labels=None, loss_fn=None) -> tuple[int, int]:
     """(live bytes after the forward, peak over forward+backward) counted by ActivationMeter."""
     meter = ActivationMeter.for_model(model)

@@ -15,7 +15,7 @@ from leantune.cli_args import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 
-from helpers import activation_bytes, gradients, make_batch, with_lora
+from helpers import activation_bytes, assert_same_gradients, gradients, make_batch, with_lora
 
 POLICIES = {
     "full": lambda: FullCheckpointing(),
@@ -40,11 +40,7 @@ def _pair(load_tiny, use_lora):
 def test_every_mode_gives_exactly_the_plain_gradients(load_tiny, use_lora, mode):
     plain, checkpointed = _pair(load_tiny, use_lora)
     apply_activation_checkpointing(checkpointed, POLICIES[mode]())
-    ids, labels = make_batch(plain.config.vocab_size)
-    expected, actual = gradients(plain, ids, labels), gradients(checkpointed, ids, labels)
-    assert expected.keys() == actual.keys() and expected
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name
+    assert_same_gradients(plain, checkpointed)
 
 
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full-ft", "lora"])

@@ -25,7 +25,7 @@ from leantune.planning.flops import count_token_flops
 from leantune.planning.measure import profiled_peak_bytes
 from leantune.precision import choose_precision
 
-from helpers import gradients, make_batch, with_lora
+from helpers import assert_same_gradients, gradients, make_batch, with_lora
 from test_checkpointing_modes import POLICIES
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -130,11 +130,7 @@ def test_every_checkpointing_mode_gives_the_gradients_of_none(tiny_model_dir, mo
     """float32 compute: exactly equal, as without quantization."""
     plain, checkpointed = (with_lora(_loaded_base(tiny_model_dir)) for _ in range(2))
     apply_activation_checkpointing(checkpointed, POLICIES[mode]())
-    ids, labels = make_batch(plain.config.vocab_size)
-    expected, actual = gradients(plain, ids, labels), gradients(checkpointed, ids, labels)
-    assert expected.keys() == actual.keys() and expected
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name
+    assert_same_gradients(plain, checkpointed)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective_ops", "every_n"])

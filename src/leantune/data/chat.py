@@ -111,8 +111,11 @@ def encode_chats(records: list[dict], tokenizer, source, template: str | None = 
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DatasetError(f"--dataset chat_dataset: the tokenizer ({tokenizer.name_or_path}) has no chat template; "
                            "pass one with --chat_template FILE.jinja (or the template's text)")
-    return [encode_chat(conversation(record, f"{source}:{record.get('_line', '?')}"), tokenizer,
-                        f"{source}:{record.get('_line', '?')}", template, last_only) for record in records]
+    examples = []
+    for record in records:
+        where = f"{source}:{record.get('_line', '?')}"
+        examples.append(encode_chat(conversation(record, where), tokenizer, where, template, last_only))
+    return examples
 
 
 def alpaca_as_chat(record: dict) -> dict:

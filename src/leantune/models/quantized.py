@@ -10,6 +10,7 @@ and their quantization state are what bitsandbytes makes, not a formula.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from typing import Optional
@@ -152,9 +153,10 @@ def fake_quantized_weight(weight: torch.nn.Parameter, fake, fake_mode) -> torch.
     return param
 
 
+@functools.cache
 def _warm_code_books(bnb) -> None:
     # quantize_4bit builds its 8-bit code book (double quantization) with .tolist(), which a fake
-    # tensor cannot answer; one real call caches it, and every later call, fake ones too, reuses it.
+    # tensor cannot answer; one real call a process caches it, and every later call, fake ones too, reuses it.
     bnb.functional.quantize_4bit(torch.zeros(64, 64), compress_statistics=True)
 
 
