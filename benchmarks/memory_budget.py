@@ -94,14 +94,15 @@ def run_flags(args, model_dir: Path, mode: str, output_dir: Path) -> list[str]:
 
 
 def full_rows(cfg: RunConfig) -> list[dict]:
-    """The bundled dataset in leantune's prompt format, packed; only full rows, so every step has batch x context tokens."""
+    """The bundled dataset in leantune's prompt format, packed concatenated (both tools then see the same rows, with
+    no position ids); only full rows, so every step has batch x context tokens."""
     from leantune.data import build_datasets
-    from leantune.data.batching import pack
+    from leantune.data.packing import pack_concatenated
     from leantune.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     train, _ = build_datasets(cfg.data, tokenizer, cfg.training.seed)
-    packed = pack(train, cfg.data.context_length, tokenizer.pad_token_id)
+    packed = pack_concatenated(train, cfg.data.context_length, tokenizer.pad_token_id)
     keys = ("input_ids", "labels", "attention_mask")
     return [{key: row[key] for key in keys} for row in packed if all(row["attention_mask"])]
 

@@ -61,6 +61,8 @@ FLAG_VALUES = {
     "custom_dataset_file": (["--dataset", "custom_dataset", "--custom_dataset_file", "d.py"],
                             {"custom_dataset_file": "d.py"}),
     "batching_strategy": (["--batching_strategy", "padding"], {"batching_strategy": "padding"}),
+    "packed_examples": (["--packed_examples", "concatenated"], {"packed_examples": "concatenated"}),
+    "overlong_examples": (["--overlong_examples", "drop"], {"overlong_examples": "drop"}),
     "context_length": (["--context_length", "128"], {"context_length": 128}),
     "val_fraction": (["--val_fraction", "0.2"], {"val_fraction": 0.2}),
     "num_workers_dataloader": (["--num_workers_dataloader", "0"], {"num_workers_dataloader": 0}),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leantune.config import DataConfig
-from leantune.data import IGNORE_INDEX, build_datasets, format_prompt, make_dataloader, split_records
-from leantune.data.batching import pack, truncate
+from leantune.data import IGNORE_INDEX, build_datasets, format_prompt, make_dataloader, make_rows, split_records
+from leantune.data.packing import fit_to_context, pack_concatenated
 from leantune.data.formats import encode_alpaca, encode_custom, encode_pair
 from leantune.data.records import DatasetError, read_records
 from leantune.data.synthetic import ASSET_PATH, generate
@@ -84,9 +84,9 @@ def test_split_is_seeded_and_disjoint():
     assert split_records(records, 0.0, seed=3)[1] == []
 
 
-def test_packing_fills_rows_and_keeps_the_tail():
+def test_concatenated_packing_fills_rows_and_keeps_the_tail():
     examples = [{"input_ids": list(range(1, 8)), "labels": list(range(1, 8))}] * 3  # 21 tokens
-    blocks = pack(examples, context_length=8, pad_id=0)
+    blocks = pack_concatenated(examples, context_length=8, pad_id=0)
     assert [len(b["input_ids"]) for b in blocks] == [8, 8, 8]
     assert blocks[-1]["attention_mask"] == [1] * 5 + [0] * 3
     assert blocks[-1]["labels"][-3:] == [IGNORE_INDEX] * 3
@@ -95,14 +95,15 @@ def test_packing_fills_rows_and_keeps_the_tail():
 def test_truncation_drops_examples_without_targets():
     keep = {"input_ids": [1, 2, 3, 4], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, 4]}
     lose = {"input_ids": [1, 2, 3, 4], "labels": [IGNORE_INDEX] * 3 + [4]}
-    assert truncate([keep, lose], context_length=3) == [{"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX] * 2 + [3],
-                                                         "sources": [0]}]
+    kept, fitting = fit_to_context([keep, lose], context_length=3)
+    assert kept == [{"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX] * 2 + [3], "sources": [0]}]
+    assert (fitting.cut, fitting.prompt_fills, fitting.targets_lost) == (1, 1, 2)
 
 
 def test_padding_loader_pads_to_the_longest_in_batch():
     examples = [{"input_ids": [5] * n, "labels": [5] * n} for n in (3, 9, 4, 8)]
-    loader = make_dataloader(examples, strategy="padding", batch_size=2, context_length=16, pad_id=0,
-                             shuffle=False, seed=0)
+    rows, _ = make_rows(examples, strategy="padding", context_length=16, pad_id=0)
+    loader = make_dataloader(rows, strategy="padding", batch_size=2, pad_id=0, shuffle=False, seed=0)
     batches = list(loader)
     assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 4), (2, 9)]  # similar lengths grouped
     assert batches[0]["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
@@ -111,8 +112,8 @@ def test_padding_loader_pads_to_the_longest_in_batch():
 
 def test_packing_loader_shuffles_per_epoch_with_a_seed():
     examples = [{"input_ids": [i] * 4, "labels": [i] * 4} for i in range(1, 9)]
-    loader = make_dataloader(examples, strategy="packing", batch_size=2, context_length=4, pad_id=0,
-                             shuffle=True, seed=1)
+    rows, _ = make_rows(examples, strategy="packing", context_length=4, pad_id=0)
+    loader = make_dataloader(rows, strategy="packing", batch_size=2, pad_id=0, shuffle=True, seed=1)
     first = [b["input_ids"][:, 0].tolist() for b in loader]
     again = [b["input_ids"][:, 0].tolist() for b in loader]
     loader.batch_sampler.set_epoch(1)

@@ -60,27 +60,31 @@ def test_loss_falls_on_the_bundled_data(tiny_model_dir, tokenizer, tmp_path):
     # The untrained tiny model is close to uniform over its vocabulary: loss ln(2048) = 7.62.
     assert results["first_loss"] == pytest.approx(math.log(len(tokenizer)), abs=0.15)
     assert results["last_loss"] < results["first_loss"] - 2.0, results
-    # Not just the last batch: the held-out validation split (never trained on) improved as much.
-    assert results["epochs"][0]["val_loss"] < results["first_loss"] - 2.0, results
+    # Not just the last batch: the held-out validation split (never trained on) improved nearly as much.
+    assert results["epochs"][0]["val_loss"] < results["first_loss"] - 1.75, results
 
 
-# Recorded from this configuration (full fine-tuning, lr 3e-3, 12 optimizer steps of 2 batches) on
-# CPU, float32, 2 threads (AVX512 kernels), from the plain run. The loss falls clearly (7.60 -> 5.97),
-# so a change in data order, loss normalisation, initialisation or optimizer shows up here first.
-RECORDED_LOSSES = [7.602627, 7.395796, 7.22809, 7.151184, 7.015286, 6.921575,
-                   6.760586, 6.791876, 6.596211, 6.459106, 6.151296, 5.970889]
+# Recorded from this configuration (full fine-tuning, lr 3e-3, 12 optimizer steps of 2 batches, rows of
+# examples packed apart) on CPU, float32, 2 threads (AVX512 kernels), from the plain run. The loss falls
+# clearly (7.63 -> 6.28), so a change in data order, loss normalisation, initialisation, optimizer or
+# packing shows up here first. (Packed concatenated it fell faster, 7.60 -> 5.97: each short answer
+# could copy from the examples before it in the row, context it never has when it is used alone.)
+RECORDED_LOSSES = [7.630104, 7.42794, 7.226014, 7.030596, 7.050832, 7.03464,
+                   6.862356, 6.563455, 6.532889, 6.625148, 6.381588, 6.2761]
 # The gradient norm before each optimizer step (float32, 8 significant digits). AdamW's update is
 # nearly invariant to a constant scale of the gradients, so the losses alone barely notice a
 # gradient 10x too large (1.7e-5 after 12 steps); its norm is 10x off from the first step.
-RECORDED_GRAD_NORMS = [2.7501032, 3.3321645, 2.8969562, 2.968472, 2.4808555, 2.7606783,
-                       2.4481959, 2.7100236, 2.3635588, 2.5042365, 2.750489, 5.0094972]
+RECORDED_GRAD_NORMS = [3.3139799, 3.2534337, 2.5959249, 3.1330633, 2.3781428, 2.1441109,
+                       2.4889514, 2.6326382, 2.4173954, 2.459866, 2.3621249, 2.3996582]
 # Tolerances from measurement: every case below, run with 1 and 2 threads and with the AVX512, AVX2
 # (ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2) and SSE4.2 kernels, stays within 1.22e-6
 # of the recorded losses and within 3.8e-6 (relative; 1.9e-5 absolute at step 12's norm of 5.0)
 # of the recorded gradient norms. Reruns on one machine with one thread count are bit-identical,
 # the plain-loss cases equal to each other to the last digit, the chunked-loss cases within
 # 1.22e-6 (loss) and 3e-6 (relative, norm) of the plain run on the same machine: float32 rounding.
-# About 4x and 5x that margin:
+# Measured again when rows became examples packed apart (plain and full checkpointing; 1 thread,
+# AVX2, default kernels): within 1.0e-6 (loss) and 2.2e-7 (relative, norm). About 4x and 5x the
+# larger margin:
 LOSS_TOL = 5e-6
 GRAD_NORM_RTOL = 2e-5
 
@@ -110,10 +114,10 @@ def test_seeded_run_matches_recorded_losses(tiny_model_dir, tmp_path, flags):
     grad_norms = [s["grad_norm"] for s in metrics["train_steps"]]
     assert grad_norms == pytest.approx(RECORDED_GRAD_NORMS, rel=GRAD_NORM_RTOL, abs=0)
     assert losses == pytest.approx(RECORDED_LOSSES, rel=0, abs=LOSS_TOL)
-    assert losses[0] - losses[-1] > 1.5  # it really trains
+    assert losses[0] - losses[-1] > 1.2  # it really trains
     step = metrics["train_steps"][0]
     assert {"loss", "grad_norm", "step_time_s", "tokens_per_s", "cpu_rss_mib", "lr", "target_tokens"} <= step.keys()
-    assert step["input_tokens"] == 2 * 4 * 128  # two batches of 4 x 128 per optimizer step
+    assert step["input_tokens"] == 959  # two batches of 4 x 128 per optimizer step, less the rows' padding
 
 
 def _logits(model, ids):

@@ -247,12 +247,14 @@ def test_flex_attention_needs_a_gpu(family_dir, tmp_path, capsys, no_weights):
 
 def test_the_plan_shows_what_eager_attention_keeps(family_dir):
     """Eager attention keeps every layer's batch x heads x seq x seq probabilities for backward; SDPA keeps its
-    output and log-sum-exp instead (here 14% of the scores' size)."""
+    output and log-sum-exp instead (here 14% of the scores' size). Rows packed concatenated: SDPA on its causal
+    path, with no mask (packing apart adds one to both)."""
     batch, seq = 2, 64
     peaks = {}
     for attention in ("sdpa", "eager"):
         cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--use_peft", "--batch_size_training",
-                                str(batch), "--context_length", str(seq), "--attn_implementation", attention])
+                                str(batch), "--context_length", str(seq), "--attn_implementation", attention,
+                                "--packed_examples", "concatenated"])
         peaks[attention] = trace_step(cfg, run_model_facts(cfg.model).config, CPU, "none").peak_bytes
     scores = TEST_SHAPE["num_hidden_layers"] * batch * TEST_SHAPE["num_attention_heads"] * seq * seq * 4
     assert peaks["eager"] - peaks["sdpa"] >= 0.8 * scores
@@ -314,4 +316,5 @@ def test_two_ranks_give_the_losses_of_one_process_on_other_families(family_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) == 3
-    assert two == pytest.approx(one, rel=0, abs=DIST_LOSS_TOL)
+    # these strong heads give losses of 20-30: float32 rounding of the sharded sums is 1e-7 of that
+    assert two == pytest.approx(one, rel=1e-6, abs=DIST_LOSS_TOL)

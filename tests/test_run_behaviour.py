@@ -35,7 +35,7 @@ def train(base_flags):
         lines: list[str] = []
         cfg = parse_run_config([*base_flags, "--output_dir", str(out), *flags])
         results = finetuning.run(cfg, log=lines.append)
-        assert any(line.endswith("2 batches of 5 x 128 (packing) per epoch") for line in lines), lines[0]
+        assert any(line.endswith("2 batches of 5 x 128 (packing, examples apart) per epoch") for line in lines), lines[0]
         return results, lines
 
     return run

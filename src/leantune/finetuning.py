@@ -39,6 +39,7 @@ from leantune.report.flops import TokenFlops, device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.loop import Trainer, TrainingParts
 from leantune.training.optim import build_scheduler
+from leantune.training.packing_check import check_examples_kept_apart
 from leantune.training.state import TrainingStateStore, check_compatible, load_weights, read_state
 from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped,
                                         StopRequest, TrainingInterrupted)
@@ -78,6 +79,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     log(describe_loss(loss_model.loss_fn))
     if dist.distributed:
         shard(loss_model, cfg, dist, device, precision, log)
+    if cfg.data.packs_apart:
+        log(check_examples_kept_apart(loss_model, precision, sharded=dist.distributed))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
     predicted = predicted_peak(memory, facts.config, device, log, traces)
     peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)

@@ -7,43 +7,56 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 from __future__ import annotations
 
 from leantune.config import RunConfig
-from leantune.data import DatasetError, build_datasets, make_dataloader
-from leantune.data.batching import NothingToLearn
+from leantune.data import DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 
 
 class RunData:
-    """The run's tokenized examples (read once; a bad record is a ``DatasetError`` here, before any weight loads)."""
+    """The run's tokenized examples (read once; a bad record is a ``DatasetError`` here, before any weight loads)
+    and their rows (made once per split: what fitting them into the context cut is said once)."""
 
     def __init__(self, cfg: RunConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS):
         self.train_examples, self.val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed,
                                                                 validation=cfg.training.run_validation)
         self.pad_id, self.log, self.dist = tokenizer.pad_token_id, log, dist
+        self._rows: dict[str, list] = {}
 
     def loaders(self, cfg: RunConfig):
         """(train loader, validation loader or None) at ``cfg``'s batch sizes; a split with nothing to learn is
         a ``DatasetError``."""
-        common = dict(strategy=cfg.data.batching_strategy, context_length=cfg.data.context_length,
-                      pad_id=self.pad_id, seed=cfg.training.seed, num_workers=cfg.data.num_workers_dataloader,
-                      rank=self.dist.rank, world_size=self.dist.world_size)
-        source = data_source(cfg)
-        try:
-            train_loader = make_dataloader(self.train_examples, batch_size=cfg.training.batch_size_training,
-                                           shuffle=True, **common)
-        except NothingToLearn as err:
-            raise DatasetError(f"{source}: training split: {err}") from None
+        common = dict(strategy=cfg.data.batching_strategy, pad_id=self.pad_id, seed=cfg.training.seed,
+                      num_workers=cfg.data.num_workers_dataloader, rank=self.dist.rank,
+                      world_size=self.dist.world_size)
+        train_loader = make_dataloader(self.rows(cfg, "training"), batch_size=cfg.training.batch_size_training,
+                                       shuffle=True, **common)
         val_loader = None
         if self.val_examples and cfg.training.run_validation:
-            try:
-                val_loader = make_dataloader(self.val_examples, batch_size=cfg.training.val_batch_size,
-                                             shuffle=False, **common)
-            except NothingToLearn as err:
-                raise DatasetError(f"{source}: validation split: {err} (or --run_validation false)") from None
+            val_loader = make_dataloader(self.rows(cfg, "validation"), batch_size=cfg.training.val_batch_size,
+                                         shuffle=False, **common)
+        packed = cfg.data.batching_strategy == "packing"
+        how = f"packing, examples {cfg.data.packed_examples}" if packed else cfg.data.batching_strategy
         self.log(f"data: {cfg.data.dataset} from {data_source(cfg, bundled='bundled instructions')}: "
                  f"{len(self.train_examples)} train / {len(self.val_examples)} validation examples, "
                  f"{len(train_loader)} batches of {cfg.training.batch_size_training} x {cfg.data.context_length} "
-                 f"({cfg.data.batching_strategy}) per epoch")
+                 f"({how}) per epoch")
         return train_loader, val_loader
+
+    def rows(self, cfg: RunConfig, split: str) -> list:
+        """The split's rows (``make_rows``), made on first use; what fitting cut is logged then."""
+        if split not in self._rows:
+            examples = self.train_examples if split == "training" else self.val_examples
+            data = cfg.data
+            try:
+                self._rows[split], fitting = make_rows(
+                    examples, strategy=data.batching_strategy, context_length=data.context_length,
+                    pad_id=self.pad_id, packed_examples=data.packed_examples, overlong=data.overlong_examples)
+            except NothingToLearn as err:
+                hint = " (or --run_validation false)" if split == "validation" else ""
+                raise DatasetError(f"{data_source(cfg)}: {split} split: {err}{hint}") from None
+            note = fitting.note(data.context_length, data.overlong_examples)
+            if note:
+                self.log(f"data: {split} split: {note}")
+        return self._rows[split]
 
 
 def data_source(cfg: RunConfig, bundled: str = "the bundled dataset") -> str:

@@ -26,10 +26,23 @@ class DataConfig:
         "get_custom_dataset) takes (dataset_config, tokenizer, split) and returns rows of input_ids and labels; "
         "called with split 'train' and, for validation, 'validation'."))
     batching_strategy: Literal["packing", "padding"] = field(default="packing", metadata=_help(
-        "packing: fill every row with context_length tokens; padding: one example per row, padded."))
+        "packing: several examples a row of context_length tokens (see --packed_examples); padding: one example "
+        "a row, padded to the longest in the batch."))
+    packed_examples: Literal["apart", "concatenated"] = field(default="apart", metadata=_help(
+        "packing: apart: whole examples share a row but each attends only to itself, its positions from 0, so it "
+        "has the loss it has alone; concatenated: llama-cookbook's packing: examples joined and cut into rows under "
+        "one causal mask (an example sees the unrelated ones before it, and one may be split over two rows)."))
+    overlong_examples: Literal["truncate", "drop"] = field(default="truncate", metadata=_help(
+        "An example longer than context_length (packing apart, padding): truncate: its end is cut; drop: it is "
+        "left out. Either way the run says how many, and how many target tokens were lost."))
     context_length: int = field(default=2048, metadata=_help("Tokens per row (packing) or the truncation length."))
     val_fraction: float = field(default=0.05, metadata=_help("Fraction of records held out for validation."))
     num_workers_dataloader: int = field(default=1, metadata=_help("DataLoader worker processes (0: in-process)."))
+
+    @property
+    def packs_apart(self) -> bool:
+        """Rows hold several examples, each attending only to itself (position ids restart at each)."""
+        return self.batching_strategy == "packing" and self.packed_examples == "apart"
 
     def __post_init__(self):
         _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
@@ -42,6 +55,8 @@ class DataConfig:
                  "conflicts with --data_path (each names the data); drop one")
         _require(custom or not self.custom_dataset_file, "custom_dataset.file",
                  f"applies to --dataset custom_dataset, not {self.dataset}; add --dataset custom_dataset")
+        _require(self.packed_examples == "apart" or self.batching_strategy == "packing", "packed_examples",
+                 f"applies to --batching_strategy packing, not {self.batching_strategy}; drop it")
         for flag, changed in (("chat_template", self.chat_template is not None),
                               ("assistant_turns", self.assistant_turns != "all")):
             _require(not changed or self.dataset == "chat_dataset", flag,

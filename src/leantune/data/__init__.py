@@ -11,12 +11,14 @@ from leantune.data.batching import make_dataloader
 from leantune.data.chat import alpaca_as_chat, encode_chats, read_template
 from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
 from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, format_prompt
+from leantune.data.packing import Fitting, NothingToLearn, make_rows
 from leantune.data.records import DatasetError, read_records
 from leantune.data.synthetic import ASSET_PATH
 
 ENCODERS = {"alpaca_dataset": encode_alpaca, "custom_dataset": encode_custom}
 
-__all__ = ["DatasetError", "IGNORE_INDEX", "build_datasets", "format_prompt", "make_dataloader", "split_records"]
+__all__ = ["DatasetError", "Fitting", "IGNORE_INDEX", "NothingToLearn", "build_datasets", "format_prompt",
+           "make_dataloader", "make_rows", "split_records"]
 
 
 def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, list]:

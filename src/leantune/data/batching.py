@@ -1,8 +1,7 @@
-"""Packing and padding batching strategies, as DataLoaders over tokenized examples."""
+"""Batches of rows (``leantune.data.packing``): the collator, the samplers and the DataLoader."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import random
 from typing import Sequence
@@ -10,55 +9,7 @@ from typing import Sequence
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from leantune.data.formats import IGNORE_INDEX
-
-Example = dict[str, list[int]]
-
-
-def pack(examples: Sequence[Example], context_length: int, pad_id: int) -> list[Example]:
-    """Concatenate examples into blocks of exactly ``context_length`` tokens.
-
-    The tail that does not fill a block is kept and padded, so a small dataset never packs down
-    to nothing; its padding is masked out of attention and loss. Each block's ``sources`` names
-    the examples it holds tokens of (``_source``), so a bad batch can be traced to its records.
-    """
-    ids = [t for ex in examples for t in ex["input_ids"]]
-    labels = [t for ex in examples for t in ex["labels"]]
-    ends = list(itertools.accumulate(len(ex["input_ids"]) for ex in examples))
-    blocks = []
-    for start in range(0, len(ids), context_length):
-        block_ids, block_labels = ids[start:start + context_length], labels[start:start + context_length]
-        block = _pad_to({"input_ids": block_ids, "labels": block_labels}, context_length, pad_id)
-        first = bisect.bisect_right(ends, start)
-        last = bisect.bisect_left(ends, start + len(block_ids))
-        block["sources"] = [_source(examples, i) for i in range(first, min(last, len(examples) - 1) + 1)]
-        blocks.append(block)
-    return [b for b in blocks if any(t != IGNORE_INDEX for t in b["labels"][1:])]
-
-
-def truncate(examples: Sequence[Example], context_length: int) -> list[Example]:
-    """Cut examples to ``context_length`` and drop those left with no response token to learn."""
-    kept = []
-    for index, ex in enumerate(examples):
-        cut = {key: ex[key][:context_length] for key in ("input_ids", "labels")}
-        if any(t != IGNORE_INDEX for t in cut["labels"][1:]):
-            cut["sources"] = [_source(examples, index)]
-            kept.append(cut)
-    return kept
-
-
-def _source(examples: Sequence[Example], index: int):
-    """Where example ``index`` came from: its record's line (``_source``), else its position."""
-    return examples[index].get("_source", index)
-
-
-def _pad_to(example: Example, length: int, pad_id: int) -> Example:
-    missing = length - len(example["input_ids"])
-    return {
-        "input_ids": example["input_ids"] + [pad_id] * missing,
-        "labels": example["labels"] + [IGNORE_INDEX] * missing,
-        "attention_mask": [1] * len(example["input_ids"]) + [0] * missing,
-    }
+from leantune.data.packing import Example, pad_to
 
 
 class PaddingCollator:
@@ -70,9 +21,10 @@ class PaddingCollator:
     def __call__(self, batch: list[Example]) -> dict[str, torch.Tensor]:
         longest = max(len(ex["input_ids"]) for ex in batch)
         padded = [ex if "attention_mask" in ex and len(ex["input_ids"]) == longest
-                  else _pad_to(ex, longest, self.pad_id) for ex in batch]
-        tensors = {key: torch.tensor([ex[key] for ex in padded], dtype=torch.long)
-                   for key in ("input_ids", "labels", "attention_mask")}
+                  else pad_to(ex, longest, self.pad_id) for ex in batch]
+        # packed apart, every row has position ids of full length; other rows have none
+        keys = ("input_ids", "labels", "attention_mask", *(("position_ids",) if "position_ids" in batch[0] else ()))
+        tensors = {key: torch.tensor([ex[key] for ex in padded], dtype=torch.long) for key in keys}
         return {**tensors, "sources": [ex.get("sources", []) for ex in batch]}
 
 
@@ -164,44 +116,24 @@ class ResumableBatches(Sampler[list[int]]):
         return len(self.batches)
 
 
-def make_dataloader(examples: Sequence[Example], *, strategy: str, batch_size: int, context_length: int,
-                    pad_id: int, shuffle: bool, seed: int, num_workers: int = 0, rank: int = 0,
-                    world_size: int = 1) -> DataLoader:
-    """A DataLoader yielding ``input_ids``/``labels``/``attention_mask`` batches.
+def make_dataloader(rows: Sequence[Example], *, strategy: str, batch_size: int, pad_id: int, shuffle: bool,
+                    seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """A DataLoader yielding ``input_ids``/``labels``/``attention_mask`` (and ``position_ids``) batches of ``rows``
+    (``leantune.data.packing.make_rows``).
 
-    ``packing`` fills every row with ``context_length`` tokens; ``padding`` keeps examples whole
-    (truncated to ``context_length``) and groups similar lengths so little compute goes to pads.
-    With several ranks, ``batch_size`` is per rank and each rank gets its disjoint part of every
-    global batch (``RankShard``), the same on every rank for a given seed.
+    Packed rows come in a seeded shuffle; with ``padding``, similar lengths are batched together
+    so little compute goes to pads. With several ranks, ``batch_size`` is per rank and each rank
+    gets its disjoint part of every global batch (``RankShard``), the same on every rank for a
+    given seed.
     """
     global_batch = batch_size * world_size
-    if strategy == "packing":
-        items = pack(examples, context_length, pad_id)
-        sampler = ShuffledBatchSampler(len(items), global_batch, shuffle, seed)
-    elif strategy == "padding":
-        items = truncate(examples, context_length)
-        sampler = LengthGroupedBatchSampler([len(ex["input_ids"]) for ex in items], global_batch, shuffle, seed)
+    if strategy == "padding":
+        sampler = LengthGroupedBatchSampler([len(ex["input_ids"]) for ex in rows], global_batch, shuffle, seed)
     else:
-        raise ValueError(f"unknown batching strategy {strategy!r}; use 'packing' or 'padding'")
-    if not items:
-        raise NothingToLearn(_nothing_to_learn(examples, context_length))
+        sampler = ShuffledBatchSampler(len(rows), global_batch, shuffle, seed)
     if world_size > 1:
         sampler = RankShard(sampler, rank, world_size)
     # Its own generator: creating an epoch's iterator then draws no number from the global RNG,
     # so a run resumed mid-epoch sees the same random stream (dropout) as one never stopped.
-    return DataLoader(items, batch_sampler=ResumableBatches(sampler), collate_fn=PaddingCollator(pad_id),
+    return DataLoader(rows, batch_sampler=ResumableBatches(sampler), collate_fn=PaddingCollator(pad_id),
                       num_workers=num_workers, persistent_workers=False, generator=torch.Generator().manual_seed(seed))
-
-
-class NothingToLearn(ValueError):
-    """No example keeps a response token within the context length."""
-
-
-def _nothing_to_learn(examples: Sequence[Example], context_length: int) -> str:
-    if not examples:
-        return "no examples"
-    prompts = [next((i for i, t in enumerate(ex["labels"]) if t != IGNORE_INDEX), len(ex["labels"]))
-               for ex in examples]
-    return (f"every one of the {len(examples)} examples has its prompt fill --context_length {context_length} "
-            f"(shortest prompt: {min(prompts)} tokens), so no response token is left to learn from; "
-            f"raise --context_length above {min(prompts) + 1} or shorten the prompts")

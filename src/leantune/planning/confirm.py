@@ -13,6 +13,7 @@ import torch
 
 from leantune.builders.step import loss_model_for
 from leantune.config import ConfigError, RunConfig
+from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.structure import unwrap_model
 from leantune.planning.choose import MemoryPlan
@@ -41,9 +42,10 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -
                  if cfg.training.optimizer_in_backward else [])
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                ids = torch.randint(0, vocab, (batch, cfg.data.context_length), device=device)
+                rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
                 with StepPeakMeter(device, model) as meter:
-                    loss_and_backward(loss_model, ids, ids, precision)
+                    loss_and_backward(loss_model, rows["input_ids"], rows["labels"], precision,
+                                      position_ids=rows.get("position_ids"))
                 return meter.budget_bytes_used
         finally:
             for hook in hooks:

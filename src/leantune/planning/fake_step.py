@@ -32,6 +32,7 @@ from leantune.builders.model import prepare_model
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
+from leantune.data.packing import full_rows_batch
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
@@ -270,10 +271,9 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:
-    """A batch of full rows (packing; also padding's longest batch), every position a target."""
-    shape = (cfg.training.batch_size_training, cfg.data.context_length)
-    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(shape, dtype=torch.long)}
+    """A batch of full rows (packing; also padding's longest batch), every position a target, with the position
+    ids (and so the attention mask) of examples packed apart when the run packs them so."""
+    return full_rows_batch(cfg.training.batch_size_training, cfg.data.context_length, vocab, cfg.data.packs_apart)
 
 
 class FlopCountingTracker(StorageTracker):

@@ -33,7 +33,7 @@ from leantune.report.loggers import MetricLoggers
 from leantune.training import lines
 from leantune.training.outputs import MemorySnapshot, RunOutputs, summarise
 from leantune.training.state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
-from leantune.training.step import StepResult, TrainStep, host_floats
+from leantune.training.step import StepResult, TrainStep, host_floats, model_inputs
 from leantune.training.stopping import NoStopRequest, OutOfMemory, TrainingInterrupted
 
 # Memory fields copied from the monitor's record into each step's metrics.
@@ -163,8 +163,7 @@ class Trainer:
                 if limit and index >= limit:
                     break
                 with self.parts.precision.autocast():
-                    loss_total += self.step.loss_model(batch["input_ids"].to(self.device),
-                                                       batch["labels"].to(self.device)).float()
+                    loss_total += self.step.loss_model(*model_inputs(batch, self.device)).float()
                 targets += count_targets(batch["labels"])
         finally:
             if self.dist.distributed:

@@ -41,15 +41,25 @@ class StepResult:
         return self.input_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
 
 
-def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor,
+                   position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Final hidden states of the decoder, without the LM head (the loss applies it).
 
-    No attention mask is passed: batches are right-padded and attention is causal, so real tokens
-    never see the padding, and padded positions carry no loss. Skipping the mask keeps SDPA on
-    its fused causal path and avoids building a batch x seq x seq mask.
+    No attention mask is passed. Rows of one example are right-padded and attention is causal, so
+    real tokens never see the padding, and padded positions carry no loss; skipping the mask keeps
+    SDPA on its fused causal path. Rows of examples packed apart come with ``position_ids`` that
+    restart at each example: from those, transformers builds the mask that keeps each example to
+    itself. Its flash-attention path reads them as variable-length sequences of one flat row only,
+    so for it the batch is passed as one row (the positions still restart at each row's start).
     """
     decoder = unwrap_model(model).get_decoder()
-    return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    if position_ids is None:
+        return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    rows = input_ids.shape
+    if decoder.config._attn_implementation == "flash_attention_2":
+        input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
+    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    return hidden.reshape(*rows, hidden.shape[-1])
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -65,23 +75,26 @@ class CausalLMLoss(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = forward_hidden(self.model, input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = forward_hidden(self.model, input_ids, position_ids)
         return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
 
 
 def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                       precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
-                      after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+                      after_forward: Optional[Callable[[], None]] = None,
+                      position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The training step's forward and backward of one batch; returns its summed loss, detached.
 
     Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
     is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
     is called once the loss exists and before backward, when what is alive is exactly what
     backward will need: the benchmark and the example read their activation meter there.
+    ``position_ids``: the rows' own, when examples are packed apart.
     """
     with precision.autocast():
-        loss_sum = loss_model(input_ids, labels)  # its activations are referenced by the graph alone
+        loss_sum = loss_model(input_ids, labels, position_ids)  # its activations are referenced by the graph alone
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -97,6 +110,13 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
     assert lm_head is unwrap_model(model).get_output_embeddings(), "the loss applies the model's own LM head"
     return loss_and_backward(CausalLMLoss(model, loss_fn), input_ids, labels, precision, scaler, normaliser,
                              after_forward)
+
+
+def model_inputs(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``."""
+    positions = batch.get("position_ids")
+    return (batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True),
+            None if positions is None else positions.to(device, non_blocking=True))
 
 
 def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
@@ -209,10 +229,9 @@ class TrainStep:
 
     def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
-        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
+        input_ids, labels, positions = model_inputs(batch, self.device)
         return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
-                                 normaliser=normaliser)
+                                 normaliser=normaliser, position_ids=positions)
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
         """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.
