@@ -52,8 +52,8 @@ def throughput(flags: list[str], steps: int, warmup: int) -> dict:
     with contextlib.ExitStack() as stack:
         trainer = build_trainer(cfg, stack, log=lambda _line: None)
         rows = trainer.train_loader.dataset
-        real = sum(sum(row["attention_mask"]) if "attention_mask" in row else len(row["input_ids"]) for row in rows)
-        slots = sum(len(row["input_ids"]) for row in rows)
+        masks = [batch["attention_mask"] for batch in trainer.train_loader]  # padding pads each batch to its longest
+        real, slots = sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks)
         windows = endless_windows(trainer)
         for _ in range(warmup):
             trainer.train_step(next(windows))
