@@ -31,7 +31,7 @@ import torch
 
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import build_trainer
-from leantune.models.presets import model_config
+from leantune.models.facts import plan_model_facts
 from leantune.planning.plan import MIB, plan_modes
 
 WAYS = {"apart": ["--batching_strategy", "packing", "--packed_examples", "apart"],
@@ -72,20 +72,23 @@ def throughput(flags: list[str], steps: int, warmup: int) -> dict:
 
 def planned_peaks(flags: list[str], model: str, target: torch.device) -> dict:
     cfg = parse_run_config(["--model_name", model, *flags])
-    plans = plan_modes(cfg, model_config(model), target, ["none", "full"])
+    config = plan_model_facts(cfg.model, target.type).config  # with the run's attention implementation
+    plans = plan_modes(cfg, config, target, ["none", "full"])
     return {plan.mode: plan.peak_bytes / MIB for plan in plans}
 
 
 def measure(args) -> dict:
     base = ["--model_name", args.model_name, "--batch_size_training", str(args.batch_size), "--context_length",
-            str(args.context_length), "--dataset", args.dataset, "--enable_activation_checkpointing"]
+            str(args.context_length), "--dataset", args.dataset, "--enable_activation_checkpointing",
+            "--attn_implementation", args.attention]
     gpu = ["--use_peft", "--batch_size_training", "4", "--context_length", "2048", "--device", "cuda"]
     record = {"cpu_flags": base, "steps": args.steps, "ways": {}}
     for way, flags in WAYS.items():
         entry = throughput([*base, *flags], args.steps, args.warmup)
         entry["planned_cpu_mib"] = planned_peaks([*base[2:], *flags], "tiny" if args.model_name.startswith(
             "leantune-tiny") else args.model_name, torch.device("cpu"))
-        entry["planned_gpu_1b_mib"] = planned_peaks([*gpu, *flags], "Llama-3.2-1B", torch.device("cuda"))
+        entry["planned_gpu_1b_mib"] = planned_peaks([*gpu, *flags, "--attn_implementation", args.attention],
+                                                    "Llama-3.2-1B", torch.device("cuda"))
         entry["gpu_measured"] = None  # left for a device run
         record["ways"][way] = entry
         print(f"  measured {way}", flush=True)
@@ -106,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_name", default="leantune-tiny-llama")
     parser.add_argument("--dataset", default="alpaca_dataset", choices=["alpaca_dataset", "chat_dataset"])
+    parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "eager"])
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--context_length", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)

@@ -129,3 +129,10 @@ def test_an_empty_answer_adds_no_token_the_template_does_not_render(tokenizer):
     assert tokenizer.decode(example["input_ids"]) == rendered
     # the empty answer trains nothing; the prompt's trailing space rides on the next answer's first token
     assert tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX]) == " a"
+
+
+def test_a_template_that_renders_no_assistant_token_is_refused_by_record(tokenizer):
+    users_only = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ message['content'] }}\n"
+                  "{% endif %}{% endfor %}")
+    with pytest.raises(DatasetError, match="chat.jsonl:3: the chat template leaves the assistant no token to learn"):
+        encode_chats([CHAT], tokenizer, "chat.jsonl", template=users_only)

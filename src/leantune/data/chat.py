@@ -78,7 +78,11 @@ def encode_chat(turns: list[dict], tokenizer, where: str, template=None, last_on
                                "differently once it follows, so its tokens cannot be told apart exactly; use "
                                "--chat_template with a template that only appends")
         spans.append((len(before), max(len(before), len(through.rstrip()))))
-    return _labelled(whole, spans, tokenizer, where)
+    example = _labelled(whole, spans, tokenizer, where)
+    if all(label == IGNORE_INDEX for label in example["labels"][1:]):
+        raise DatasetError(f"{where}: the chat template leaves the assistant no token to learn (it renders nothing "
+                           "for the assistant's turns, or they are empty); fix the record or pass --chat_template")
+    return example
 
 
 def _labelled(text: str, spans: list[tuple[int, int]], tokenizer, where: str) -> dict:
