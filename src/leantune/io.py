@@ -10,6 +10,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def leantune_home() -> Path:
+    """Where leantune keeps what it makes for itself (``$LEANTUNE_HOME``, else ``~/.cache/leantune``)."""
+    return Path(os.environ.get("LEANTUNE_HOME", Path.home() / ".cache" / "leantune"))
+
+
+@contextmanager
+def atomic_file(path: str | Path):
+    """Yield a temporary path beside ``path`` to write; on success it is renamed over ``path``, else removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_json(path: str | Path, data) -> None:
     """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
     atomic_write_text(path, json.dumps(data, indent=2))

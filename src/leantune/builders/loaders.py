@@ -7,7 +7,7 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 from __future__ import annotations
 
 from leantune.config import RunConfig
-from leantune.data import DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
+from leantune.data import HUB_DATASETS, DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 
 
@@ -17,7 +17,7 @@ class RunData:
 
     def __init__(self, cfg: RunConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS):
         self.train_examples, self.val_examples = build_datasets(cfg.data, tokenizer, cfg.training.seed,
-                                                                validation=cfg.training.run_validation)
+                                                                validation=cfg.training.run_validation, log=log)
         self.pad_id, self.log, self.dist = tokenizer.pad_token_id, log, dist
         self._rows: dict[str, list] = {}
 
@@ -61,4 +61,5 @@ class RunData:
 
 def data_source(cfg: RunConfig, bundled: str = "the bundled dataset") -> str:
     """Where the run's records come from, as its messages name it (``bundled``: the bundled set's name)."""
-    return cfg.data.data_path or cfg.data.custom_dataset_file or bundled
+    hub = HUB_DATASETS.get(cfg.data.dataset)
+    return cfg.data.data_path or cfg.data.custom_dataset_file or (f"{hub} (the hub)" if hub else bundled)

@@ -8,19 +8,40 @@ from typing import Literal, Optional
 from leantune.config.checks import _help, _require
 
 
+def parse_column_map(spec: Optional[str]) -> dict[str, str]:
+    """``--column_map FIELD=COLUMN,...`` as ``{field: column}`` (``ValueError`` with the expected form)."""
+    if not spec:
+        return {}
+    pairs = [part.strip().split("=") for part in spec.split(",") if part.strip()]
+    if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise ValueError(f"expected FIELD=COLUMN pairs separated by commas (e.g. instruction=question,"
+                         f"output=answer), got {spec!r}")
+    return {field.strip(): column.strip() for field, column in pairs}
+
+
 @dataclass
 class DataConfig:
-    dataset: Literal["alpaca_dataset", "custom_dataset", "chat_dataset"] = field(default="alpaca_dataset", metadata=_help(
+    dataset: Literal["alpaca_dataset", "custom_dataset", "chat_dataset", "samsum_dataset"] = field(
+        default="alpaca_dataset", metadata=_help(
         "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
         "custom_dataset: {prompt, completion} or {text} records from --data_path, or llama-cookbook's Python "
         "dataset file (--custom_dataset.file); chat_dataset: {messages: [{role, content}]} or ShareGPT "
         "{conversations: [{from, value}]} records in the tokenizer's chat template, the loss on the assistant's "
-        "turns (the bundled set as one-question chats without --data_path)."))
+        "turns (the bundled set as one-question chats without --data_path); samsum_dataset: llama-cookbook's "
+        "{dialogue, summary} records, the loss on the summary (its hub dataset without --data_path)."))
     chat_template: Optional[str] = field(default=None, metadata=_help(
         "chat_dataset: a Jinja chat template (a file, or its text) to use instead of the tokenizer's."))
     assistant_turns: Literal["all", "last"] = field(default="all", metadata=_help(
         "chat_dataset: the assistant turns the loss is on: every one, or the last of each conversation."))
-    data_path: Optional[str] = field(default=None, metadata=_help("A JSON or JSONL file of records."))
+    data_path: Optional[str] = field(default=None, metadata=_help(
+        "The records: a JSON or JSONL file, a parquet or CSV file, a directory datasets' save_to_disk wrote, or a "
+        "Hugging Face hub dataset name (its train split; needs the network the first time)."))
+    column_map: Optional[str] = field(default=None, metadata=_help(
+        "FIELD=COLUMN,...: read each field the dataset kind expects (e.g. instruction, output; prompt, completion; "
+        "messages) from the source's column of another name."))
+    dataset_cache: bool = field(default=True, metadata=_help(
+        "Keep the tokenized examples in $LEANTUNE_HOME/datasets (default ~/.cache/leantune/datasets), keyed by the "
+        "data files, the tokenizer and the data flags, so the next run does not tokenize them again."))
     custom_dataset_file: Optional[str] = field(default=None, metadata=_help(
         "llama-cookbook's --custom_dataset.file FILE.py[:FUNCTION]: a Python file whose FUNCTION (default "
         "get_custom_dataset) takes (dataset_config, tokenizer, split) and returns rows of input_ids and labels; "
@@ -48,6 +69,10 @@ class DataConfig:
         _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
         _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
         _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
+        try:
+            parse_column_map(self.column_map)
+        except ValueError as err:
+            _require(False, "column_map", str(err))
         custom = self.dataset == "custom_dataset"
         _require(not custom or bool(self.data_path or self.custom_dataset_file), "data_path",
                  "custom_dataset needs data: pass --data_path FILE.jsonl, or --custom_dataset.file FILE.py")

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import functools
 import random
-from pathlib import Path
+from typing import Callable, Optional
 
 from leantune.config import DataConfig
+from leantune.config.data import parse_column_map
 from leantune.data.batching import make_dataloader
 from leantune.data.chat import alpaca_as_chat, encode_chats, read_template
+from leantune.data.cache import cache_dir, cache_key, cached_examples, tokenizer_fingerprint
 from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
-from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, format_prompt
+from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, encode_samsum, format_prompt
 from leantune.data.packing import Fitting, NothingToLearn, make_rows
-from leantune.data.records import DatasetError, read_records
+from leantune.data.records import DatasetError
+from leantune.data.sources import Source, locate, read_source, rename_columns
 from leantune.data.synthetic import ASSET_PATH
 
-ENCODERS = {"alpaca_dataset": encode_alpaca, "custom_dataset": encode_custom}
+ENCODERS = {"alpaca_dataset": encode_alpaca, "custom_dataset": encode_custom, "samsum_dataset": encode_samsum}
+# llama-cookbook's datasets by name, without --data_path: read from the hub (when online)
+HUB_DATASETS = {"samsum_dataset": "knkarthick/samsum"}
 
 __all__ = ["DatasetError", "Fitting", "IGNORE_INDEX", "NothingToLearn", "build_datasets", "format_prompt",
            "make_dataloader", "make_rows", "split_records"]
@@ -32,8 +37,9 @@ def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, 
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = True) -> tuple[list, list]:
-    """Tokenized (train, validation) examples for ``cfg.dataset``.
+def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = True,
+                   log: Optional[Callable[[str], None]] = None) -> tuple[list, list]:
+    """Tokenized (train, validation) examples for ``cfg.dataset`` (``log``: told when they come from the cache).
 
     A cookbook dataset file gives both splits itself: its ``validation`` split is asked for only with
     ``validation`` (the run validates) and a ``--val_fraction`` above 0, whose value it does not use."""
@@ -42,20 +48,46 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
         train = custom_file_examples(file, tokenizer, TRAIN_SPLIT)
         wanted = validation and cfg.val_fraction > 0
         return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if wanted else []
-    source = Path(cfg.data_path) if cfg.data_path else ASSET_PATH
-    records = read_records(source)
+    source = data_source(cfg)
+    records, fingerprint = read_source(source) if source.kind == "hub" else (None, None)
+    encode = functools.partial(_encode, cfg, tokenizer, source, records)
+    if not cfg.dataset_cache:
+        return split_records(encode(), cfg.val_fraction, seed)
+    key = cache_key({"source": source.identity() or fingerprint, "dataset": cfg.dataset, "columns": cfg.column_map,
+                     "template": read_template(cfg.chat_template), "turns": cfg.assistant_turns,
+                     "tokenizer": tokenizer_fingerprint(tokenizer)})
+    examples, hit = cached_examples(key, encode)
+    if hit and log is not None:
+        log(f"data: {len(examples)} tokenized examples of {source.name} from the cache ({cache_dir()}; "
+            "--no_dataset_cache tokenizes again)")
+    return split_records(examples, cfg.val_fraction, seed)
+
+
+def data_source(cfg: DataConfig) -> Source:
+    """Where ``cfg``'s records are: ``--data_path``, llama-cookbook's hub dataset for its name, or the bundled set."""
+    if cfg.data_path:
+        return locate(cfg.data_path)
+    if cfg.dataset in HUB_DATASETS:
+        return Source(HUB_DATASETS[cfg.dataset], "hub")
+    return Source(str(ASSET_PATH), "records")
+
+
+def _encode(cfg: DataConfig, tokenizer, source: Source, records: Optional[list]) -> list:
+    """Every record of ``source`` encoded (read first unless given); what is wrong inside one is said before
+    counting problems, as every record is encoded before the split."""
+    if records is None:
+        records, _ = read_source(source)
+    records = rename_columns(records, parse_column_map(cfg.column_map), source.name)
     encode = ENCODERS.get(cfg.dataset)
     if cfg.dataset == "chat_dataset":
         records = records if cfg.data_path else [alpaca_as_chat(r) for r in records]
         encode = functools.partial(encode_chats, template=read_template(cfg.chat_template),
                                    last_only=cfg.assistant_turns == "last")
-    # every record encoded before the split: what is wrong inside one is said before counting problems
-    examples = _with_sources(encode(records, tokenizer, source), records, source)
-    return split_records(examples, cfg.val_fraction, seed)
+    return _with_sources(encode(records, tokenizer, source.location), records, source.name)
 
 
-def _with_sources(examples: list, records: list, source: Path) -> list:
+def _with_sources(examples: list, records: list, name: str) -> list:
     """Each example names its record (``file:line``), so a bad batch can be traced to the data."""
     for example, record in zip(examples, records):
-        example["_source"] = f"{source.name}:{record.get('_line', '?')}"
+        example["_source"] = f"{name}:{record.get('_line', '?')}"
     return examples

@@ -81,3 +81,17 @@ def encode_custom(records: list[dict], tokenizer, source: str | Path) -> list[di
                 f"found {keys}"
             )
     return examples
+
+
+def samsum_prompt(dialogue: str) -> str:
+    """llama-cookbook's samsum prompt, ending where the summary starts."""
+    return f"Summarize this dialog:\n{dialogue}\n---\nSummary:\n"
+
+
+def encode_samsum(records: list[dict], tokenizer, source: str | Path) -> list[dict[str, list[int]]]:
+    """``{"dialogue", "summary"}`` records (llama-cookbook's samsum_dataset), the loss on the summary."""
+    examples = []
+    for record in records:
+        require_fields(record, ("dialogue", "summary"), source)
+        examples.append(encode_pair(tokenizer, samsum_prompt(record["dialogue"]), record["summary"]))
+    return examples

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from leantune.data.formats import format_prompt
 from leantune.data.synthetic import generate
+from leantune.io import leantune_home
 
 TINY_VERSION = "v1"
 PAD, BOS, EOS = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"
@@ -47,11 +48,6 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>\n{{ message['content'] | trim }}"
     "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<assistant>\n{% endif %}")
-
-
-def leantune_home() -> Path:
-    """Where leantune keeps what it builds for itself (``$LEANTUNE_HOME``, else ``~/.cache/leantune``)."""
-    return Path(os.environ.get("LEANTUNE_HOME", Path.home() / ".cache" / "leantune"))
 
 
 def default_model_dir() -> Path:
