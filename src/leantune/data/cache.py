@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -61,8 +62,12 @@ def cached_examples(key: str, encode: Callable[[], list[dict]], directory: Path 
         except Exception:  # noqa: BLE001 - a truncated or foreign file: made again below
             pass
     examples = encode()
-    with atomic_file(path) as tmp:
-        torch.save(_pack(examples), tmp)
+    try:
+        with atomic_file(path) as tmp:
+            torch.save(_pack(examples), tmp)
+    except OSError as err:  # a read-only or full home: the run goes on, tokenizing again next time
+        warnings.warn(f"the tokenized examples could not be cached in {path.parent} ({err}); --no_dataset_cache "
+                      "skips the cache", stacklevel=2)
     return examples, False
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -94,8 +95,10 @@ def _load_table(source: Source):
             table = datasets.load_from_disk(source.location)
         elif source.kind == "hub":
             table = datasets.load_dataset(source.location)
-        else:
-            table = datasets.load_dataset(source.kind, data_files=source.location)
+        else:  # held in memory, its Arrow copy in a scratch directory: nothing left in the Hugging Face cache
+            with tempfile.TemporaryDirectory(prefix="leantune-read-") as scratch:
+                table = datasets.load_dataset(source.kind, data_files=source.location, split="train",
+                                              cache_dir=scratch, keep_in_memory=True)
     except ConnectionError:
         raise DatasetError(f"--data_path {source.location}: not a local file or directory, and the Hugging Face hub "
                            "cannot be reached to load it as a dataset (offline); load it once while online "

@@ -45,7 +45,7 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # the same run, so it is refused. Others (epochs, step limit, logging, saving) may change.
 TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "from_peft_checkpoint", "lora_r",
                     "lora_alpha", "lora_dropout", "lora_target_modules", "dataset", "data_path",
-                    "custom_dataset_file", "chat_template", "assistant_turns", "batching_strategy",
+                    "custom_dataset_file", "column_map", "chat_template", "assistant_turns", "batching_strategy",
                     "packed_examples", "overlong_examples", "context_length", "val_fraction", "batch_size_training",
                     "gradient_accumulation_steps", "seed",
                     "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
