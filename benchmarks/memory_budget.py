@@ -83,7 +83,8 @@ def run_flags(args, model_dir: Path, mode: str, output_dir: Path) -> list[str]:
     """The leantune flags of one configuration (``auto``: mode and batch chosen for the budget)."""
     flags = ["--model_name", str(model_dir), "--device", args.device, "--context_length", str(args.context_length),
              "--num_workers_dataloader", "0", "--run_validation", "false", "--save_model", "false",
-             "--seed", str(args.seed), "--output_dir", str(output_dir)]
+             "--seed", str(args.seed), "--output_dir", str(output_dir),
+             "--packed_examples", "concatenated"]  # the rows full_rows feeds both tools: planned as they run
     flags += ["--use_peft"] if args.kind == "lora" else []
     if mode == "auto":
         flags += ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto", "--auto_batch_size",

@@ -137,7 +137,10 @@ def test_flash_attention_gets_the_batch_as_one_flat_row():
 
 
 def test_the_run_checks_that_its_model_keeps_examples_apart(load_tiny, monkeypatch):
-    loss_model = CausalLMLoss(load_tiny())
+    model = load_tiny()
+    for layer in model.model.layers:  # heavy dropout: the check must run in eval mode to see equal losses
+        layer.self_attn.attention_dropout = 0.5
+    loss_model = CausalLMLoss(model)
     precision = FLOAT32
     line = check_examples_kept_apart(loss_model, precision)
     assert "examples kept apart in LlamaForCausalLM's sdpa attention" in line and loss_model.training
@@ -207,3 +210,42 @@ def test_a_run_says_what_fitting_the_context_cut(tiny_model_dir, tmp_path, write
             "(--overlong_examples truncate keeps their start); ") in printed
     with pytest.raises(ConfigError, match="packed_examples: applies to --batching_strategy packing"):
         parse_run_config(["--batching_strategy", "padding", "--packed_examples", "concatenated"])
+
+
+def test_a_state_saved_before_packing_apart_resumes_only_as_it_packed(tmp_path):
+    """A state from before --packed_examples packed concatenated: resuming it with the new default is refused."""
+    from leantune.training.state import check_compatible
+
+    def state_of(*flags):
+        flat = parse_run_config(list(flags)).flat()
+        del flat["packed_examples"]  # saved before the flag existed
+        return {"config": flat, "progress": {"batches_seen": 2}}
+
+    with pytest.raises(ConfigError, match="--packed_examples 'concatenated' -> 'apart'"):
+        check_compatible(state_of(), parse_run_config([]), tmp_path)
+    check_compatible(state_of(), parse_run_config(["--packed_examples", "concatenated"]), tmp_path)
+    padded = ["--batching_strategy", "padding"]
+    check_compatible(state_of(*padded), parse_run_config(padded), tmp_path)  # padding: nothing to tell apart
+
+
+def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_dir, tmp_path, monkeypatch):
+    """Every forward of a packed-apart run's rows gets their position ids: training, validation, the batch check."""
+    from leantune.planning import confirm
+
+    calls = []
+    original = CausalLMLoss.forward
+
+    def recording(self, input_ids, labels, position_ids=None):
+        calls.append((torch.is_grad_enabled(), input_ids.shape[1], position_ids is not None))
+        return original(self, input_ids, labels, position_ids)
+
+    monkeypatch.setattr(CausalLMLoss, "forward", recording)
+    assert finetuning.main(["--model_name", str(tiny_model_dir), "--context_length", "64", "--max_train_step", "2",
+                            "--num_epochs", "1", "--max_eval_step", "1", "--num_workers_dataloader", "0",
+                            "--save_model", "false", "--output_dir", str(tmp_path)]) == 0
+    rows = [(training, packed) for training, length, packed in calls if length == 64]  # training: with gradients
+    assert (True, True) in rows and (False, True) in rows and all(packed for _, packed in rows)
+    cfg = parse_run_config(["--context_length", "32"])
+    calls.clear()
+    confirm.confirm_step(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, FLOAT32)(2)
+    assert calls == [(True, 32, True)]

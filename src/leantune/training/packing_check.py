@@ -4,10 +4,12 @@ Packing apart relies on transformers building, from position ids that restart, a
 each example attending to the others in its row. A model class whose forward does not pass the
 positions to its mask builder, or an attention path that ignores them, would train silently on
 cross-example context. So the run's own model, in the run's precision and attention, runs a batch
-of two rows, each an example packed after another, twice with different earlier examples: the
-later examples' loss must not move (masked-out keys contribute exact zeros, so it is bit-equal in
-practice), and must be the loss they have alone in rows of their own (up to rounding: other shapes
-take other kernels). Eight small forwards without gradients; the model's RNG is not touched.
+of two rows, each an example packed after another, twice: once after a copy of itself (a model
+that sees it could copy it, and a trained one would, dropping its loss sharply) and once after
+random tokens. The later examples' loss must not move (masked-out keys contribute exact zeros, so
+it is bit-equal when they are kept apart; a leak moved it 1e-3 to 1e-2 on random tiny models), and
+must be their loss alone in rows of their own (up to rounding: other shapes take other kernels).
+Three small forwards without gradients, in eval mode (no dropout); the model's RNG is not touched.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from leantune.models.structure import unwrap_model
 from leantune.precision import Precision
 
 EXAMPLE_TOKENS = 12
-# relative differences: the earlier example must not matter at all; positions restarting must
-# reproduce the example alone up to half-precision rounding of a 12-token loss
-ISOLATION_TOLERANCE = 1e-3
+# relative differences: the earlier example must not matter at all (0 measured when kept apart); positions
+# restarting must reproduce the example alone up to half-precision rounding of a 12-token loss
+ISOLATION_TOLERANCE = 1e-4
 ALONE_TOLERANCE = 2e-2
 
 
@@ -39,7 +41,7 @@ def check_examples_kept_apart(loss_model: torch.nn.Module, precision: Precision,
     model = unwrap_model(loss_model.model)
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    earlier, other, later = (torch.randint(0, vocab, (2, EXAMPLE_TOKENS), generator=generator) for _ in range(3))
+    other, later = (torch.randint(0, vocab, (2, EXAMPLE_TOKENS), generator=generator) for _ in range(2))
     restart = torch.arange(EXAMPLE_TOKENS).repeat(2, 2)
     # the later example's first token is never a target alone, so not here either (as packing apart masks it)
     targets_later = torch.cat([torch.full_like(later, IGNORE_INDEX), later], dim=1)
@@ -54,7 +56,7 @@ def check_examples_kept_apart(loss_model: torch.nn.Module, precision: Precision,
                     reshard(loss_model)
                 return value
 
-            packed = loss(torch.cat([earlier, later], 1), targets_later, restart)
+            packed = loss(torch.cat([later, later], 1), targets_later, restart)  # after a copy of itself
             packed_other = loss(torch.cat([other, later], 1), targets_later, restart)
             alone = loss(later, later, restart[:, :EXAMPLE_TOKENS])
     finally:

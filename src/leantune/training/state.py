@@ -176,12 +176,22 @@ def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 
                           "continue exactly with another limit. Resume an earlier checkpoint-STEP, or keep the limit")
     # a flag newer than the saved state: that run had its default (e.g. no --optimizer: AdamW)
     defaults = RunConfig().flat()
-    was = {name: saved.get(name, defaults[name]) for name in TRAJECTORY_FLAGS}
+    was = {name: saved_value(saved, name, defaults) for name in TRAJECTORY_FLAGS}
     changed = [f"--{name} {was[name]!r} -> {now[name]!r}" for name in TRAJECTORY_FLAGS
                if _normal(was[name]) != _normal(now[name])]
     if changed:
         raise ConfigError(f"--resume_from_checkpoint {path}: these flags differ from the saved run, so it could not "
                           f"continue exactly: {'; '.join(changed)}. Pass the saved values (see {path / STATE_FILE})")
+
+
+def saved_value(saved: dict, name: str, defaults: dict):
+    """A flag's value in a saved run's config; for a flag newer than the state, what that run did: the default,
+    except that packing was llama-cookbook's concatenation until --packed_examples came (apart makes other rows)."""
+    if name in saved:
+        return saved[name]
+    if name == "packed_examples" and saved.get("batching_strategy", "packing") == "packing":
+        return "concatenated"
+    return defaults[name]
 
 
 def _normal(value):
