@@ -96,40 +96,103 @@ def test_samsum_reads_dialogues_and_learns_the_summary(tokenizer, write_jsonl):
 
 
 def test_tokenized_examples_come_from_the_cache_until_the_data_or_tokenizer_change(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))  # an empty cache
     path = tmp_path / "data.parquet"
-    datasets.Dataset.from_list(ALPACA).to_parquet(str(path))
-    config, lines = DataConfig(data_path=str(path), val_fraction=0.1), []
+    rows = [{"question": r["instruction"], "output": r["output"]} for r in ALPACA]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    config, lines = DataConfig(data_path=str(path), val_fraction=0.1, column_map="instruction=question"), []
     first = build_datasets(config, tokenizer, seed=0, log=lines.append)
-    assert not lines and len(list(cache_dir().glob("*.pt"))) >= 1
+    assert not lines and len(list(cache_dir().glob("*.pt"))) == 1
 
     def refuse(*args):
         raise AssertionError("tokenized again")
 
     monkeypatch.setitem(data_module.ENCODERS, "alpaca_dataset", refuse)
+    monkeypatch.setitem(data_module.ENCODERS, "custom_dataset", refuse)
     assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first
     assert lines == [f"data: 10 tokenized examples of data.parquet from the cache ({cache_dir()}; "
                      "--no_dataset_cache tokenizes again)"]
-    other = copy.deepcopy(tokenizer)
-    other.chat_template = "{{ messages }}"
-    for changed in (lambda: build_datasets(config, other, seed=0),  # another tokenizer
-                    lambda: build_datasets(DataConfig(data_path=str(path), dataset_cache=False), tokenizer, 0)):
+    templated, more_words = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    templated.chat_template = "{{ messages }}"
+    more_words.add_tokens(["zqxjk"])
+    changes = {"another chat template": lambda: build_datasets(config, templated, seed=0),
+               "another vocabulary": lambda: build_datasets(config, more_words, seed=0),
+               "another column map": lambda: build_datasets(
+                   DataConfig(data_path=str(path), column_map="instruction=output,output=question"), tokenizer, 0),
+               "another dataset kind": lambda: build_datasets(
+                   DataConfig(dataset="custom_dataset", data_path=str(path), column_map="prompt=question,"
+                              "completion=output"), tokenizer, 0),
+               "no cache": lambda: build_datasets(
+                   DataConfig(data_path=str(path), column_map="instruction=question", dataset_cache=False),
+                   tokenizer, 0)}
+    for change, run in changes.items():
         with pytest.raises(AssertionError, match="tokenized again"):
-            changed()
+            run()
+            pytest.fail(f"{change}: served from the cache")
     with monkeypatch.context() as patched:  # leantune's encoding code changed
         patched.setattr(cache_module, "code_fingerprint", lambda: "another version")
         with pytest.raises(AssertionError, match="tokenized again"):
             build_datasets(config, tokenizer, seed=0)
-    datasets.Dataset.from_list(ALPACA[:9]).to_parquet(str(path))  # the data changed
+    datasets.Dataset.from_list(rows[:9]).to_parquet(str(path))  # the data changed
     with pytest.raises(AssertionError, match="tokenized again"):
         build_datasets(config, tokenizer, seed=0)
 
 
-def test_an_unreadable_cache_file_is_made_again(tokenizer, write_jsonl):
+def test_an_unreadable_cache_file_is_made_again_and_an_unwritable_cache_warns(tokenizer, write_jsonl, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
     config = DataConfig(data_path=str(write_jsonl(ALPACA)), val_fraction=0.1)
     first = build_datasets(config, tokenizer, seed=0)
-    for cached in cache_dir().glob("*.pt"):
-        cached.write_bytes(b"not a cache file")
-    assert build_datasets(config, tokenizer, seed=0) == first
+    (cached,) = cache_dir().glob("*.pt")
+    cached.write_bytes(b"not a cache file")
+    lines = []
+    assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first and not lines  # made again
+    assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first and len(lines) == 1  # and read
+    monkeypatch.setattr(cache_module.torch, "save", lambda *args: (_ for _ in ()).throw(RuntimeError("disk full")))
+    cached.unlink()
+    with pytest.warns(UserWarning, match="could not be cached"):
+        assert build_datasets(config, tokenizer, seed=0) == first
+    assert not list(cache_dir().iterdir())  # no half-written file
+
+
+def test_reading_parquet_leaves_nothing_in_the_hugging_face_cache(tokenizer, tmp_path, monkeypatch):
+    hf_cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_cache)
+    datasets.Dataset.from_list(ALPACA).to_parquet(str(tmp_path / "data.parquet"))
+    build_datasets(no_cache(data_path=str(tmp_path / "data.parquet")), tokenizer, seed=0)
+    assert not hf_cache.exists() or not any(hf_cache.rglob("*"))
+
+
+def test_csv_rows_are_checked_and_excel_files_read(tokenizer, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,completion\nsay 1,one\nsay hi 2, please,ok\n")
+    with pytest.raises(DatasetError, match=r"bad.csv:row 2: 3 fields where the header has 2 \(quote a field"):
+        build_datasets(no_cache(dataset="custom_dataset", data_path=str(bad)), tokenizer, seed=0)
+    excel = tmp_path / "EXCEL.TSV"
+    excel.write_bytes("\ufeffprompt\tcompletion\n".encode() + "".join(f"say {i}\t{i}\n" for i in range(6)).encode())
+    train, val = build_datasets(no_cache(dataset="custom_dataset", data_path=str(excel)), tokenizer, seed=0)
+    assert len(train) + len(val) == 6
+    twice = tmp_path / "twice.csv"
+    twice.write_text("prompt,prompt\na,b\n")
+    with pytest.raises(DatasetError, match="twice.csv: column.* prompt named twice"):
+        build_datasets(no_cache(dataset="custom_dataset", data_path=str(twice)), tokenizer, seed=0)
+
+
+def test_a_mistyped_local_path_is_never_looked_up_on_the_hub(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    for name in ("data/train", "train.txt", "data.arrow"):
+        with pytest.raises(DatasetError, match=f"dataset file not found: {name}"):
+            build_datasets(no_cache(data_path=name), tokenizer, seed=0)
+
+
+def test_column_map_names_only_fields_the_dataset_reads():
+    with pytest.raises(ConfigError, match="--column_map: instrucion: not a field alpaca_dataset reads; its fields "
+                                          "are instruction, input, output"):
+        parse_run_config(["--column_map", "instrucion=question"])
+    with pytest.raises(ConfigError, match="--column_map: a field or column is named twice"):
+        parse_run_config(["--column_map", "output=a,output=b"])
 
 
 def test_a_run_trains_on_a_save_to_disk_directory(tiny_model_dir, tmp_path, capsys):

@@ -8,15 +8,28 @@ from typing import Literal, Optional
 from leantune.config.checks import _help, _require
 
 
-def parse_column_map(spec: Optional[str]) -> dict[str, str]:
-    """``--column_map FIELD=COLUMN,...`` as ``{field: column}`` (``ValueError`` with the expected form)."""
+# The fields each dataset kind reads from a record: what --column_map may map a column to.
+FIELDS = {"alpaca_dataset": ("instruction", "input", "output"), "custom_dataset": ("prompt", "completion", "text"),
+          "chat_dataset": ("messages", "conversations"), "samsum_dataset": ("dialogue", "summary")}
+
+
+def parse_column_map(spec: Optional[str], dataset: Optional[str] = None) -> dict[str, str]:
+    """``--column_map FIELD=COLUMN,...`` as ``{field: column}`` (``ValueError`` with the expected form; with
+    ``dataset``, also for a field that kind does not read or a field or column named twice)."""
     if not spec:
         return {}
-    pairs = [part.strip().split("=") for part in spec.split(",") if part.strip()]
+    pairs = [[name.strip() for name in part.split("=")] for part in spec.split(",") if part.strip()]
     if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise ValueError(f"expected FIELD=COLUMN pairs separated by commas (e.g. instruction=question,"
                          f"output=answer), got {spec!r}")
-    return {field.strip(): column.strip() for field, column in pairs}
+    fields, columns = [f for f, _ in pairs], [c for _, c in pairs]
+    if len(set(fields)) < len(fields) or len(set(columns)) < len(columns):
+        raise ValueError(f"a field or column is named twice in {spec!r}")
+    unknown = [f for f in fields if dataset in FIELDS and f not in FIELDS[dataset]]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a field {dataset} reads; its fields are "
+                         f"{', '.join(FIELDS[dataset])}")
+    return dict(pairs)
 
 
 @dataclass
@@ -70,9 +83,11 @@ class DataConfig:
         _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
         _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
         try:
-            parse_column_map(self.column_map)
+            parse_column_map(self.column_map, self.dataset)
         except ValueError as err:
             _require(False, "column_map", str(err))
+        _require(not (self.column_map and self.custom_dataset_file), "column_map",
+                 "applies to records read from --data_path, not to --custom_dataset.file (its function makes the rows)")
         custom = self.dataset == "custom_dataset"
         _require(not custom or bool(self.data_path or self.custom_dataset_file), "data_path",
                  "custom_dataset needs data: pass --data_path FILE.jsonl, or --custom_dataset.file FILE.py")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ def code_fingerprint() -> str:
     """A hash of the code that reads and encodes records (this package's modules and the label conventions):
     a changed encoder never reads examples an older one made."""
     here = Path(__file__).parent
-    files = sorted(here.glob("*.py")) + [here.parent / "labels.py"]
+    files = sorted(here.glob("*.py")) + [here.parent / "labels.py", here.parent / "config" / "data.py"]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
@@ -43,8 +44,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     special = [type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
-               getattr(tokenizer, "chat_template", None)]
+               getattr(tokenizer, "chat_template", None), len(tokenizer),
+               # how templates render and text tokenizes may change with these libraries
+               *(_version(package) for package in ("transformers", "tokenizers", "jinja2"))]
     return hashlib.sha256((body + json.dumps(special, default=str)).encode()).hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def cache_key(parts: dict) -> str:
@@ -65,7 +75,7 @@ def cached_examples(key: str, encode: Callable[[], list[dict]], directory: Path 
     try:
         with atomic_file(path) as tmp:
             torch.save(_pack(examples), tmp)
-    except OSError as err:  # a read-only or full home: the run goes on, tokenizing again next time
+    except (OSError, RuntimeError) as err:  # a read-only or full home (torch.save: RuntimeError): the run goes on
         warnings.warn(f"the tokenized examples could not be cached in {path.parent} ({err}); --no_dataset_cache "
                       "skips the cache", stacklevel=2)
     return examples, False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +58,15 @@ def locate(data_path: str) -> Source:
             return Source(data_path, "saved")
         raise DatasetError(f"--data_path {data_path}: a directory, but not one datasets' save_to_disk wrote (no "
                            "state.json or dataset_dict.json); pass a file in it, or the directory save_to_disk wrote")
-    if HUB_NAME.match(data_path) and not data_path.endswith((".json", ".jsonl", *DATASETS_SUFFIXES)):
+    if HUB_NAME.match(data_path) and not _looks_local(path):
         return Source(data_path, "hub")
     raise DatasetError(f"dataset file not found: {data_path} (pass an existing file with --data_path)")
+
+
+def _looks_local(path: Path) -> bool:
+    """A missing path that is a mistyped local one, not a hub name: it has a file suffix, or its first part exists
+    here (``data/train`` beside a ``data`` directory). Such a name is never looked up on the hub."""
+    return bool(path.suffix) or (len(path.parts) > 1 and Path(path.parts[0]).exists())
 
 
 def read_source(source: Source) -> tuple[list[dict], Optional[str]]:
@@ -77,12 +84,30 @@ def read_source(source: Source) -> tuple[list[dict], Optional[str]]:
 
 
 def _read_csv(path: str) -> list[dict]:
-    """A CSV (or TSV) file's rows with every column as text, as JSON would give it: "4" stays a string."""
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f, delimiter="\t" if path.endswith(".tsv") else ","))
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise DatasetError(f"{path}: not a readable UTF-8 CSV file ({err})") from None
+    """A CSV (or TSV) file's rows with every column as text, as JSON would give it: "4" stays a string.
+
+    Excel's byte-order mark is dropped; a row with more fields than the header, a repeated column
+    name and a malformed line are errors naming the row."""
+    csv.field_size_limit(sys.maxsize)  # one long document is a field, not a reason to refuse the file
+    name = Path(path).name
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.lower().endswith(".tsv") else ",")
+        try:
+            header = reader.fieldnames or []
+            repeated = sorted({column for column in header if header.count(column) > 1})
+            if repeated:
+                raise DatasetError(f"{name}: column(s) {', '.join(repeated)} named twice in its header")
+            rows = []
+            for row in reader:
+                if None in row:
+                    raise DatasetError(f"{name}:row {len(rows) + 1}: {len(header) + len(row[None])} fields where the "
+                                       f"header has {len(header)} (quote a field that holds the delimiter)")
+                rows.append(row)
+        except csv.Error as err:
+            raise DatasetError(f"{name}: line {reader.line_num}: malformed CSV ({err})") from None
+        except UnicodeDecodeError:
+            raise DatasetError(f"{name}: line {reader.line_num + 1}: not UTF-8 text; save the file as UTF-8") from None
+    return rows
 
 
 def _load_table(source: Source):
