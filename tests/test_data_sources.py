@@ -204,3 +204,22 @@ def test_a_run_trains_on_a_save_to_disk_directory(tiny_model_dir, tmp_path, caps
                             "--save_metrics", "--output_dir", str(out)])
     assert code == 0 and f"data: alpaca_dataset from {saved}: 38 train / 2 validation examples" in capsys.readouterr().out
     assert len(json.loads((out / "metrics.json").read_text())["train_steps"]) == 2
+
+
+def test_a_hub_dataset_is_keyed_by_its_fingerprint_and_read_once(tokenizer, tmp_path, monkeypatch):
+    from leantune.data import sources
+
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))
+    loads = []
+
+    def hub_copy(source):  # what datasets gives for a hub name it has in its cache
+        loads.append(source.location)
+        return datasets.Dataset.from_list(ALPACA if len(loads) < 3 else ALPACA[:9])
+
+    monkeypatch.setattr(sources, "_load_table", hub_copy)
+    config, lines = DataConfig(data_path="someone/reversals", val_fraction=0.1), []
+    first = build_datasets(config, tokenizer, seed=0)
+    assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first and len(lines) == 1
+    assert loads == ["someone/reversals"] * 2  # once a run, for the fingerprint and the rows alike
+    train, val = build_datasets(config, tokenizer, seed=0, log=lines.append)  # another version on the hub
+    assert len(train) + len(val) == 9 and len(lines) == 1

@@ -49,11 +49,10 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
         wanted = validation and cfg.val_fraction > 0
         return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if wanted else []
     source = data_source(cfg)
-    records, fingerprint = read_source(source) if source.kind == "hub" else (None, None)
-    encode = functools.partial(_encode, cfg, tokenizer, source, records)
+    encode = functools.partial(_encode, cfg, tokenizer, source)
     if not cfg.dataset_cache:
         return split_records(encode(), cfg.val_fraction, seed)
-    key = cache_key({"source": source.identity() or fingerprint, "dataset": cfg.dataset, "columns": cfg.column_map,
+    key = cache_key({"source": source.identity(), "dataset": cfg.dataset, "columns": cfg.column_map,
                      "template": read_template(cfg.chat_template), "turns": cfg.assistant_turns,
                      "tokenizer": tokenizer_fingerprint(tokenizer)})
     examples, hit = cached_examples(key, encode)
@@ -72,12 +71,10 @@ def data_source(cfg: DataConfig) -> Source:
     return Source(str(ASSET_PATH), "records")
 
 
-def _encode(cfg: DataConfig, tokenizer, source: Source, records: Optional[list]) -> list:
-    """Every record of ``source`` encoded (read first unless given); what is wrong inside one is said before
-    counting problems, as every record is encoded before the split."""
-    if records is None:
-        records, _ = read_source(source)
-    records = rename_columns(records, parse_column_map(cfg.column_map), source.name)
+def _encode(cfg: DataConfig, tokenizer, source: Source) -> list:
+    """Every record of ``source`` encoded; what is wrong inside one is said before counting problems, as every
+    record is encoded before the split."""
+    records = rename_columns(read_source(source), parse_column_map(cfg.column_map), source.name)
     encode = ENCODERS.get(cfg.dataset)
     if cfg.dataset == "chat_dataset":
         records = records if cfg.data_path else [alpaca_as_chat(r) for r in records]

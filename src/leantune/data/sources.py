@@ -15,9 +15,9 @@ import hashlib
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from leantune.data.records import DatasetError, read_records
 
@@ -31,17 +31,19 @@ class Source:
 
     location: str
     kind: str  # "records" (JSON/JSONL), "parquet", "csv", "saved" (save_to_disk) or "hub"
+    table: Any = field(default=None, repr=False)  # a hub dataset, once loaded (its fingerprint keys the cache)
 
     @property
     def name(self) -> str:
         """How errors name it: a file's or directory's name, or the hub name."""
         return self.location if self.kind == "hub" else Path(self.location).name
 
-    def identity(self) -> Optional[str]:
-        """What changes when the data changes (path, size and modification time of every file), for the cache;
-        None for a hub name (its fingerprint is known once it is loaded)."""
+    def identity(self) -> str:
+        """What changes when the data changes, for the cache: path, size and modification time of every file, or a
+        hub dataset's fingerprint (loading it from the Hugging Face cache, not reading its rows)."""
         if self.kind == "hub":
-            return None
+            self.table = self.table if self.table is not None else _load_table(self)
+            return self.table._fingerprint
         path = Path(self.location).resolve()
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         stats = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
@@ -69,18 +71,19 @@ def _looks_local(path: Path) -> bool:
     return bool(path.suffix) or (len(path.parts) > 1 and Path(path.parts[0]).exists())
 
 
-def read_source(source: Source) -> tuple[list[dict], Optional[str]]:
-    """The source's records, and for a hub dataset its fingerprint (what the cache keys it by)."""
+def read_source(source: Source) -> list[dict]:
+    """The source's records."""
     if source.kind == "records":
-        return read_records(source.location), None
-    table = _read_csv(source.location) if source.kind == "csv" else _load_table(source)
+        return read_records(source.location)
+    table = (_read_csv(source.location) if source.kind == "csv" else
+             source.table if source.table is not None else _load_table(source))
     records = []
     for index, row in enumerate(table, start=1):
         row["_line"] = f"row {index}"
         records.append(row)
     if not records:
         raise DatasetError(f"{source.name}: no records found")
-    return records, getattr(table, "_fingerprint", None) if source.kind == "hub" else None
+    return records
 
 
 def _read_csv(path: str) -> list[dict]:
