@@ -48,7 +48,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
         train = custom_file_examples(file, tokenizer, TRAIN_SPLIT)
         wanted = validation and cfg.val_fraction > 0
         return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if wanted else []
-    source = data_source(cfg)
+    source = records_source(cfg)
     encode = functools.partial(_encode, cfg, tokenizer, source)
     if not cfg.dataset_cache:
         return split_records(encode(), cfg.val_fraction, seed)
@@ -62,7 +62,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
     return split_records(examples, cfg.val_fraction, seed)
 
 
-def data_source(cfg: DataConfig) -> Source:
+def records_source(cfg: DataConfig) -> Source:
     """Where ``cfg``'s records are: ``--data_path``, llama-cookbook's hub dataset for its name, or the bundled set."""
     if cfg.data_path:
         return locate(cfg.data_path)
