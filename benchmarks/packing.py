@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from monitoring_overhead import endless_windows  # this directory's: the trainer's windows, epoch after epoch
+
 from leantune.cli_args import parse_run_config
 from leantune.finetuning import build_trainer
 from leantune.models.facts import plan_model_facts
@@ -37,11 +39,6 @@ from leantune.planning.plan import MIB, plan_modes
 WAYS = {"apart": ["--batching_strategy", "packing", "--packed_examples", "apart"],
         "concatenated": ["--batching_strategy", "packing", "--packed_examples", "concatenated"],
         "padding": ["--batching_strategy", "padding"]}
-
-
-def endless_windows(trainer):
-    while True:
-        yield from trainer._windows()
 
 
 def throughput(flags: list[str], steps: int, warmup: int) -> dict:

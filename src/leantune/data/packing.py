@@ -159,11 +159,10 @@ def make_rows(examples: Sequence[Example], *, strategy: str, context_length: int
     """The rows a run trains on (``--batching_strategy``, ``--packed_examples``, ``--overlong_examples``) and what
     fitting the examples into the context did."""
     if strategy == "packing" and packed_examples == "concatenated":
-        rows = pack_concatenated(examples, context_length, pad_id)
-        if not rows:
-            raise NothingToLearn(f"none of the {len(examples)} examples has a target token" if examples
-                                 else "no examples")
-        return rows, Fitting(examples=len(examples))
+        rows, fitting = pack_concatenated(examples, context_length, pad_id), Fitting(examples=len(examples))
+        if not rows:  # concatenation keeps every target: none had one
+            raise NothingToLearn(_nothing_to_learn(examples, context_length, fitting))
+        return rows, fitting
     if strategy not in ("packing", "padding") or packed_examples not in ("apart", "concatenated"):
         raise ValueError(f"unknown batching {strategy!r} / {packed_examples!r}; use packing (apart or concatenated) "
                          "or padding")
