@@ -249,3 +249,10 @@ def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_di
     calls.clear()
     confirm.confirm_step(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, FLOAT32)(2)
     assert calls == [(True, 32, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_check_passes_under_half_precision_autocast(load_tiny, dtype):
+    """The GPU defaults' autocast (bf16; fp16 with a GradScaler), on the CPU stand-in: apart is still bit-equal."""
+    precision = Precision(torch.device("cpu"), torch.float32, dtype, dtype == torch.float16, str(dtype))
+    assert "examples kept apart" in check_examples_kept_apart(CausalLMLoss(load_tiny()), precision)
