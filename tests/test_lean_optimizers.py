@@ -6,6 +6,8 @@ import json
 import shutil
 
 import pytest
+
+from leantune.planning.plan import format_bytes
 import torch
 
 from leantune import finetuning
@@ -170,6 +172,12 @@ def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
     assert "--optimizer adamw_8bit" in advice(device="cpu") and "paged" not in advice(device="cpu")
     assert "adamw_8bit" not in advice("--optimizer", "adamw_8bit")
     assert "--optimizer_in_backward" not in advice("--use_peft") and "adamw_8bit" not in advice("--use_peft")
+    # FSDP's host offload, for a full fine-tune on a GPU whose flags FSDP trains with
+    offload = "--enable_fsdp --fsdp_cpu_offload"
+    assert offload in advice() and offload not in advice(device="cpu") and offload not in advice("--use_peft")
+    assert offload not in advice("--optimizer", "adamw_8bit") and offload not in advice("--use_fp16")
+    assert offload not in advice("--enable_fsdp", "--fsdp_cpu_offload")
+    assert offload in advice("--enable_fsdp")  # sharded on the device: the host is the next place
 
 
 # --- --optimizer auto: the first rung of the ladder that fits ----------------------------------------------------
@@ -198,8 +206,27 @@ def test_optimizer_auto_takes_the_first_rung_that_fits_and_says_so():
     assert (tc.optimizer, tc.pure_bf16, tc.optimizer_in_backward) == ("anyprecision", True, True)
     assert chosen.model.model_dtype == "bfloat16"
     assert any(line.startswith("optimizer: auto chose anyprecision, bfloat16 weights") for line in lines)
-    with pytest.raises(ConfigError, match="--optimizer auto: no optimizer fits --memory_budget_gb"):
+    with pytest.raises(ConfigError, match="--optimizer auto: no optimizer fits --memory_budget_gb") as refused:
         choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, min(peaks.values()) - 1, lines.append)
+    assert "--fsdp_cpu_offload" not in str(refused.value)  # on the CPU there is no host to offload to
+
+
+def test_optimizer_auto_names_the_host_offload_with_its_plan_when_no_rung_fits(monkeypatch):
+    from leantune.planning import optimizer_choice
+    from leantune.planning.optimizer_choice import LADDER, choose_optimizer
+    from leantune.planning.per_rank import host_offload_alternative
+
+    monkeypatch.setattr(optimizer_choice, "rungs_for", lambda cfg, device: list(LADDER[:1]))  # AdamW alone: quick
+    argv = ["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
+            "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full", "--optimizer", "auto"]
+    cuda = torch.device("cuda")
+    offloaded = host_offload_alternative(parse_run_config(argv), model_config("small"), cuda)
+    assert offloaded.host_bytes > offloaded.peak_bytes  # the small model's state outweighs one step's activations
+    with pytest.raises(ConfigError) as refused:
+        choose_optimizer(parse_run_config(argv), model_config("small"), cuda, offloaded.peak_bytes, lambda _: None)
+    message = str(refused.value)
+    assert "--enable_fsdp --fsdp_cpu_offload (one process; AdamW, full checkpointing): the GPU needs" in message
+    assert "(fits)" in message and format_bytes(offloaded.host_bytes) in message
 
 
 def test_optimizer_auto_keeps_to_what_the_other_flags_allow():

@@ -362,26 +362,86 @@ def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
 
 def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
     from leantune.planning.cli import main
-    from leantune.planning.plan import gather_bytes, per_rank
+    from leantune.planning.per_rank import per_rank, sharding_shapes
 
     cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
                             "--enable_activation_checkpointing"])
     config = model_config("small")
     whole = plan_modes(cfg, config, CUDA, ["full"])[0]
-    gathered, cache = gather_bytes(cfg, config, CUDA)
-    layer = sum(p.numel() for p in _small_layer_params()) * 2  # bf16 under the GPU's mixed precision
-    assert gathered > 2 * layer and cache == sum(p.numel() for p in _small_params()) * 2  # fp32 weights, bf16 casts
-    shared = per_rank(whole, 4, (gathered, cache))
+    shapes = sharding_shapes(cfg, config, CUDA, 4)
+    layer = sum(p.numel() for p in _small_layer_params())
+    root = sum(p.numel() for p in _small_params()) - config.num_hidden_layers * layer
+    assert shapes.gathered_bytes == (root + 2 * layer) * 2  # bf16 under the GPU's mixed precision
+    assert shapes.layer_in_flight_bytes == -(-layer * 2 // 4)  # the all-gather's input: a quarter of the layer
+    # a unit's gradients: bf16 copied into a float32 buffer of the whole unit, then its float32 quarter
+    assert shapes.root_reduce_bytes == root * (2 + 4) and shapes.layer_reduce_bytes == layer * (2 + 4)
+    shared = per_rank(whole, 4, shapes)
     optimizer = shared.stage_breakdowns["optimizer"]
-    assert shared.optimizer_state_bytes == -(-optimizer["optimizer_state"] // 4)
+    assert shared.optimizer_state_bytes == -(-whole.stage_breakdowns["optimizer"]["optimizer_state"] // 4)
+    assert optimizer["optimizer_state"] == shared.optimizer_state_bytes
     assert shared.peak_bytes < whole.peak_bytes and "per rank of 4" in shared.checkpointing
+    assert shared.host_bytes == shared.pinned_host_bytes == 0  # without offload nothing is planned for the host
     assert main(["--model_name", "small", "--enable_fsdp", "--device", "cuda"]) == 2
     assert "--world_size: with --enable_fsdp" in capsys.readouterr().err
+    assert main(["--model_name", "small", "--world_size", "2", "--device", "cuda"]) == 2
+    assert "--world_size: the processes FSDP shards over; add --enable_fsdp" in capsys.readouterr().err
     assert main(["--model_name", "small", "--enable_fsdp", "--world_size", "4", "--device", "cuda", "--json",
                  "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
                  "--batch_size_training", "1", "--context_length", "128"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["peak_bytes"] == shared.peak_bytes
+
+
+def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
+    """Each rank measures its own peak: the run's prediction is the per-rank plan, not one process's."""
+    from leantune.planning.choose import MemoryPlan, predicted_peak
+    from leantune.planning.per_rank import per_rank, sharding_shapes
+
+    flags = ["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
+             "--enable_activation_checkpointing", "--enable_memory_monitoring"]
+    config = model_config("small")
+    for extra, world in (([], 1), (["--enable_fsdp"], 4), (["--enable_fsdp", "--fsdp_cpu_offload"], 1)):
+        cfg = parse_run_config([*flags, *extra])
+        whole = plan_modes(cfg, config, CUDA, ["full"])[0]
+        expected = whole
+        if extra:
+            offload = "--fsdp_cpu_offload" in extra
+            expected = per_rank(whole, world, sharding_shapes(cfg, config, CUDA, world, offload), offload)
+        predicted = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, world_size=world)
+        assert predicted == expected.traced_peak_bytes + expected.cublas_workspace_bytes
+        assert (predicted < whole.traced_peak_bytes) == bool(extra)
+
+
+def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):
+    """World 1 with --fsdp_cpu_offload: the device holds what is gathered and in flight, the host the rest."""
+    from leantune.planning.cli import main
+    from leantune.planning.per_rank import per_rank, sharding_shapes
+
+    cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
+                            "--enable_activation_checkpointing", "--enable_fsdp", "--fsdp_cpu_offload"])
+    config = model_config("small")
+    whole = plan_modes(cfg, config, CUDA, ["full"])[0]
+    shapes = sharding_shapes(cfg, config, CUDA, 1, cpu_offload=True)
+    layer = sum(p.numel() for p in _small_layer_params())
+    root = sum(p.numel() for p in _small_params()) - config.num_hidden_layers * layer
+    assert shapes.layer_in_flight_bytes == layer * (2 + 4)  # the float32 shard copied in, its bf16 all-gather input
+    assert shapes.root_gather_bytes == root * (2 + 2 + 4)
+    assert shapes.root_reduce_bytes == root * (4 + 4)  # one rank: the float32 buffer and its whole "shard"
+    offloaded = per_rank(whole, 1, shapes, cpu_offload=True)
+    at_step = whole.stage_breakdowns["optimizer"]
+    assert offloaded.pinned_host_bytes == at_step["parameter"] + at_step["gradient"]
+    assert offloaded.host_bytes == offloaded.pinned_host_bytes + at_step["optimizer_state"] + at_step["temporary"]
+    assert offloaded.optimizer_state_bytes == 0 and offloaded.stage_breakdowns["optimizer"]["parameter"] == 0
+    kept = per_rank(whole, 1, sharding_shapes(cfg, config, CUDA, 1))
+    assert offloaded.peak_bytes < kept.peak_bytes - at_step["optimizer_state"]
+    assert "FSDP, CPU offload" in offloaded.checkpointing
+    flags = ["--model_name", "small", "--enable_fsdp", "--fsdp_cpu_offload", "--world_size", "1",
+             "--enable_activation_checkpointing", "--batch_size_training", "1", "--context_length", "128"]
+    assert main([*flags, "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory, not in it" in out and "the optimizer steps on the CPU" in out
+    assert main([*flags, "--device", "cpu"]) == 2  # as the run: the CPU has no device memory to offload from
+    assert "--fsdp_cpu_offload: moves the shards from GPUs to host memory" in capsys.readouterr().err
 
 
 def _small_params():

@@ -31,14 +31,28 @@ COOKBOOK_ONLY_FLAGS = {
     "save_optimizer": "the optimizer is part of the training state saved with --save_steps N",
     "dist_checkpoint_root_folder": "distributed checkpoints are on the roadmap",
     "dist_checkpoint_folder": "distributed checkpoints are on the roadmap",
+    # llama-cookbook's fsdp_config fields (also given as --fsdp_config.FIELD)
+    "sharding_strategy": "leantune always shards fully (FSDP2, FULL_SHARD's behaviour); drop the flag",
+    "hsdp": "hybrid sharding (HSDP) is not supported: --enable_fsdp shards over every process",
+    "sharding_group_size": "hybrid sharding (HSDP) is not supported: --enable_fsdp shards over every process",
+    "replica_group_size": "hybrid sharding (HSDP) is not supported: --enable_fsdp shards over every process",
+    "checkpoint_type": "the training state is saved as full state dicts gathered on rank 0 (--save_steps N)",
+    "fsdp_activation_checkpointing": "--enable_activation_checkpointing checkpoints the same way with and "
+                                     "without FSDP",
 }
+
+# The cookbook's fsdp_config fields leantune has as flags of its own, or refuses above by name.
+_FSDP_CONFIG_FIELDS = {"mixed_precision", "use_fp16", "fsdp_cpu_offload", "pure_bf16", "optimizer",
+                       "sharding_strategy", "hsdp", "sharding_group_size", "replica_group_size", "checkpoint_type",
+                       "fsdp_activation_checkpointing"}
 
 
 # llama-cookbook also takes a config dataclass's field as --CONFIG.FIELD: --quantization_config.quant_type nf4
-# (leantune's --quant_type), --custom_dataset.file F (leantune's --custom_dataset_file). CONFIG -> (the
-# prefix of leantune's flag, the fields taken).
+# (leantune's --quant_type), --custom_dataset.file F (leantune's --custom_dataset_file), --fsdp_config.pure_bf16.
+# CONFIG -> (the prefix of leantune's flag, the fields taken).
 COOKBOOK_SECTIONS = {"quantization_config": ("", {f.name for f in fields(QuantizationConfig)}),
-                     "custom_dataset": ("custom_dataset_", {"file"})}
+                     "custom_dataset": ("custom_dataset_", {"file"}),
+                     "fsdp_config": ("", _FSDP_CONFIG_FIELDS)}
 
 
 def _without_section_prefix(token: str) -> str:

@@ -77,12 +77,12 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     log(f"precision: {precision.note}")
     loss_model = loss_model_for(model, cfg)
     log(describe_loss(loss_model.loss_fn))
-    if dist.distributed:
+    if dist.sharded:
         shard(loss_model, cfg, dist, device, precision, log)
     if cfg.data.packs_apart:
-        log(check_examples_kept_apart(loss_model, precision, sharded=dist.distributed))
+        log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
-    predicted = predicted_peak(memory, facts.config, device, log, traces)
+    predicted = predicted_peak(memory, facts.config, device, log, traces, dist.world_size)
     peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
                           scheduler=build_scheduler(cfg.training, step.optimizer),
@@ -107,7 +107,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     tokenizer = load_tokenizer(cfg.model)
     data = RunData(cfg, tokenizer, log, dist)
     loaders = data.loaders(cfg)
-    on_meta = dist.distributed and cfg.distributed.low_cpu_fsdp and not dist.is_main
+    on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
@@ -150,6 +150,7 @@ def run(cfg: RunConfig, log=print) -> dict:
         failure = _explained(err, cfg)
         if dist.distributed:
             _end_this_rank(dist, failure or err)
+        close_distributed(dist)  # one process (a one-rank FSDP group): no other rank waits for this one
         if failure is None:
             raise
     else:

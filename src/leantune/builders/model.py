@@ -47,7 +47,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
                   ) -> tuple[torch.nn.Module, CheckpointingReport]:
     """Make a Hugging Face causal LM, already in the precision's weight dtype, ready to train as ``cfg`` says.
 
-    LoRA attached (with ``--use_peft``), moved to the precision's device (or placed by ``place``:
+    LoRA attached (with ``--use_peft``), moved to the precision's device (left on the host under
+    ``--enable_fsdp``, whose sharding moves it; or placed by ``place``:
     the planner turns a meta-device model into fake tensors there), activation checkpointing
     applied (the registry's policy for ``cfg``), in train mode. Returns the model to train (the
     PEFT wrapper with LoRA) and what inspection of its layers finds.
@@ -55,13 +56,16 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
     if place is None:
-        if not quantized_layers(model):  # a quantized base is loaded where it trains; it cannot move
+        # a quantized base is loaded where it trains (it cannot move); under FSDP the model stays on
+        # the host and fully_shard moves one unit at a time (the whole model may not fit the device)
+        if not quantized_layers(model) and not cfg.distributed.enable_fsdp:
             model.to(precision.device)
     else:
         place(model)
     prepare_quantized_for_training(model)
     policy = policy_from_config(cfg.checkpointing)
-    report = apply_activation_checkpointing(model, policy) if policy else inspect_checkpointing(model)
+    trains_on = precision.device if place is None else None  # a placed model trains where it was put
+    report = apply_activation_checkpointing(model, policy, trains_on) if policy else inspect_checkpointing(model)
     return model.train(), report
 
 

@@ -12,27 +12,54 @@ from leantune.training.step import CausalLMLoss
 
 
 def start_distributed(cfg: RunConfig) -> DistContext:
-    """The process group torchrun set up; several processes need --enable_fsdp (they would all train alone)."""
-    world = launched_world_size()
-    if world > 1 and not cfg.distributed.enable_fsdp:
+    """The process group torchrun set up; several processes need --enable_fsdp (they would all train alone).
+
+    ``--enable_fsdp`` in one process is a one-rank FSDP2 run, not a flag dropped: the model is
+    sharded (the shard is the whole model) and ``--fsdp_cpu_offload`` keeps it in host memory.
+    """
+    world, dc = launched_world_size(), cfg.distributed
+    if world > 1 and not dc.enable_fsdp:
         raise ConfigError(f"--enable_fsdp: launched with {world} processes; add --enable_fsdp to train one model "
                           "sharded over them (or launch one process)")
     device = choose_device(cfg.model)
-    if world > 1 and cfg.distributed.fsdp_cpu_offload and device.type == "cpu":
+    check_offload_device(cfg, device.type)
+    return init_distributed(device.type, sharded=dc.enable_fsdp, cpu_offload=dc.fsdp_cpu_offload)
+
+
+def check_offload_device(cfg: RunConfig, device_type: str) -> None:
+    """--fsdp_cpu_offload moves shards from a GPU to the host: refused where the run is on the CPU already."""
+    if cfg.distributed.fsdp_cpu_offload and device_type == "cpu":
         raise ConfigError("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, "
                           "they are there already. Drop the flag")
-    return init_distributed(device.type, cpu_offload=cfg.distributed.fsdp_cpu_offload)
 
 
 def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,
           log=print) -> None:
-    """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards."""
+    """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards.
+
+    The model arrives on the host (``builders.model`` leaves it there under FSDP): ``fully_shard``
+    moves one unit at a time to the device, so no rank ever holds the whole model there, and
+    with CPU offload each unit's shards go straight back to host memory.
+    """
     low_cpu = cfg.distributed.low_cpu_fsdp
     rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
     shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
     if low_cpu:
         load_from_rank0(loss_model, rank0_state, dist, device)
         del rank0_state
-    log(f"fsdp: {dist.world_size} processes, each decoder layer and the model+loss root sharded with FSDP2"
-        f"{', CPU offload' if cfg.distributed.fsdp_cpu_offload else ''}; batch {cfg.training.batch_size_training} "
-        f"per process, {cfg.training.batch_size_training * dist.world_size} per step in all")
+    log(describe_sharding(cfg, dist))
+
+
+def describe_sharding(cfg: RunConfig, dist: DistContext) -> str:
+    """The start-up line that says FSDP is in force, over how many processes, with which offload."""
+    dc, batch, world = cfg.distributed, cfg.training.batch_size_training, dist.world_size
+    processes = f"{world} processes" if world > 1 else "1 process"
+    where = ("parameters, gradients and optimizer state in host memory (CPU offload), one layer at a time on "
+             "the device" if dc.fsdp_cpu_offload else "the shards on the device")
+    loads = "; rank 0 read the weights and broadcast them (--low_cpu_fsdp)" if dc.low_cpu_fsdp else ""
+    line = (f"fsdp: FSDP2 over {processes}, each decoder layer and the model+loss root a unit; {where}{loads}; "
+            f"batch {batch} per process, {batch * world} per step in all")
+    if world == 1 and not dc.fsdp_cpu_offload:
+        line += ("\nnote: FSDP over one process keeps the whole model on the device (the shard is all of it); "
+                 "it saves memory with --fsdp_cpu_offload on a GPU, or over several processes")
+    return line

@@ -10,6 +10,7 @@ model that already has one is refused, so checkpointing can never be stacked twi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -65,8 +66,12 @@ def inspect_checkpointing(model: torch.nn.Module) -> CheckpointingReport:
     return CheckpointingReport(len(active), len(layers), use_reentrant, name, indices)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPolicy) -> CheckpointingReport:
+def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPolicy,
+                                   device: Optional[torch.device] = None) -> CheckpointingReport:
     """Turn on activation checkpointing for ``model`` (a HF causal LM, optionally PEFT-wrapped).
+
+    ``device``: where the model will train, if its weights are elsewhere for now (FSDP shards
+    from the host); default: where they are.
 
     Raises ``CheckpointingError`` when the model cannot be checkpointed or already is.
     Returns the report of what inspection finds afterwards.
@@ -74,7 +79,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     hf_model = unwrap_model(model)
     _check_can_apply(model, hf_model)
     try:
-        policy = policy.bind(model)
+        policy = policy.bind(model, device)
     except ValueError as err:
         raise CheckpointingError(str(err)) from None
     kwargs = policy.checkpoint_kwargs()

@@ -45,8 +45,12 @@ class CheckpointPolicy:
             raise ValueError("needs non-reentrant checkpointing (use_reentrant=False); "
                              "drop --activation_checkpointing_use_reentrant")
 
-    def bind(self, model: torch.nn.Module) -> "CheckpointPolicy":
-        """This policy specialised for ``model`` (sizes read from its config, a device checked)."""
+    def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "CheckpointPolicy":
+        """This policy specialised for ``model`` (sizes read from its config, a device checked).
+
+        ``device``: where the model will train, when that is not where its weights are now (under
+        FSDP they wait on the host until sharding moves them); default: its first weight's.
+        """
         return self
 
     def selects_layer(self, index: int) -> bool:
@@ -123,7 +127,7 @@ class SelectiveOps(CheckpointPolicy):
     recompute_rank = 1
     keeps_least = False
 
-    def bind(self, model: torch.nn.Module) -> "SelectiveOps":
+    def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "SelectiveOps":
         return replace(self, roles=MatmulRoles.attach(model))
 
     def context_fn(self) -> Optional[Callable]:
@@ -166,8 +170,8 @@ class OffloadCheckpointing(CheckpointPolicy):
         if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
             raise ValueError(f"the pinned pool's cap must be 0 or more bytes, got {self.max_pinned_bytes}")
 
-    def bind(self, model: torch.nn.Module) -> "OffloadCheckpointing":
-        device = next(model.parameters()).device
+    def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "OffloadCheckpointing":
+        device = device if device is not None else next(model.parameters()).device
         if device.type != "cuda" and not self.simulate:
             raise ValueError(
                 f"offload moves activations from an accelerator to host memory, but the model is on {device}: "
@@ -239,7 +243,7 @@ class LayerMix(CheckpointPolicy):
         return cls(use_reentrant=ac.activation_checkpointing_use_reentrant,
                    layers=parse_layer_mix(ac.activation_checkpointing_layers or "full=1"))
 
-    def bind(self, model: torch.nn.Module) -> "LayerMix":
+    def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "LayerMix":
         count = len(decoder_layers(model))
         if len(self.layers) != count:
             raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, the model has {count}")

@@ -2,7 +2,8 @@
 
 The trainer never asks whether it is distributed: it sums through a ``DistContext``, which for a
 single process (``SINGLE_PROCESS``) returns its input untouched, and logs through a function that
-is silent on every rank but 0.
+is silent on every rank but 0. Whether the model is sharded is a separate fact (``sharded``): with
+``--enable_fsdp`` one process is a one-rank FSDP2 run, with a process group of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharded: bool = False  # FSDP2 shards the model over these ranks (one rank included): a process group exists
 
     @property
     def is_main(self) -> bool:
@@ -25,6 +27,7 @@ class DistContext:
 
     @property
     def distributed(self) -> bool:
+        """More than one process: collectives have others to wait for."""
         return self.world_size > 1
 
     def sum(self, value: float, device: torch.device) -> float:
@@ -85,25 +88,31 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device_type: str, cpu_offload: bool = False) -> DistContext:
-    """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU); one process: nothing to join.
+def init_distributed(device_type: str, sharded: bool = False, cpu_offload: bool = False) -> DistContext:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on the CPU); one process: nothing to join,
+    unless the model is to be sharded (``--enable_fsdp``), which needs a group even of one.
 
     With CPU offload the gradients that clipping reduces live in host memory, which NCCL cannot
-    reach: gloo serves the CPU tensors beside NCCL.
+    reach: gloo serves the CPU tensors beside NCCL. A group of one needs no rendezvous: an
+    in-memory store serves it, so ``python -m`` works as well as ``torchrun --nproc_per_node 1``.
     """
-    if launched_world_size() <= 1:
+    world = launched_world_size()
+    if world <= 1 and not sharded:
         return SINGLE_PROCESS
     import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = "gloo" if device_type != "cuda" else ("cuda:nccl,cpu:gloo" if cpu_offload else "nccl")
-        dist.init_process_group(backend)
-    return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        if world > 1:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), sharded=sharded)
 
 
 def close_distributed(context: DistContext) -> None:
     """Leave the process group; the barrier first (measured: without it 12-25% of gloo runs abort at exit)."""
-    if context.distributed:
+    if context.distributed or context.sharded:
         import torch.distributed as dist
 
         if dist.is_initialized():

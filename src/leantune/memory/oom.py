@@ -55,9 +55,21 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
                      "bfloat16 bytes): --quantization 4bit")
     if not cfg.peft.use_peft:
         fixes.extend(_optimizer_fixes(cfg, device))
+        if device.type == "cuda" and _fsdp_allowed(cfg) and not cfg.distributed.fsdp_cpu_offload:
+            fixes.append("keep the weights, gradients and AdamW state in host memory, one layer at a time on the GPU "
+                         "(FSDP2, also in one process; about 16 bytes a parameter of host memory, half of it pinned, "
+                         "and the optimizer steps on the CPU): --enable_fsdp --fsdp_cpu_offload; `leantune plan "
+                         "--enable_fsdp --world_size 1 --fsdp_cpu_offload` gives the GPU's and the host's bytes")
         fixes.append("train a LoRA adapter instead of every weight (no gradients or optimizer state for the "
                      "base): --use_peft")
     return fixes
+
+
+def _fsdp_allowed(cfg: RunConfig) -> bool:
+    """The run's flags are ones --enable_fsdp trains with (RunConfig refuses the others)."""
+    tc = cfg.training
+    return (tc.optimizer == "adamw" and not (tc.pure_bf16 or tc.optimizer_in_backward or tc.use_fp16)
+            and not cfg.memory.auto_batch_size and cfg.checkpointing.activation_checkpointing_mode != "auto")
 
 
 def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:

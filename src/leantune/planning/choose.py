@@ -17,6 +17,7 @@ from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, Sel
 from leantune.config import ConfigError, RunConfig
 from leantune.planning.fake_step import StepTraces, run_config_for_mode
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
+from leantune.planning.per_rank import per_rank, sharding_shapes
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
                                     plan_modes, run_mode, with_batch)
@@ -178,8 +179,11 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
 
 
 def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None) -> Optional[int]:
-    """What the allocator should count at the step's peak, from the plan; only on a GPU, which can measure it."""
+                   traces: Optional[StepTraces] = None, world_size: int = 1) -> Optional[int]:
+    """What the allocator should count at the step's peak, from the plan; only on a GPU, which can measure it.
+
+    Under FSDP, one rank's (``per_rank``, from the one-process trace), which is what each rank measures.
+    """
     if device.type != "cuda":
         return None
     plan = memory.plan
@@ -187,6 +191,10 @@ def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
         plan = plan_for_run(memory.cfg, config, device, log, traces)
     if plan is None:
         return None
+    dc = memory.cfg.distributed
+    if dc.enable_fsdp:
+        shapes = sharding_shapes(memory.cfg, config, device, world_size, dc.fsdp_cpu_offload)
+        plan = per_rank(plan, world_size, shapes, dc.fsdp_cpu_offload)
     predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
     log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
         "context and fragmentation), compared with step 2's measured peak")

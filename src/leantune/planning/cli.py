@@ -16,11 +16,13 @@ from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.builders.own_loss import check_own_loss
+from leantune.builders.sharding import check_offload_device
 from leantune.models.facts import plan_model_facts
 from leantune.models.loading import ModelLoadError
 from leantune.models.presets import ModelShapeError
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
-from leantune.planning.plan import budget_bytes, gather_bytes, modes_to_plan, per_rank, plan_modes
+from leantune.planning.per_rank import per_rank, sharding_shapes
+from leantune.planning.plan import budget_bytes, modes_to_plan, plan_modes
 from leantune.planning.table import print_plan
 
 
@@ -41,6 +43,18 @@ def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
     if not value.isdigit() or int(value) < 1:
         raise ConfigError(f"--world_size: expected a number of processes, got {value!r}")
     return int(value), argv[:at] + argv[at + 2:]
+
+
+def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None, budget: int | None) -> list:
+    """Each mode's plan: one process's, or one rank's of ``world_size`` under FSDP (derived from it)."""
+    plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), None if world_size else budget)
+    if world_size:
+        offload = cfg.distributed.fsdp_cpu_offload
+        shapes = sharding_shapes(cfg, config, target, world_size, offload)
+        plans = [per_rank(p, world_size, shapes, offload) for p in plans]
+        for p in plans:
+            p.fits = None if budget is None else p.peak_bytes <= budget
+    return plans
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,12 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                     else sys.stdout))
         if cfg.distributed.enable_fsdp and world_size is None:
             raise ConfigError("--world_size: with --enable_fsdp, say how many processes will share the model")
-        plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), None if world_size else budget)
-        if world_size:
-            gathered = gather_bytes(cfg, config, target)
-            plans = [per_rank(p, world_size, gathered) for p in plans]
-            for p in plans:
-                p.fits = None if budget is None else p.peak_bytes <= budget
+        if world_size and not cfg.distributed.enable_fsdp:
+            raise ConfigError("--world_size: the processes FSDP shards over; add --enable_fsdp (without it leantune "
+                              "trains on one process)")
+        check_offload_device(cfg, target.type)
+        plans = _plans(cfg, config, target, world_size, budget)
     except (ConfigError, ModelShapeError, CheckpointingError, ModelLoadError) as err:
         print(f"leantune: error: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import torch
 from leantune.checkpointing.modes import AUTO
 from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig, in_backward_conflicts
 from leantune.planning.fake_step import StepTraces
+from leantune.planning.per_rank import describe_host_offload, host_offload_alternative
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, format_bytes, modes_to_plan, plan_modes,
                                     run_mode, with_batch)
 from leantune.precision import pure_bf16_allowed
@@ -101,7 +102,19 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
     leanest = min((plan.peak_bytes for _, plan in tried), default=0)
     raise ConfigError(f"--optimizer auto: no optimizer fits --memory_budget_gb ({format_bytes(budget)}) at batch "
                       f"{probe.training.batch_size_training} x {cfg.data.context_length}; the leanest needs "
-                      f"{format_bytes(leanest)}. Shorten --context_length, lower --batch_size_training, or use --use_peft")
+                      f"{format_bytes(leanest)}. Shorten --context_length, lower --batch_size_training, "
+                      f"use --use_peft{_host_offload_hint(probe, config, device, budget, traces)}")
+
+
+def _host_offload_hint(cfg: RunConfig, config, device: torch.device, budget: int,
+                       traces: Optional[StepTraces]) -> str:
+    """The one lever left for a full fine-tune on one GPU: its state in host memory, with its plan."""
+    offloaded = host_offload_alternative(cfg, config, device, traces)
+    if offloaded is None:
+        return ""
+    verdict = "fits" if offloaded.peak_bytes <= budget else "does not fit either"
+    return f", or keep the weights, gradients and optimizer state in host memory ({verdict}): " + \
+        describe_host_offload(offloaded)
 
 
 def _log_ladder(tried: list[tuple[Rung, ModePlan]], budget: int, log) -> None:

@@ -18,9 +18,7 @@ from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, PinnedBufferPool, 
 from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import ConfigError, RunConfig
 from leantune.memory.stats import CUDA_CONTEXT_BYTES
-from leantune.models.facts import check_context_length, meta_model
-from leantune.models.loading import attach_lora
-from leantune.models.structure import decoder_layers
+from leantune.models.facts import check_context_length
 from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
 GIB = 2**30
@@ -33,7 +31,7 @@ OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, 
 # ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too.
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper (8 MiB before), through its allocator
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
-_TRANSIENT = ("activation", "loss", "temporary")
+TRANSIENT_KINDS = ("activation", "loss", "temporary")  # what fragmentation is a share of
 EXTRA_SOURCES = {
     "cuda_context_bytes": "CUDA context: 512 MiB assumed (driver-dependent, 300-600 MiB typical); outside "
                           "torch.cuda.max_memory_reserved, inside nvidia-smi's number",
@@ -79,6 +77,8 @@ class ModePlan:
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
     paged_state_bytes: int = 0  # paged_adamw_8bit's state: CUDA managed memory, not in peak_bytes (see plan_from_trace)
+    host_bytes: int = 0  # --fsdp_cpu_offload: a rank's shards, gradients and optimizer state in host memory
+    pinned_host_bytes: int = 0  # the pinned part of host_bytes
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
 
     def as_json(self) -> dict:
@@ -95,7 +95,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
-        plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT))
+        plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in TRANSIENT_KINDS))
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
     if trace.paged_state_bytes and target.type == "cuda":
@@ -294,62 +294,3 @@ def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
     if asked and asked != AUTO:
         return [asked]
     return planned_modes(on_gpu=target.type == "cuda")
-
-
-def gather_bytes(cfg: RunConfig, config, target: torch.device) -> tuple[int, int]:
-    """What FSDP changes in a rank's forward, in bytes: (gathered, autocast cache no longer made).
-
-    Gathered: the root's parameters (embeddings, final norm, LM head, for the whole step, since the
-    root's forward spans it) and two decoder layers (the one running and the one prefetched), in the
-    dtype they are gathered in (the autocast dtype under mixed precision). Without FSDP, autocast
-    keeps a low-precision copy of every trainable parameter through the forward (its weight cast
-    cache, counted among the activations); FSDP's mixed precision gathers parameters already in
-    that dtype, so the cache is not made.
-    """
-    precision = target_precision(cfg, target)
-    model = meta_model(config, precision.weight_dtype)
-    if cfg.peft.use_peft:
-        model = attach_lora(model, cfg.peft)
-    size = torch.finfo(precision.compute_dtype).bits // 8 if precision.compute_dtype is not None else None
-
-    def nbytes(params) -> int:
-        return sum(p.numel() * (size or p.element_size()) for p in params)
-
-    layers = decoder_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = nbytes(p for p in model.parameters() if id(p) not in in_layers)
-    cast = precision.compute_dtype
-    cache = sum(p.numel() * size for p in model.parameters() if cast is not None and p.requires_grad and p.dtype != cast)
-    return root + 2 * nbytes(layers[0].parameters()), cache
-
-
-def per_rank(plan: ModePlan, world_size: int, gathered: tuple[int, int]) -> ModePlan:
-    """One rank's share of ``plan`` under FSDP over ``world_size`` ranks, batch per rank unchanged.
-
-    Derived from the one-process trace, stage by stage: in the forward, the loss and backward,
-    parameters, gradients and optimizer state are split ``world_size`` ways and what is gathered
-    (``gather_bytes``) is added and autocast's weight cache taken out, while activations, the loss
-    and temporaries are each rank's own;
-    in the optimizer step everything is split, AdamW's temporaries included (each rank steps its
-    shard). The peak is the largest stage.
-    """
-    sharded_always = ("parameter", "gradient", "optimizer_state")
-    stages = {}
-    for stage, breakdown in plan.stage_breakdowns.items():
-        split = sharded_always + (("temporary",) if stage == "optimizer" else ())
-        shares = {k: (-(-v // world_size) if k in split else v) for k, v in breakdown.items()}
-        if stage != "optimizer":
-            shares["parameter"] += gathered[0]
-        if stage in ("forward", "loss"):
-            shares["activation"] = max(0, shares["activation"] - gathered[1])
-        stages[stage] = shares
-    stage, b = max(stages.items(), key=lambda item: sum(item[1].values()))
-    traced = sum(b.values())
-    extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes
-    fragmentation = int(FRAGMENTATION_SHARE * sum(b[k] for k in _TRANSIENT)) if plan.target == "cuda" else 0
-    return dataclasses.replace(
-        plan, traced_peak_bytes=traced, peak_bytes=traced + extras + fragmentation, fragmentation_bytes=fragmentation,
-        parameter_bytes=b["parameter"], gradient_bytes=b["gradient"], optimizer_state_bytes=b["optimizer_state"],
-        activation_bytes=b["activation"], loss_bytes=b["loss"], temporary_bytes=b["temporary"],
-        other_bytes=b["buffer"] + b["input"], optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,
-        checkpointing=f"{plan.checkpointing}, per rank of {world_size} (FSDP, derived; peak in {stage})")

@@ -32,6 +32,9 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     for label, key in _ROWS + (_GPU_ROWS if gpu else ()):
         rows.append((label, [_size(getattr(p, key), unit) for p in plans]))
     rows.append((f"predicted peak ({unit_name})", [f"{p.peak_bytes / unit:,.2f}" for p in plans]))
+    if any(p.host_bytes for p in plans):
+        rows.append(("host memory, not in it", [_size(p.host_bytes, unit) for p in plans]))
+        rows.append(("  of which pinned", [_size(p.pinned_host_bytes, unit) for p in plans]))
     if any(p.paged_state_bytes for p in plans):
         rows.append(("paged state, not in it", [_size(p.paged_state_bytes, unit) for p in plans]))
     scale, flop_unit = (1e12, "TFLOPs") if max(p.flops for p in plans) >= 1e12 else (1e9, "GFLOPs")
@@ -73,8 +76,12 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
         if plan.checkpointing.startswith("offload (derived"):
             log(f"note: {plan.checkpointing}")
     if cfg.distributed.enable_fsdp:
-        log("note: per rank under FSDP, derived from the one-process trace: parameters, gradients and optimizer "
-            "state split over the ranks, plus the root's parameters and two decoder layers gathered")
+        log("note: per rank under FSDP, derived from the one-process trace, not traced under FSDP: parameters, "
+            "gradients and optimizer state split over the ranks, plus the root's parameters and two decoder layers "
+            "gathered and the largest unit's gradients in their reduce buffers (docs/multi_gpu.md)")
+    if cfg.distributed.fsdp_cpu_offload:
+        log("note: --fsdp_cpu_offload: each rank's parameters and gradients live in pinned host memory and its "
+            "optimizer state in host memory (the 'host memory' row); the optimizer steps on the CPU")
     if target.type == "cpu" and cfg.model.device == "auto":
         log("(planned for this machine's CPU in float32; add --device cuda to plan for a GPU)")
 

@@ -166,7 +166,7 @@ class Trainer:
                     loss_total += self.step.loss_model(*model_inputs(batch, self.device)).float()
                 targets += count_targets(batch["labels"])
         finally:
-            if self.dist.distributed:
+            if self.dist.sharded:
                 reshard(self.step.loss_model)  # the root's parameters stay gathered after a forward alone
         self.model.train()
         loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait

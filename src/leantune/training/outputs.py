@@ -75,7 +75,7 @@ class RunOutputs:
         is_peft = self.cfg.peft.use_peft
         to_save = model if is_peft else unwrap_model(model)
         state_dict = None
-        if self.dist.distributed:  # gathered from every rank's shards, written by rank 0 alone
+        if self.dist.sharded:  # gathered from every rank's shards, written by rank 0 alone
             state_dict = full_state_dict(loss_model, trainable_only=is_peft)
             if not self.dist.is_main:
                 return None

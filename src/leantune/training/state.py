@@ -249,7 +249,7 @@ class TrainingStateStore:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = read_state(path)
-        distributed = parts.dist.distributed
+        distributed = parts.dist.sharded
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) if reads else {}
         if not parts.optimizer.state and parts.in_backward is not None:
@@ -291,7 +291,7 @@ def _gather(parts: StateParts) -> dict:
     """What rank 0 writes: the optimizer state keyed by parameter name, every rank's RNG, FSDP's full weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    distributed = parts.dist.distributed
+    distributed = parts.dist.sharded
     optimizer = get_optimizer_state_dict(parts.loss_model, parts.optimizer,
                                          options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
     weights = None  # one process: save_pretrained reads the model itself

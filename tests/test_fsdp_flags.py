@@ -1,0 +1,159 @@
+"""``--enable_fsdp`` in one process is a real one-rank FSDP2 run, and every FSDP flag is in force or refused.
+
+One process (``python -m leantune.finetuning``, in-process here) shards over a process group of
+its own (gloo on the CPU): its losses, gradient norms, saved model and resumed runs must equal
+the same run without FSDP. The flag walk runs each FSDP flag set with one process and with two
+(torchrun, gloo) and asserts the start-up line that shows it in force, or the one-line refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from leantune.cli_args import parse_run_config
+from leantune.finetuning import main, run
+from test_distributed import DIST_GRAD_NORM_RTOL, DIST_LOSS_TOL, FAST, step_losses, torchrun
+
+QUICK = ["--context_length", "128", "--num_workers_dataloader", "0", "--max_train_step", "1",
+         "--batch_size_training", "1", "--run_validation", "false", "--save_model", "false"]
+IN_FORCE = "fsdp: FSDP2 over {processes}, each decoder layer and the model+loss root a unit"
+OFFLOAD_ON_CPU = ("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, they are "
+                  "there already. Drop the flag")
+
+# name: (flags, what one process shows, what two processes show); "runs: TEXT" or "refused: TEXT"
+FLAG_WALK = {
+    "no flag": ([], "runs: ", "refused: --enable_fsdp: launched with 2 processes; add --enable_fsdp"),
+    "enable_fsdp": (["--enable_fsdp"], f"runs: {IN_FORCE}", f"runs: {IN_FORCE}"),
+    "low_cpu_fsdp": (["--enable_fsdp", "--low_cpu_fsdp"], "runs: rank 0 read the weights and broadcast them",
+                     "runs: rank 0 read the weights and broadcast them"),
+    "fsdp_cpu_offload": (["--enable_fsdp", "--fsdp_cpu_offload"], f"refused: {OFFLOAD_ON_CPU}",
+                         f"refused: {OFFLOAD_ON_CPU}"),
+    "offload without fsdp": (["--fsdp_cpu_offload"], "refused: --fsdp_cpu_offload: needs --enable_fsdp",
+                             "refused: --fsdp_cpu_offload: needs --enable_fsdp"),
+    "low_cpu without fsdp": (["--low_cpu_fsdp"], "refused: --low_cpu_fsdp: needs --enable_fsdp",
+                             "refused: --low_cpu_fsdp: needs --enable_fsdp"),
+    "fp16": (["--enable_fsdp", "--use_fp16"], "refused: --use_fp16: not with --enable_fsdp",
+             "refused: --use_fp16: not with --enable_fsdp"),
+    "pure_bf16": (["--enable_fsdp", "--fsdp_config.pure_bf16"], "refused: --pure_bf16: not with --enable_fsdp",
+                  "refused: --pure_bf16: not with --enable_fsdp"),
+    "8-bit optimizer": (["--enable_fsdp", "--optimizer", "adamw_8bit"],
+                        "refused: --optimizer adamw_8bit: not with --enable_fsdp",
+                        "refused: --optimizer adamw_8bit: not with --enable_fsdp"),
+    "in backward": (["--enable_fsdp", "--optimizer_in_backward"], "refused: --optimizer_in_backward: not with",
+                    "refused: --optimizer_in_backward: not with"),
+    "auto batch": (["--enable_fsdp", "--auto_batch_size"], "refused: --enable_fsdp: the planner does not cover",
+                   "refused: --enable_fsdp: the planner does not cover"),
+    "4-bit base": (["--enable_fsdp", "--use_peft", "--quantization", "4bit"], "refused: --quantization",
+                   "refused: --quantization"),
+    "hsdp": (["--enable_fsdp", "--fsdp_config.hsdp", "true"], "refused: --hsdp is a llama-cookbook flag",
+             "refused: --hsdp is a llama-cookbook flag"),
+    "sharding strategy": (["--enable_fsdp", "--sharding_strategy", "FULL_SHARD"],
+                          "refused: --sharding_strategy is a llama-cookbook flag",
+                          "refused: --sharding_strategy is a llama-cookbook flag"),
+    "cookbook checkpointing": (["--enable_fsdp", "--fsdp_activation_checkpointing", "true"],
+                               "refused: --fsdp_activation_checkpointing is a llama-cookbook flag",
+                               "refused: --fsdp_activation_checkpointing is a llama-cookbook flag"),
+}
+
+
+def _check_outcome(expected: str, flags: list[str], failed: bool, stdout: str, stderr: str, processes: int) -> None:
+    kind, _, text = expected.partition(": ")
+    text = text.format(processes="1 process" if processes == 1 else f"{processes} processes")
+    if kind == "runs":
+        assert not failed, stderr[-3000:]
+        assert text in stdout
+        in_force = IN_FORCE.format(processes="1 process" if processes == 1 else f"{processes} processes")
+        assert (in_force in stdout) == ("--enable_fsdp" in flags)
+    else:
+        assert failed, stdout[-2000:]
+        assert f"leantune: error: {text}" in stderr
+        assert "Traceback" not in stderr.split("leantune: error")[0]  # torchrun's own report may follow
+
+
+@pytest.mark.parametrize("case", sorted(FLAG_WALK))
+def test_fsdp_flags_in_one_process_are_in_force_or_refused(case, tiny_model_dir, tmp_path, capsys):
+    flags, expected, _ = FLAG_WALK[case]
+    code = main(["--model_name", str(tiny_model_dir), *QUICK, *flags, "--output_dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code in (0, 2)  # 2: a flag to fix
+    _check_outcome(expected, flags, code != 0, out, err, processes=1)
+    assert not torch.distributed.is_initialized()  # no outcome leaves the one-rank group behind
+
+
+@pytest.mark.parametrize("case", sorted(FLAG_WALK))
+def test_fsdp_flags_in_two_processes_are_in_force_or_refused(case, tiny_model_dir, tmp_path):
+    flags, _, expected = FLAG_WALK[case]
+    result = torchrun(["--model_name", str(tiny_model_dir), *QUICK, *flags, "--output_dir", str(tmp_path)])
+    _check_outcome(expected, flags, result.returncode != 0, result.stdout, result.stderr, processes=2)
+
+
+CASES = {
+    "lora": ["--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing", "--max_train_step", "3"],
+    "full-ft-selective-accumulation-clipping": [
+        "--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
+        "--gradient_accumulation_steps", "2", "--gradient_clipping", "true", "--max_train_step", "3"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_process_fsdp_gives_the_losses_and_model_of_the_same_run_without_it(case, tiny_model_dir, tmp_path):
+    common = ["--model_name", str(tiny_model_dir), *FAST, *CASES[case], "--batch_size_training", "2"]
+    logs: list[str] = []
+    run(parse_run_config([*common, "--output_dir", str(tmp_path / "plain")]), log=lambda _: None)
+    run(parse_run_config([*common, "--enable_fsdp", "--output_dir", str(tmp_path / "fsdp")]), log=logs.append)
+    assert any(line.startswith(IN_FORCE.format(processes="1 process")) for line in logs)
+    assert not torch.distributed.is_initialized()
+    plain, fsdp = step_losses(tmp_path / "plain"), step_losses(tmp_path / "fsdp")
+    assert len(plain) == len(fsdp) >= 2
+    assert fsdp == pytest.approx(plain, rel=0, abs=DIST_LOSS_TOL)
+    norms = step_losses(tmp_path / "plain", "grad_norm"), step_losses(tmp_path / "fsdp", "grad_norm")
+    assert norms[1] == pytest.approx(norms[0], rel=DIST_GRAD_NORM_RTOL, abs=0)
+    saved = "adapter_model.safetensors" if "--use_peft" in CASES[case] else "model.safetensors"
+    from safetensors.torch import load_file
+
+    plain_weights, fsdp_weights = (load_file(tmp_path / name / saved) for name in ("plain", "fsdp"))
+    assert sorted(plain_weights) == sorted(fsdp_weights)
+    for key, value in plain_weights.items():
+        torch.testing.assert_close(fsdp_weights[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_one_process_fsdp_state_resumes_exactly_with_and_without_fsdp(tiny_model_dir, tmp_path):
+    """Saved by a one-rank FSDP run (full state dicts gathered from the shards); LoRA dropout draws from the RNG."""
+    common = ["--model_name", str(tiny_model_dir), *FAST, "--use_peft", "--lora_dropout", "0.1", "--max_train_step",
+              "4", "--batch_size_training", "2", "--run_validation", "false", "--save_model", "false"]
+    quiet = lambda _: None  # noqa: E731
+    run(parse_run_config([*common, "--enable_fsdp", "--save_steps", "2", "--output_dir", str(tmp_path / "whole")]),
+        log=quiet)
+    reference = step_losses(tmp_path / "whole")
+    for name, extra in (("fsdp", ["--enable_fsdp"]), ("plain", [])):
+        run(parse_run_config([*common, *extra, "--resume_from_checkpoint", str(tmp_path / "whole" / "checkpoint-2"),
+                              "--output_dir", str(tmp_path / name)]), log=quiet)
+        assert step_losses(tmp_path / name) == reference
+
+
+def test_under_fsdp_the_model_waits_on_the_host_for_sharding(tiny_model_dir, monkeypatch):
+    """The model is not moved to the device before sharding (the whole model may not fit it); the
+    checkpointing policy is bound to the device it will train on, not to the host it waits on."""
+    from leantune.builders.model import prepare_model
+    from leantune.checkpointing import policies
+    from leantune.precision import choose_precision
+    from transformers import AutoModelForCausalLM
+
+    bound_to = []
+    monkeypatch.setattr(policies, "ActivationOffloader", lambda device, *a, **k: bound_to.append(device))
+    flags = ["--model_name", str(tiny_model_dir), "--enable_activation_checkpointing",
+             "--activation_checkpointing_mode", "offload"]
+    for fsdp in (["--enable_fsdp"], []):
+        cfg = parse_run_config([*flags, *fsdp])
+        on_gpu = dataclasses.replace(choose_precision(cfg, torch.device("cpu")), device=torch.device("cuda"))
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if fsdp:
+            model, _ = prepare_model(model, cfg, on_gpu)
+            assert {p.device.type for p in model.parameters()} == {"cpu"}
+            assert bound_to == [torch.device("cuda")]
+        else:  # without FSDP the model is moved at once: on this machine there is nothing to move it to
+            with pytest.raises((AssertionError, RuntimeError)):
+                prepare_model(model, cfg, on_gpu)
