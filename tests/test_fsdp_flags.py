@@ -94,7 +94,8 @@ CASES = {
     "lora": ["--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing", "--max_train_step", "3"],
     "full-ft-selective-accumulation-clipping": [
         "--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
-        "--gradient_accumulation_steps", "2", "--gradient_clipping", "true", "--max_train_step", "3"],
+        "--gradient_accumulation_steps", "2", "--gradient_clipping", "true", "--max_train_step", "3",
+        "--enable_memory_monitoring"],
 }
 
 
@@ -111,6 +112,8 @@ def test_one_process_fsdp_gives_the_losses_and_model_of_the_same_run_without_it(
     assert fsdp == pytest.approx(plain, rel=0, abs=DIST_LOSS_TOL)
     norms = step_losses(tmp_path / "plain", "grad_norm"), step_losses(tmp_path / "fsdp", "grad_norm")
     assert norms[1] == pytest.approx(norms[0], rel=DIST_GRAD_NORM_RTOL, abs=0)
+    if "--enable_memory_monitoring" in CASES[case]:  # one rank: the one-process file names
+        assert (tmp_path / "fsdp" / "memory.jsonl").is_file() and not list((tmp_path / "fsdp").glob("memory.rank*"))
     saved = "adapter_model.safetensors" if "--use_peft" in CASES[case] else "model.safetensors"
     from safetensors.torch import load_file
 
