@@ -27,7 +27,8 @@ OFFLOAD_ON_CPU = ("--fsdp_cpu_offload: moves the shards from GPUs to host memory
 FLAG_WALK = {
     "no flag": ([], "runs: ", "refused: --enable_fsdp: launched with 2 processes; add --enable_fsdp"),
     "enable_fsdp": (["--enable_fsdp"], f"runs: {IN_FORCE}", f"runs: {IN_FORCE}"),
-    "low_cpu_fsdp": (["--enable_fsdp", "--low_cpu_fsdp"], "runs: rank 0 read the weights and broadcast them",
+    "low_cpu_fsdp": (["--enable_fsdp", "--low_cpu_fsdp"],
+                     "runs: --low_cpu_fsdp: the one process read the weights itself, nothing to broadcast",
                      "runs: rank 0 read the weights and broadcast them"),
     "fsdp_cpu_offload": (["--enable_fsdp", "--fsdp_cpu_offload"], f"refused: {OFFLOAD_ON_CPU}",
                          f"refused: {OFFLOAD_ON_CPU}"),
@@ -123,6 +124,43 @@ def test_one_process_fsdp_gives_the_losses_and_model_of_the_same_run_without_it(
         torch.testing.assert_close(fsdp_weights[key], value, rtol=1e-5, atol=1e-6)
 
 
+def test_one_process_fsdp_shards_the_model_and_the_optimizer_steps_the_shards(tiny_model_dir, tmp_path):
+    """Equal losses alone would not show FSDP at work (an unsharded run gives them too): look at what trains."""
+    import contextlib
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from leantune.builders.sharding import start_distributed
+    from leantune.distributed.context import close_distributed
+    from leantune.finetuning import build_trainer
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QUICK, "--enable_fsdp", "--use_peft",
+                            "--output_dir", str(tmp_path)])
+    dist = start_distributed(cfg)
+    try:
+        assert dist.sharded and not dist.distributed and torch.distributed.is_initialized()
+        with contextlib.ExitStack() as stack:
+            trainer = build_trainer(cfg, stack, lambda _: None, dist)
+            loss_model = trainer.step.loss_model
+            layers = trainer.model.config.num_hidden_layers
+            assert sum(isinstance(m, FSDPModule) for m in loss_model.modules()) == layers + 1  # each layer, the root
+            stepped = [p for group in trainer.step.optimizer.param_groups for p in group["params"]]
+            assert stepped and all(isinstance(p, DTensor) for p in stepped)
+            trainer.close()
+    finally:
+        close_distributed(dist)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_refusal_after_the_one_rank_group_exists_leaves_no_group_behind(tmp_path, capsys):
+    """The model is looked at after the process group starts: its refusal must close the group."""
+    assert main(["--model_name", str(tmp_path / "no-such-model"), *QUICK, "--enable_fsdp",
+                 "--output_dir", str(tmp_path / "out")]) == 1  # a model to fix: exit code 1
+    assert "leantune: error:" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_one_process_fsdp_state_resumes_exactly_with_and_without_fsdp(tiny_model_dir, tmp_path):
     """Saved by a one-rank FSDP run (full state dicts gathered from the shards); LoRA dropout draws from the RNG."""
     common = ["--model_name", str(tiny_model_dir), *FAST, "--use_peft", "--lora_dropout", "0.1", "--max_train_step",
@@ -157,6 +195,10 @@ def test_under_fsdp_the_model_waits_on_the_host_for_sharding(tiny_model_dir, mon
             model, _ = prepare_model(model, cfg, on_gpu)
             assert {p.device.type for p in model.parameters()} == {"cpu"}
             assert bound_to == [torch.device("cuda")]
+            # a --low_cpu_fsdp rank other than 0 builds on the meta device: bound to the GPU all the same
+            on_meta = AutoModelForCausalLM.from_config(model.config).to("meta")
+            prepare_model(on_meta, cfg, on_gpu, place=lambda _model: None)
+            assert bound_to == [torch.device("cuda")] * 2
         else:  # without FSDP the model is moved at once: on this machine there is nothing to move it to
             with pytest.raises((AssertionError, RuntimeError)):
                 prepare_model(model, cfg, on_gpu)

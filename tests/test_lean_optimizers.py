@@ -227,6 +227,11 @@ def test_optimizer_auto_names_the_host_offload_with_its_plan_when_no_rung_fits(m
     message = str(refused.value)
     assert "--enable_fsdp --fsdp_cpu_offload (one process; AdamW, full checkpointing): the GPU needs" in message
     assert "(fits)" in message and format_bytes(offloaded.host_bytes) in message
+    # the run's own checkpointing mode and its flags do not carry over into the alternative (full checkpointing)
+    own_flags = ["--activation_checkpointing_mode", "offload", "--activation_offload_max_pinned_gb", "1"]
+    offload_mode = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
+                                     "--enable_activation_checkpointing", *own_flags, "--optimizer", "auto"])
+    assert host_offload_alternative(offload_mode, model_config("small"), cuda).peak_bytes == offloaded.peak_bytes
 
 
 def test_optimizer_auto_keeps_to_what_the_other_flags_allow():

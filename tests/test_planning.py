@@ -372,8 +372,10 @@ def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
     layer = sum(p.numel() for p in _small_layer_params())
     root = sum(p.numel() for p in _small_params()) - config.num_hidden_layers * layer
     assert shapes.gathered_bytes == (root + 2 * layer) * 2  # bf16 under the GPU's mixed precision
-    assert shapes.layer_in_flight_bytes == -(-layer * 2 // 4)  # the all-gather's input: a quarter of the layer
-    # a unit's gradients: bf16 copied into a float32 buffer of the whole unit, then its float32 quarter
+    # the all-gather's input (a quarter of the layer) and output (all of it, while copied out)
+    assert shapes.layer_in_flight_bytes == -(-layer * 2 // 4) + layer * 2
+    # a unit's gradients: bf16 copied into a float32 buffer of the whole unit; its float32 quarter is the
+    # sharded gradient itself, already in the trace's share
     assert shapes.root_reduce_bytes == root * (2 + 4) and shapes.layer_reduce_bytes == layer * (2 + 4)
     shared = per_rank(whole, 4, shapes)
     optimizer = shared.stage_breakdowns["optimizer"]
@@ -424,13 +426,16 @@ def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):
     shapes = sharding_shapes(cfg, config, CUDA, 1, cpu_offload=True)
     layer = sum(p.numel() for p in _small_layer_params())
     root = sum(p.numel() for p in _small_params()) - config.num_hidden_layers * layer
-    assert shapes.layer_in_flight_bytes == layer * (2 + 4)  # the float32 shard copied in, its bf16 all-gather input
-    assert shapes.root_gather_bytes == root * (2 + 2 + 4)
-    assert shapes.root_reduce_bytes == root * (4 + 4)  # one rank: the float32 buffer and its whole "shard"
+    largest = max(p.numel() for p in _small_layer_params()) * 4  # one weight's float32 shard copied in, then cast
+    assert shapes.layer_in_flight_bytes == layer * 2 + layer * 2 + largest  # the all-gather's input and output
+    assert shapes.root_gather_bytes == root * 2 + root * (2 + 2) + root_largest_bytes() * 4
+    assert shapes.root_reduce_bytes == root * (4 + 4)  # the float32 buffer and its shard, waiting for the host
     offloaded = per_rank(whole, 1, shapes, cpu_offload=True)
     at_step = whole.stage_breakdowns["optimizer"]
-    assert offloaded.pinned_host_bytes == at_step["parameter"] + at_step["gradient"]
-    assert offloaded.host_bytes == offloaded.pinned_host_bytes + at_step["optimizer_state"] + at_step["temporary"]
+    # pinned: every weight's float32 shard and its gradient's, each rounded up to a power of two
+    pinned = sum(2 * (1 << (p.numel() * 4 - 1).bit_length()) for p in _small_params())
+    assert offloaded.pinned_host_bytes == pinned >= at_step["parameter"] + at_step["gradient"]
+    assert offloaded.host_bytes == pinned + at_step["optimizer_state"] + at_step["temporary"]
     assert offloaded.optimizer_state_bytes == 0 and offloaded.stage_breakdowns["optimizer"]["parameter"] == 0
     kept = per_rank(whole, 1, sharding_shapes(cfg, config, CUDA, 1))
     assert offloaded.peak_bytes < kept.peak_bytes - at_step["optimizer_state"]
@@ -441,7 +446,18 @@ def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):
     out = capsys.readouterr().out
     assert "host memory, not in it" in out and "the optimizer steps on the CPU" in out
     assert main([*flags, "--device", "cpu"]) == 2  # as the run: the CPU has no device memory to offload from
-    assert "--fsdp_cpu_offload: moves the shards from GPUs to host memory" in capsys.readouterr().err
+    assert ("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, they are there "
+            "already. Plan it for a GPU with --device cuda") in capsys.readouterr().err
+
+
+def root_largest_bytes() -> int:
+    """The largest root parameter of ``small`` (its embedding or LM head), in elements."""
+    from leantune.models.facts import meta_model
+    from leantune.models.structure import decoder_layers
+
+    model = meta_model(model_config("small"), torch.float32)
+    layer_ids = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    return max(p.numel() for p in model.parameters() if id(p) not in layer_ids)
 
 
 def _small_params():

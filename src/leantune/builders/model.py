@@ -64,8 +64,10 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
         place(model)
     prepare_quantized_for_training(model)
     policy = policy_from_config(cfg.checkpointing)
-    trains_on = precision.device if place is None else None  # a placed model trains where it was put
-    report = apply_activation_checkpointing(model, policy, trains_on) if policy else inspect_checkpointing(model)
+    # bound to where it trains, not where its weights are now (the host under FSDP, meta on a
+    # --low_cpu_fsdp rank, fake tensors in the planner)
+    report = (apply_activation_checkpointing(model, policy, precision.device) if policy
+              else inspect_checkpointing(model))
     return model.train(), report
 
 
@@ -90,7 +92,7 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
         f"{unwrap_model(model).config._attn_implementation} attention) "
-        f"on {precision.device}")
+        f"{'on the host until FSDP shards it onto ' if cfg.distributed.enable_fsdp else 'on '}{precision.device}")
     if cfg.quant.enabled:
         log(describe_quantization(cfg.quant, model))
     log(report.summary_line())

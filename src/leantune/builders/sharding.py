@@ -26,11 +26,11 @@ def start_distributed(cfg: RunConfig) -> DistContext:
     return init_distributed(device.type, sharded=dc.enable_fsdp, cpu_offload=dc.fsdp_cpu_offload)
 
 
-def check_offload_device(cfg: RunConfig, device_type: str) -> None:
+def check_offload_device(cfg: RunConfig, device_type: str, fix: str = "Drop the flag") -> None:
     """--fsdp_cpu_offload moves shards from a GPU to the host: refused where the run is on the CPU already."""
     if cfg.distributed.fsdp_cpu_offload and device_type == "cpu":
         raise ConfigError("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, "
-                          "they are there already. Drop the flag")
+                          f"they are there already. {fix}")
 
 
 def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,
@@ -41,7 +41,7 @@ def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: t
     moves one unit at a time to the device, so no rank ever holds the whole model there, and
     with CPU offload each unit's shards go straight back to host memory.
     """
-    low_cpu = cfg.distributed.low_cpu_fsdp
+    low_cpu = cfg.distributed.low_cpu_fsdp and dist.world_size > 1  # one process read the weights itself
     rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
     shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
     if low_cpu:
@@ -56,10 +56,14 @@ def describe_sharding(cfg: RunConfig, dist: DistContext) -> str:
     processes = f"{world} processes" if world > 1 else "1 process"
     where = ("parameters, gradients and optimizer state in host memory (CPU offload), one layer at a time on "
              "the device" if dc.fsdp_cpu_offload else "the shards on the device")
-    loads = "; rank 0 read the weights and broadcast them (--low_cpu_fsdp)" if dc.low_cpu_fsdp else ""
+    loads = ""
+    if dc.low_cpu_fsdp:
+        loads = ("; rank 0 read the weights and broadcast them (--low_cpu_fsdp)" if world > 1 else
+                 "; --low_cpu_fsdp: the one process read the weights itself, nothing to broadcast")
     line = (f"fsdp: FSDP2 over {processes}, each decoder layer and the model+loss root a unit; {where}{loads}; "
             f"batch {batch} per process, {batch * world} per step in all")
     if world == 1 and not dc.fsdp_cpu_offload:
-        line += ("\nnote: FSDP over one process keeps the whole model on the device (the shard is all of it); "
-                 "it saves memory with --fsdp_cpu_offload on a GPU, or over several processes")
+        line += ("\nnote: FSDP over one process keeps the whole model on the device (the shard is all of it) and "
+                 "adds its gathered copies and float32 reduce buffers: it saves memory only with --fsdp_cpu_offload "
+                 "on a GPU, or over several processes")
     return line

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world_size and not cfg.distributed.enable_fsdp:
             raise ConfigError("--world_size: the processes FSDP shards over; add --enable_fsdp (without it leantune "
                               "trains on one process)")
-        check_offload_device(cfg, target.type)
+        check_offload_device(cfg, target.type, fix="Plan it for a GPU with --device cuda")
         plans = _plans(cfg, config, target, world_size, budget)
     except (ConfigError, ModelShapeError, CheckpointingError, ModelLoadError) as err:
         print(f"leantune: error: {err}", file=sys.stderr)

@@ -5,14 +5,16 @@ What FSDP2 changes in a rank's memory, read from ``torch.distributed.fsdp`` (tor
 * Parameters, gradients and optimizer state are split over the ranks (``ceil(bytes / N)``).
 * Gathered for compute: the root's parameters (embeddings, final norm, LM head) for the whole step,
   since the root's forward spans it, and two decoder layers (the one running and the one
-  prefetched), in the gathering dtype (the autocast dtype under mixed precision).
+  prefetched), in the gathering dtype (the autocast dtype under mixed precision); while a unit is
+  gathered, its all-gather buffers too (``_Sizes.in_flight``).
 * Reducing a unit's gradients (``foreach_reduce``): its unsharded gradients (gathering dtype) are
   copied into a reduce-dtype buffer of the whole unit (float32 under mixed precision) and
-  reduce-scattered into a buffer of its shard; the largest unit with gradients sets the peak.
+  reduce-scattered into a buffer of its shard, which becomes the sharded gradient. The LM head's
+  unsharded gradient is made in the loss's backward and waits for the root's reduction at the end.
 * ``--fsdp_cpu_offload`` (``CPUOffloadPolicy``): the shards of parameters and gradients live in
-  pinned host memory and the optimizer steps there. The device keeps what is gathered, the unit
-  whose shard is being copied in, the reduce buffers, and the step's activations, loss and
-  temporaries.
+  pinned host memory and the optimizer steps there. The device keeps what is gathered and in
+  flight (each parameter's stored shard is copied in, then cast), the reduce buffers, and the
+  step's activations, loss and temporaries.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from leantune.config import DistributedConfig, RunConfig
+from leantune.config import CheckpointingConfig, DistributedConfig, RunConfig
 from leantune.models.facts import meta_model
 from leantune.models.loading import attach_lora
 from leantune.models.structure import decoder_layers
@@ -38,11 +40,54 @@ class ShardingShapes:
     """What FSDP2 holds on a rank's device beyond its shares of the trace, from the meta-device model."""
 
     gathered_bytes: int  # the root's parameters and two decoder layers, as gathered
-    layer_in_flight_bytes: int  # a layer being gathered: its all-gather input (and, offloaded, its shard copied in)
+    layer_in_flight_bytes: int  # a layer being gathered, beyond its gathered parameters (``_Sizes.in_flight``)
     root_gather_bytes: int  # the root gathered at the start of the forward, with what is in flight for it
-    layer_reduce_bytes: int  # a layer's gradients in flight while reduced (see the module's doc)
+    layer_reduce_bytes: int  # a layer's gradients in flight while reduced (``_Sizes.reduced``)
     root_reduce_bytes: int  # the root's, at the end of backward
-    root_early_grad_bytes: int  # the root's unsharded gradients made in the loss's backward (LM head, final norm)
+    root_early_grad_bytes: int  # the LM head's (and final norm's) unsharded gradients held through the backward, less
+    #                             the trace's share of them (negative where that share is the larger)
+    pinned_host_bytes: int = 0  # offloaded: the pinned shards of parameters and gradients, as the allocator rounds them
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Bytes of a unit's parameters in the forms FSDP2 makes of them (``_fsdp_collectives``, ``_fsdp_param``)."""
+
+    gather: Optional[torch.dtype]  # the dtype parameters are gathered in (None: as stored)
+    world_size: int
+    cpu_offload: bool
+
+    def gathered(self, params) -> int:
+        return sum(p.numel() * (torch.finfo(self.gather).bits // 8 if self.gather else p.element_size()) for p in params)
+
+    def in_flight(self, params) -> int:
+        """While a unit is gathered, beyond its unsharded parameters: the all-gather's input (a shard)
+        and output (the whole unit, alive while copied out into the parameters) and, offloaded, the
+        one parameter whose stored shard is on its way in before its cast."""
+        params = list(params)
+        copied_in = max((_split(p.numel() * p.element_size(), self.world_size) for p in params), default=0)
+        whole = self.gathered(params)
+        return _split(whole, self.world_size) + whole + (copied_in if self.cpu_offload else 0)
+
+    def reduced(self, params) -> int:
+        """A unit's gradients while reduced: its unsharded gradients copied into a reduce-dtype buffer
+        of the whole unit, reduce-scattered into a buffer of its shard. That output becomes the
+        sharded gradient (already in the trace's share) unless offloaded, when it waits on the
+        device for its copy to the host."""
+        trainable = [p for p in params if p.requires_grad]
+        buffer = sum(p.numel() * (4 if self.gather else p.element_size()) for p in trainable)
+        output = _split(buffer, self.world_size) if self.cpu_offload else 0
+        return max(self.gathered(trainable) + buffer, buffer + output)
+
+    def pinned(self, params) -> int:
+        """Offloaded shards of parameters and of the trainable ones' gradients, each rounded up to a
+        power of two by the pinned-memory allocator (its default rounding)."""
+        def rounded(nbytes: int) -> int:
+            return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
+
+        shards = [_split(p.numel() * p.element_size(), self.world_size) for p in params]
+        grads = [size for p, size in zip(params, shards) if p.requires_grad]
+        return sum(rounded(n) for n in shards + grads)
 
 
 def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: int,
@@ -56,26 +101,16 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
     layer, root = list(layers[0].parameters()), [p for p in model.parameters() if id(p) not in in_layers]
     embedding = model.get_input_embeddings().weight
     tied = embedding is getattr(model.get_output_embeddings(), "weight", None)
-    gather = precision.compute_dtype
-
-    def gathered(params) -> int:
-        return sum(p.numel() * (torch.finfo(gather).bits // 8 if gather else p.element_size()) for p in params)
-
-    def in_flight(params) -> int:  # the all-gather's input buffer; offloaded, the shard's copy on the device too
-        stored = sum(p.numel() * p.element_size() for p in params) if cpu_offload else 0
-        return _split(gathered(params) + stored, world_size)
-
-    def reduced(params) -> int:
-        trainable = [p for p in params if p.requires_grad]
-        grads = gathered(trainable)
-        in_reduce_dtype = sum(p.numel() * (4 if gather else p.element_size()) for p in trainable)
-        # the copy-in holds the gradients and the whole buffer; then the buffer and its shard
-        return max(grads + in_reduce_dtype, in_reduce_dtype + _split(in_reduce_dtype, world_size))
-
+    sizes = _Sizes(precision.compute_dtype, world_size, cpu_offload)
+    # the LM head's gradient: FSDP holds it unsharded in the gathering dtype until the root reduces,
+    # where the trace counts (and the rank's share keeps, unless offloaded) its sharded stored form
     early = [p for p in root if p.requires_grad and (tied or p is not embedding)]
-    return ShardingShapes(gathered_bytes=gathered(root) + 2 * gathered(layer), layer_in_flight_bytes=in_flight(layer),
-                          root_gather_bytes=gathered(root) + in_flight(root), layer_reduce_bytes=reduced(layer),
-                          root_reduce_bytes=reduced(root), root_early_grad_bytes=gathered(early))
+    early_in_share = 0 if cpu_offload else _split(sum(p.numel() * p.element_size() for p in early), world_size)
+    return ShardingShapes(
+        gathered_bytes=sizes.gathered(root) + 2 * sizes.gathered(layer), layer_in_flight_bytes=sizes.in_flight(layer),
+        root_gather_bytes=sizes.gathered(root) + sizes.in_flight(root), layer_reduce_bytes=sizes.reduced(layer),
+        root_reduce_bytes=sizes.reduced(root), root_early_grad_bytes=sizes.gathered(early) - early_in_share,
+        pinned_host_bytes=sizes.pinned(list(model.parameters())) if cpu_offload else 0)
 
 
 def _split(nbytes: int, world_size: int) -> int:
@@ -114,17 +149,16 @@ def _stage_on_device(stage: str, breakdown: dict, world_size: int, shapes: Shard
     return shares
 
 
-def host_bytes(plan: ModePlan, world_size: int) -> tuple[int, int]:
+def host_bytes(plan: ModePlan, world_size: int, shapes: ShardingShapes) -> tuple[int, int]:
     """With CPU offload, a rank's host memory for its shards: (all of it, the pinned part).
 
-    At the optimizer step: parameters, gradients, optimizer state and the step's temporaries;
-    parameters and gradients are pinned (``CPUOffloadPolicy``'s default), the optimizer's state
-    is ordinary host memory.
+    Parameters and gradients are pinned (``CPUOffloadPolicy``'s default; ``shapes`` rounds them as
+    the pinned allocator does); at the optimizer step the optimizer's state and the step's
+    temporaries, ordinary host memory, are added.
     """
     at_step = plan.stage_breakdowns.get("optimizer", {})
-    pinned = sum(_split(at_step.get(k, 0), world_size) for k in ("parameter", "gradient"))
     rest = sum(_split(at_step.get(k, 0), world_size) for k in ("optimizer_state", "temporary"))
-    return pinned + rest, pinned
+    return shapes.pinned_host_bytes + rest, shapes.pinned_host_bytes
 
 
 def per_rank(plan: ModePlan, world_size: int, shapes: ShardingShapes, cpu_offload: bool = False) -> ModePlan:
@@ -139,7 +173,7 @@ def per_rank(plan: ModePlan, world_size: int, shapes: ShardingShapes, cpu_offloa
     total = sum(b.values())
     extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes
     fragmentation = int(FRAGMENTATION_SHARE * sum(b[k] for k in TRANSIENT_KINDS)) if plan.target == "cuda" else 0
-    host, pinned = host_bytes(plan, world_size) if cpu_offload else (0, 0)
+    host, pinned = host_bytes(plan, world_size, shapes) if cpu_offload else (0, 0)
     how = "FSDP, CPU offload" if cpu_offload else "FSDP"
     return dataclasses.replace(
         plan, traced_peak_bytes=total, peak_bytes=total + extras + fragmentation, fragmentation_bytes=fragmentation,
@@ -160,8 +194,7 @@ def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
     offloaded = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model),
         training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
-        checkpointing=dataclasses.replace(cfg.checkpointing, enable_activation_checkpointing=True,
-                                          activation_checkpointing_mode="full"),
+        checkpointing=CheckpointingConfig(enable_activation_checkpointing=True, activation_checkpointing_mode="full"),
         memory=dataclasses.replace(cfg.memory, auto_batch_size=False),
         distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
     (plan,) = plan_modes(offloaded, config, target, ["full"], traces=traces)
