@@ -48,6 +48,21 @@ def test_benchmark_writes_one_record_per_kind_and_mode(tmp_path, capsys):
     assert "offload: skipped" in printed and "targets (issue #3):" in printed
 
 
+def test_the_hook_cost_benchmark_times_selective_ops_with_and_without_its_hooks(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: it imports its neighbour
+    bench = _load("benchmarks/selective_ops_hooks.py")
+    built = bench.build("lora", "tiny", seed=0)
+    from leantune.models.structure import unwrap_model
+
+    hooked, unhooked = (unwrap_model(built[name].model)._leantune_matmul_roles for name in bench.CASES[1:])
+    assert hooked._handles and not unhooked._handles  # the third case runs the same policy without its hooks
+    monkeypatch.setattr("sys.argv", ["selective_ops_hooks.py", "--preset", "tiny", "--kind", "lora", "--steps", "1",
+                                     "--json", str(tmp_path / "hooks.json")])
+    bench.main()
+    records = json.loads((tmp_path / "hooks.json").read_text())
+    assert [r["case"] for r in records] == list(bench.CASES) and records[0]["step_time_ratio"] == 1.0
+
+
 def test_benchmark_rejects_unknown_modes():
     bench = _load("benchmarks/activation_checkpointing.py")
     with pytest.raises(SystemExit):
