@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from leantune.config import CheckpointingConfig, DistributedConfig, RunConfig
+from leantune.config import CheckpointingConfig, ConfigError, DistributedConfig, RunConfig
 from leantune.models.facts import meta_model
 from leantune.models.loading import attach_lora
 from leantune.models.structure import decoder_layers
@@ -191,12 +191,15 @@ def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
     (not a GPU, LoRA, float16, which FSDP refuses)."""
     if target.type != "cuda" or cfg.peft.use_peft or cfg.training.use_fp16:
         return None
-    offloaded = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model),
-        training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
-        checkpointing=CheckpointingConfig(enable_activation_checkpointing=True, activation_checkpointing_mode="full"),
-        memory=dataclasses.replace(cfg.memory, auto_batch_size=False),
-        distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
+    try:
+        offloaded = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model),
+            training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
+            checkpointing=CheckpointingConfig(enable_activation_checkpointing=True, activation_checkpointing_mode="full"),
+            memory=dataclasses.replace(cfg.memory, auto_batch_size=False, target_global_batch_size=None),
+            distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
+    except ConfigError:  # a flag FSDP refuses: the lever is not there to name (the caller's error stands)
+        return None
     (plan,) = plan_modes(offloaded, config, target, ["full"], traces=traces)
     return per_rank(plan, 1, sharding_shapes(offloaded, config, target, 1, cpu_offload=True), cpu_offload=True)
 
