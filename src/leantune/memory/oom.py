@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Optional
@@ -10,7 +11,7 @@ import torch
 
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
-from leantune.config import EIGHT_BIT_OPTIMIZERS, RunConfig, in_backward_conflicts
+from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, DistributedConfig, RunConfig, in_backward_conflicts
 from leantune.precision import pure_bf16_allowed
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
@@ -66,10 +67,13 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
 
 
 def _fsdp_allowed(cfg: RunConfig) -> bool:
-    """The run's flags are ones --enable_fsdp trains with (RunConfig refuses the others)."""
-    tc = cfg.training
-    return (tc.optimizer == "adamw" and not (tc.pure_bf16 or tc.optimizer_in_backward or tc.use_fp16)
-            and not cfg.memory.auto_batch_size and cfg.checkpointing.activation_checkpointing_mode != "auto")
+    """The run's flags are ones --enable_fsdp trains with: RunConfig's own checks decide."""
+    try:
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model),
+                            distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
+    except ConfigError:
+        return False
+    return True
 
 
 def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
