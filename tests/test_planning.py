@@ -336,15 +336,18 @@ def test_a_run_with_auto_mode_and_batch_trains_and_logs_the_breakdown(tiny_model
             "--save_model", "false", "--output_dir", str(out)]
     lines: list[str] = []
     run(parse_run_config(argv), log=lines.append)
-    chosen = next(line for line in lines if line.startswith("activation checkpointing: auto chose"))
+    chosen = [line for line in lines if line.startswith("activation checkpointing: auto chose")][-1]
+    assert chosen.endswith("the most tokens/s measured)")  # the plan's first choice, then the timed one
     batch_line = next(line for line in lines if line.startswith("batch size: auto chose"))
-    batch = int(batch_line.split()[4])
-    assert 8 % batch == 0 and f"{8 // batch} batches per optimizer step" in batch_line
+    planned = int(batch_line.split()[4])
+    assert 8 % planned == 0 and f"{8 // planned} batches per optimizer step" in batch_line
+    batch = int(chosen.split("(batch ")[1].split(":")[0])  # the timed candidate's, which the run trains with
     assert any(line.startswith(f"batch size: confirmed {batch} with one real step") for line in lines), lines
     # the CPU has no allocator peak to set a prediction against: no plan line, no check line
     assert not [line for line in lines if line.startswith(("plan: predicted peak", "memory check"))]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["batch_size_training"] == batch
+    assert metrics["config"]["gradient_accumulation_steps"] == 8 // batch  # --target_global_batch_size kept
     assert f"auto chose {metrics['config']['activation_checkpointing_mode'] or 'none'} " in chosen
     rows = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
     for row in rows[1:]:

@@ -33,6 +33,7 @@ from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_pe
 from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.flops import count_token_flops
+from leantune.planning.measured_choice import choose_by_timing
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
@@ -111,6 +112,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
+    memory = choose_by_timing(memory, model, precision, log)  # auto with --auto_batch_size: the fastest candidate
     confirmed = confirm_the_batch(memory, model, facts.config, precision, log, traces)
     if confirmed.cfg.training.batch_size_training != cfg.training.batch_size_training:
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name

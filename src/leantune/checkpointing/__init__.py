@@ -6,6 +6,7 @@ from leantune.checkpointing.apply import (
     CheckpointingReport,
     apply_activation_checkpointing,
     inspect_checkpointing,
+    remove_activation_checkpointing,
 )
 from leantune.checkpointing.modes import MODES, policy_from_config
 from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
@@ -14,6 +15,7 @@ from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, Ful
 __all__ = [
     "MODES",
     "policy_from_config",
+    "remove_activation_checkpointing",
     "CheckpointPolicy",
     "CheckpointingError",
     "CheckpointingReport",

@@ -120,3 +120,27 @@ def _check_can_apply(model: torch.nn.Module, hf_model: torch.nn.Module) -> None:
         raise CheckpointingError(
             f"{name} already has torch checkpoint wrappers ({wrapped[0]}, ...); checkpointing it again would "
             "recompute twice. Remove the wrappers or do not pass --enable_activation_checkpointing.")
+
+
+def remove_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Undo ``apply_activation_checkpointing``, so that another policy can be applied (once again).
+
+    The layers' flags go off and selective_ops' module hooks are removed, so the model runs as it
+    did before. A model leantune did not checkpoint is left alone. (The reentrant variant's hook
+    that makes the embeddings' output require grad stays: harmless, and a quantized base's
+    preparation may rely on the same hook.)
+    """
+    hf_model = unwrap_model(model)
+    policy = getattr(hf_model, "_leantune_checkpoint_policy", None)
+    if policy is None:
+        return
+    if hasattr(hf_model, "activation_checkpointing_disable"):  # transformers 5.x
+        hf_model.activation_checkpointing_disable()
+    else:  # transformers 4.x
+        hf_model.gradient_checkpointing_disable()
+    for layer in decoder_layers(hf_model):
+        layer.gradient_checkpointing = False
+    roles = getattr(policy, "roles", None)
+    if roles is not None:
+        roles.remove()
+    hf_model._leantune_checkpoint_policy = None

@@ -7,7 +7,7 @@ backed off once if it does not fit after all (``confirm``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,6 +31,9 @@ class MemoryPlan:
     cfg: RunConfig
     plan: Optional[ModePlan] = None
     budget: Optional[int] = None
+    # auto mode with --auto_batch_size: every mode's largest fitting batch and its plan, for the
+    # run to time once the weights are loaded (planning.measured_choice)
+    candidates: dict = field(default_factory=dict)
 
 
 def needs_plan(cfg: RunConfig) -> bool:
@@ -94,27 +97,18 @@ COST_TIE = 0.02
 
 
 def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
-                          traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
+                          traces: Optional[StepTraces] = None, found: Optional[dict] = None
+                          ) -> tuple[RunConfig, ModePlan]:
     """Both automatic: the least recompute that fits one row, at that mode's largest fitting batch.
 
     Each mode's largest fitting batch is found; the fewest FLOPs per token (recompute included)
     win, near-ties (``COST_TIE``) going to the mode that recomputes less by design
-    (``selective_ops`` recomputes elementwise ops, which the FLOP count leaves out). Nothing here
-    models how tokens/s grows with the batch: where it does not grow (the CPU, measured by
-    ``benchmarks/memory_budget.py``), a bigger batch bought with recompute only costs time. On a
-    GPU, where a small batch may leave it idle, that is still to be measured.
+    (``selective_ops`` recomputes elementwise ops, which the FLOP count leaves out). This is the
+    choice before the weights load; the run then times each candidate in one real step and takes
+    the fastest (``planning.measured_choice``), since tokens/s may grow with the batch.
     ``offload`` is left out: its plan is derived, not traced, so a batch search would rest on it.
     """
-    found = {}
-    for mode in modes_to_plan(cfg, device):
-        if mode != OFFLOAD:
-            batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
-            if batch:
-                found[mode] = (batch, plan)
-    if not found:
-        raise ConfigError(f"--auto_batch_size: not even the smallest batch x {cfg.data.context_length} fits "
-                          f"--memory_budget_gb ({format_bytes(budget)}) in any mode; shorten --context_length or "
-                          "use --use_peft")
+    found = found or mode_batch_candidates(cfg, config, device, budget, traces)
     cheapest = min(flops_per_token(plan) for _, plan in found.values())
     extra = {m: flops_per_token(p) / cheapest - 1 if 0 < cheapest < float("inf") else 0.0
              for m, (_, p) in found.items()}
@@ -125,6 +119,22 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
     log(f"activation checkpointing: auto chose {best} (batch {batch} in {format_bytes(budget)}: the least "
         "recompute per token of the modes that fit)")
     return with_batch(run_config_for_mode(cfg, best), batch), plan
+
+
+def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: int,
+                          traces: Optional[StepTraces] = None) -> dict[str, tuple[int, ModePlan]]:
+    """Each mode's largest batch that fits ``budget`` (modes with none left out), with its plan."""
+    found = {}
+    for mode in modes_to_plan(cfg, device):
+        if mode != OFFLOAD:
+            batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
+            if batch:
+                found[mode] = (batch, plan)
+    if not found:
+        raise ConfigError(f"--auto_batch_size: not even the smallest batch x {cfg.data.context_length} fits "
+                          f"--memory_budget_gb ({format_bytes(budget)}) in any mode; shorten --context_length or "
+                          "use --use_peft")
+    return found
 
 
 def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
@@ -149,8 +159,10 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
     if not (auto_mode or cfg.memory.auto_batch_size):
         return MemoryPlan(cfg, plan_modes(cfg, config, device, [run_mode(cfg)], budget, traces)[0], budget)
+    candidates = {}
     if auto_mode and cfg.memory.auto_batch_size:
-        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces)
+        candidates = mode_batch_candidates(cfg, config, device, budget, traces)
+        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces, candidates)
     elif auto_mode:
         cfg, plan = choose_auto_mode(cfg, config, device, budget, log, traces)
     else:
@@ -159,7 +171,7 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
         log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
             f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg)}), "
             f"{cfg.training.gradient_accumulation_steps} batches per optimizer step")
-    return MemoryPlan(cfg, plan, budget)
+    return MemoryPlan(cfg, plan, budget, candidates)
 
 
 def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,

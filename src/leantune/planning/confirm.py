@@ -7,6 +7,7 @@ GPU, the storage tracker on the CPU). What only the optimizer step makes comes f
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -23,13 +24,14 @@ from leantune.precision import Precision
 from leantune.training.step import loss_and_backward
 
 
-def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> Callable[[int], int]:
+def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
+                 measured: bool = True) -> Callable[[int], int]:
     """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
 
     Measured by ``StepPeakMeter``: the allocator on a GPU (reserved, plus the CUDA context the
-    budget includes), the storage tracker on the CPU. The random state is restored and the
-    gradients dropped after (also when it fails), so the run that follows is the one it would
-    have been without it.
+    budget includes), the storage tracker on the CPU; ``measured=False`` runs the step bare
+    (returning 0), to be timed. The random state is restored and the gradients dropped after
+    (also when it fails), so the run that follows is the one it would have been without it.
     """
     device = precision.device
 
@@ -43,10 +45,10 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
-                with StepPeakMeter(device, model) as meter:
+                with (StepPeakMeter(device, model) if measured else contextlib.nullcontext()) as meter:
                     loss_and_backward(loss_model, rows["input_ids"], rows["labels"], precision,
                                       position_ids=rows.get("position_ids"))
-                return meter.budget_bytes_used
+                return meter.budget_bytes_used if measured else 0
         finally:
             for hook in hooks:
                 hook.remove()

@@ -1,0 +1,93 @@
+"""``auto`` with ``--auto_batch_size``, decided by measurement: one real step of each candidate, the fastest kept.
+
+Before the weights load, the plan finds each checkpointing mode's largest batch that fits the
+budget (``choose.mode_batch_candidates``) and makes a first choice by FLOPs per token. FLOPs
+cannot see that a device runs a bigger batch at more tokens per second; a real step can. With the
+weights loaded once, each candidate's checkpointing is put on the model in turn (taken off and
+applied again, never stacked), a forward and backward of a full-length batch of its size is
+timed (the faster of ``TIMED_STEPS``), and the candidate with the most tokens/s wins; the model
+keeps the winner's checkpointing.
+
+A warm-up step at the smallest batch comes first, so that the first candidate timed does not pay
+for the allocator's and the kernels' first use. Bounded: the warm-up and two steps per candidate
+(one candidate per mode, at most four), none with an optimizer step; the random state and the
+gradients are left as they were (``confirm.confirm_step``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from leantune.checkpointing import apply_activation_checkpointing, policy_from_config, remove_activation_checkpointing
+from leantune.config import RunConfig
+from leantune.planning.choose import MemoryPlan
+from leantune.planning.confirm import confirm_step
+from leantune.planning.fake_step import run_config_for_mode
+from leantune.planning.plan import with_batch
+from leantune.precision import Precision
+
+TIMED_STEPS = 2  # per candidate, the fastest kept: one step alone is at the mercy of a noisy machine
+
+
+def use_checkpointing_of(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> None:
+    """Put ``cfg``'s checkpointing on ``model`` in place of what it has (none included)."""
+    remove_activation_checkpointing(model)
+    policy = policy_from_config(cfg.checkpointing)
+    if policy is not None:
+        apply_activation_checkpointing(model, policy, precision.device)
+
+
+def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Precision, log=print,
+                     step_for: Callable = confirm_step, clock: Callable[[], float] = time.perf_counter) -> MemoryPlan:
+    """``memory`` with the candidate that ran fastest in one real step each; ``memory`` itself when there is
+    no choice to make (fewer than two candidates).
+
+    ``step_for(model, cfg, precision, measured=False)`` gives the candidate's step (a function of
+    the batch size); ``clock`` reads seconds. A candidate that runs out of memory is left out.
+    """
+    if len(memory.candidates) < 2:
+        return memory
+    cfg, device = memory.cfg, precision.device
+    configs = {mode: with_batch(run_config_for_mode(cfg, mode), batch) for mode, (batch, _) in memory.candidates.items()}
+    smallest = min(batch for batch, _ in memory.candidates.values())
+    tokens_per_s: dict[str, Optional[float]] = {}
+    for index, (mode, candidate) in enumerate(configs.items()):
+        use_checkpointing_of(model, candidate, precision)
+        step = step_for(model, candidate, precision, measured=False)
+        if index == 0:
+            step(smallest)  # the warm-up
+        tokens_per_s[mode] = _time(step, candidate.training.batch_size_training, cfg.data.context_length, device,
+                                   clock)
+    fitted = {mode: rate for mode, rate in tokens_per_s.items() if rate is not None}
+    if not fitted:
+        use_checkpointing_of(model, cfg, precision)
+        return memory
+    best = max(fitted, key=fitted.get)
+    batch, plan = memory.candidates[best]
+    use_checkpointing_of(model, configs[best], precision)
+    log(f"auto: each mode timed at its largest fitting batch (the faster of {TIMED_STEPS} real steps): " + ", ".join(
+        f"{mode} {configs[mode].training.batch_size_training} "
+        f"({f'{rate:,.0f} tokens/s' if rate is not None else 'out of memory'})" for mode, rate in tokens_per_s.items()))
+    log(f"activation checkpointing: auto chose {best} (batch {batch}: the most tokens/s measured)")
+    return MemoryPlan(configs[best], plan, memory.budget, memory.candidates)
+
+
+def _time(step: Callable[[int], int], batch: int, context: int, device: torch.device, clock) -> Optional[float]:
+    """Tokens per second of ``step`` on ``batch`` rows of ``context`` tokens, the faster of ``TIMED_STEPS``;
+    None when it runs out of memory."""
+    fastest = float("inf")
+    for _ in range(TIMED_STEPS):
+        started = clock()
+        try:
+            step(batch)
+        except torch.OutOfMemoryError:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        fastest = min(fastest, clock() - started)
+    return batch * context / max(fastest, 1e-9)

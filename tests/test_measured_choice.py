@@ -1,0 +1,115 @@
+"""``auto`` with ``--auto_batch_size`` times one real step of each candidate and keeps the fastest.
+
+Checkpointing is taken off and put on again between candidates: removing it must leave the model
+exactly as it was, and the winner's checkpointing is what the model trains with.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from leantune.checkpointing import (FullCheckpointing, SelectiveOps, apply_activation_checkpointing,
+                                    inspect_checkpointing, remove_activation_checkpointing)
+from leantune.cli_args import parse_run_config
+from leantune.models.loading import attach_lora
+from leantune.planning.choose import MemoryPlan
+from leantune.planning.measured_choice import TIMED_STEPS, choose_by_timing
+from leantune.precision import choose_precision
+
+
+def _lora_model(tiny_model_dir):
+    torch.manual_seed(0)
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), parse_run_config(["--use_peft", "--lora_dropout", "0"]).peft)
+    for name, param in model.named_parameters():  # lora_B starts at zero: give it values, so its gradient shows
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return model.train()
+
+
+def _gradients(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_removed_checkpointing_leaves_the_model_as_it_was_and_can_be_applied_again(tiny_model_dir):
+    model = _lora_model(tiny_model_dir)
+    ids = torch.randint(3, 200, (2, 32), generator=torch.Generator().manual_seed(1))
+    plain = _gradients(model, ids)
+    apply_activation_checkpointing(model, SelectiveOps())
+    roles = model.base_model.model._leantune_matmul_roles
+    assert roles._handles and inspect_checkpointing(model).enabled
+    remove_activation_checkpointing(model)
+    assert not inspect_checkpointing(model).enabled and not roles._handles  # its module hooks gone too
+    after = _gradients(model, ids)
+    assert all(torch.equal(after[n], plain[n]) for n in plain)  # float32: exactly the uncheckpointed gradients
+    report = apply_activation_checkpointing(model, FullCheckpointing())  # once again, not stacked
+    assert report.policy.startswith("full") and report.checkpointed_layers == report.total_layers
+    checkpointed = _gradients(model, ids)
+    assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
+    remove_activation_checkpointing(model)
+    remove_activation_checkpointing(model)  # nothing left to remove: a no-op
+
+
+class _SlowOnPurpose:
+    """A fake clock and step: each step costs ``seconds_per_row[mode] x rows``, the mode read from the model."""
+
+    def __init__(self, seconds_per_row: dict, out_of_memory: tuple = ()):
+        self.now, self.seconds_per_row, self.out_of_memory = 0.0, seconds_per_row, out_of_memory
+        self.calls: list[tuple[str, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def step_for(self, model, cfg, precision, measured=True):
+        assert not measured  # timed bare: a memory meter would slow the modes with more ops the most
+
+        def step(batch: int) -> int:
+            report = inspect_checkpointing(model)
+            mode = report.policy.split()[0] if report.enabled else "none"
+            assert mode == (cfg.checkpointing.mode or "none")  # the candidate's checkpointing is what runs
+            self.calls.append((mode, batch))
+            if mode in self.out_of_memory:
+                raise torch.OutOfMemoryError("fake")
+            self.now += self.seconds_per_row[mode] * batch
+            return 0
+        return step
+
+
+@pytest.mark.parametrize("slow, chosen", [("none", "full"), ("full", "none")])
+def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir):
+    model = _lora_model(tiny_model_dir)
+    cfg = parse_run_config(["--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                            "auto", "--auto_batch_size", "--memory_budget_gb", "1"])
+    plans = {"none": SimpleNamespace(name="none plan"), "full": SimpleNamespace(name="full plan")}
+    memory = MemoryPlan(cfg, plans["none"], 2**30, {"none": (2, plans["none"]), "full": (4, plans["full"])})
+    fake = _SlowOnPurpose({"none": 1.0, "full": 1.0, slow: 5.0})  # per row: the slow one loses whatever its batch
+    lines: list[str] = []
+    timed = choose_by_timing(memory, model, choose_precision(cfg, torch.device("cpu")), lines.append,
+                             step_for=fake.step_for, clock=fake.clock)
+    # the warm-up at the smallest batch, then each candidate's timed steps
+    assert fake.calls == [("none", 2)] + [("none", 2)] * TIMED_STEPS + [("full", 4)] * TIMED_STEPS
+    assert (timed.cfg.checkpointing.mode or "none") == chosen and timed.plan is plans[chosen]
+    assert timed.cfg.training.batch_size_training == {"none": 2, "full": 4}[chosen]
+    assert inspect_checkpointing(model).enabled == (chosen == "full")  # the model trains with the winner's
+    assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen} (batch ")
+    assert "none 2 (" in lines[-2] and "full 4 (" in lines[-2] and "tokens/s" in lines[-2]
+
+
+def test_a_candidate_that_runs_out_of_memory_is_left_out_and_one_candidate_is_not_timed(tiny_model_dir):
+    model = _lora_model(tiny_model_dir)
+    cfg = parse_run_config(["--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                            "auto", "--auto_batch_size", "--memory_budget_gb", "1"])
+    precision = choose_precision(cfg, torch.device("cpu"))
+    plan = SimpleNamespace()
+    fake = _SlowOnPurpose({"none": 0.1, "full": 1.0}, out_of_memory=("none",))
+    lines: list[str] = []
+    memory = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan), "none": (4, plan)})
+    timed = choose_by_timing(memory, model, precision, lines.append, step_for=fake.step_for, clock=fake.clock)
+    assert timed.cfg.checkpointing.mode == "full" and "none 4 (out of memory)" in lines[-2]
+    alone = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan)})
+    assert choose_by_timing(alone, model, precision, lines.append, step_for=pytest.fail) is alone
