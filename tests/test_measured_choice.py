@@ -40,11 +40,15 @@ def test_removed_checkpointing_leaves_the_model_as_it_was_and_can_be_applied_aga
     model = _lora_model(tiny_model_dir)
     ids = torch.randint(3, 200, (2, 32), generator=torch.Generator().manual_seed(1))
     plain = _gradients(model, ids)
+    embedding = model.get_input_embeddings()
+    fresh = (len(embedding._forward_hooks), model.get_input_embeddings()(ids).requires_grad)
     apply_activation_checkpointing(model, SelectiveOps())
     roles = model.base_model.model._leantune_matmul_roles
     assert roles._handles and inspect_checkpointing(model).enabled
     remove_activation_checkpointing(model)
     assert not inspect_checkpointing(model).enabled and not roles._handles  # its module hooks gone too
+    # and the hook transformers puts on the embeddings (their output made to require grad)
+    assert (len(embedding._forward_hooks), embedding(ids).requires_grad) == fresh
     after = _gradients(model, ids)
     assert all(torch.equal(after[n], plain[n]) for n in plain)  # float32: exactly the uncheckpointed gradients
     report = apply_activation_checkpointing(model, FullCheckpointing())  # once again, not stacked
@@ -53,13 +57,15 @@ def test_removed_checkpointing_leaves_the_model_as_it_was_and_can_be_applied_aga
     assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
     remove_activation_checkpointing(model)
     remove_activation_checkpointing(model)  # nothing left to remove: a no-op
+    assert (len(embedding._forward_hooks), embedding(ids).requires_grad) == fresh  # none piled up
 
 
 class _SlowOnPurpose:
     """A fake clock and step: each step costs ``seconds_per_row[mode] x rows``, the mode read from the model."""
 
-    def __init__(self, seconds_per_row: dict, out_of_memory: tuple = ()):
+    def __init__(self, seconds_per_row: dict, out_of_memory: tuple = (), first_step_penalty: float = 0.0):
         self.now, self.seconds_per_row, self.out_of_memory = 0.0, seconds_per_row, out_of_memory
+        self.first_step_penalty = first_step_penalty  # a candidate's first step is slower (its own warm-up)
         self.calls: list[tuple[str, int]] = []
 
     def clock(self) -> float:
@@ -75,7 +81,8 @@ class _SlowOnPurpose:
             self.calls.append((mode, batch))
             if mode in self.out_of_memory:
                 raise torch.OutOfMemoryError("fake")
-            self.now += self.seconds_per_row[mode] * batch
+            first = all(called != mode for called, _ in self.calls[:-1])
+            self.now += self.seconds_per_row[mode] * batch + (self.first_step_penalty if first else 0.0)
             return 0
         return step
 
@@ -96,8 +103,55 @@ def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir)
     assert (timed.cfg.checkpointing.mode or "none") == chosen and timed.plan is plans[chosen]
     assert timed.cfg.training.batch_size_training == {"none": 2, "full": 4}[chosen]
     assert inspect_checkpointing(model).enabled == (chosen == "full")  # the model trains with the winner's
-    assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen} (batch ")
-    assert "none 2 (" in lines[-2] and "full 4 (" in lines[-2] and "tokens/s" in lines[-2]
+    assert lines[-2].startswith(f"activation checkpointing: auto chose {chosen} (batch ")
+    assert "none 2 (" in lines[-3] and "full 4 (" in lines[-3] and "tokens/s" in lines[-3]
+    assert lines[-1] == inspect_checkpointing(model).summary_line()  # what the model now has, said
+
+
+def _choose(tiny_model_dir, candidates: dict, fake: "_SlowOnPurpose", first: str = "none"):
+    """``choose_by_timing`` over ``candidates`` (mode -> batch), the plan's first choice being ``first``."""
+    checkpointing = [] if first == "none" else ["--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                                                first]
+    cfg = parse_run_config(["--use_peft", *checkpointing])
+    plans = {mode: SimpleNamespace(mode=mode) for mode in candidates}
+    memory = MemoryPlan(cfg, plans[first], 2**30, {m: (b, plans[m]) for m, b in candidates.items()})
+    return choose_by_timing(memory, _lora_model(tiny_model_dir), choose_precision(cfg, torch.device("cpu")),
+                            lambda _: None, step_for=fake.step_for, clock=fake.clock)
+
+
+def test_auto_compares_tokens_per_second_not_step_times(tiny_model_dir):
+    """full's step of 4 rows takes longer than none's of 2, but gives 25% more tokens a second."""
+    timed = _choose(tiny_model_dir, {"none": 2, "full": 4}, _SlowOnPurpose({"none": 1.0, "full": 0.8}))
+    assert timed.cfg.checkpointing.mode == "full"
+
+
+def test_auto_keeps_each_candidates_faster_step(tiny_model_dir):
+    """Each candidate's first step costs 10 s more (its own warm-up); the faster step decides, not the last or first."""
+    fake = _SlowOnPurpose({"none": 1.0, "full": 0.8}, first_step_penalty=10.0)
+    assert _choose(tiny_model_dir, {"none": 2, "full": 4}, fake).cfg.checkpointing.mode == "full"
+
+
+def test_auto_keeps_the_plans_first_choice_unless_another_is_clearly_faster(tiny_model_dir):
+    from leantune.planning.measured_choice import MARGIN
+
+    close = _SlowOnPurpose({"none": 1.0, "full": 1.0 / (1 + MARGIN / 2)})  # full measured faster, within the margin
+    assert _choose(tiny_model_dir, {"none": 2, "full": 4}, close).cfg.checkpointing.mode is None
+
+
+def test_a_resumed_run_trains_with_the_saved_runs_candidate_untimed():
+    from leantune.planning.measured_choice import keep_saved_choice
+
+    cfg = parse_run_config(["--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                            "auto", "--auto_batch_size", "--memory_budget_gb", "1"])
+    plans = {"none": SimpleNamespace(), "full": SimpleNamespace()}
+    memory = MemoryPlan(cfg, plans["none"], 2**30, {"none": (2, plans["none"]), "full": (4, plans["full"])})
+    saved = {"config": {"batch_size_training": 4, "activation_checkpointing_mode": "full"}}
+    kept = keep_saved_choice(memory, saved)
+    assert kept.cfg.checkpointing.mode == "full" and kept.cfg.training.batch_size_training == 4
+    assert kept.plan is plans["full"] and not kept.candidates  # nothing left to time
+    other = keep_saved_choice(memory, {"config": {"batch_size_training": 3}})
+    assert other.cfg is cfg and not other.candidates  # no candidate matches: the resume check names the batch
+    assert keep_saved_choice(memory, None) is memory
 
 
 def test_a_candidate_that_runs_out_of_memory_is_left_out_and_one_candidate_is_not_timed(tiny_model_dir):
@@ -110,6 +164,6 @@ def test_a_candidate_that_runs_out_of_memory_is_left_out_and_one_candidate_is_no
     lines: list[str] = []
     memory = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan), "none": (4, plan)})
     timed = choose_by_timing(memory, model, precision, lines.append, step_for=fake.step_for, clock=fake.clock)
-    assert timed.cfg.checkpointing.mode == "full" and "none 4 (out of memory)" in lines[-2]
+    assert timed.cfg.checkpointing.mode == "full" and "none 4 (out of memory)" in lines[-3]
     alone = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan)})
     assert choose_by_timing(alone, model, precision, lines.append, step_for=pytest.fail) is alone

@@ -33,7 +33,7 @@ from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_pe
 from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.flops import count_token_flops
-from leantune.planning.measured_choice import choose_by_timing
+from leantune.planning.measured_choice import choose_by_timing, keep_saved_choice
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
@@ -69,6 +69,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     traces = StepTraces()
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
     saved = read_state(resume) if resume is not None else None
+    memory = keep_saved_choice(memory, saved)  # auto's timed choice is not made again when resuming
     if saved is not None:
         check_compatible(saved, memory.cfg, resume, dist.world_size)
     precision = choose_precision(memory.cfg, device)

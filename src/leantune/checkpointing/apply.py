@@ -83,6 +83,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     except ValueError as err:
         raise CheckpointingError(str(err)) from None
     kwargs = policy.checkpoint_kwargs()
+    embedding = hf_model.get_input_embeddings()
+    hooks_before = set(embedding._forward_hooks)  # transformers adds one to make its output require grad
     if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers 5.x
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # transformers 4.x
@@ -97,6 +99,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
         # models; doing it here covers inputs_embeds models too).
         hf_model.enable_input_require_grads()
     hf_model._leantune_checkpoint_policy = policy
+    hf_model._leantune_checkpoint_hooks = set(embedding._forward_hooks) - hooks_before  # removed with the policy
     report = inspect_checkpointing(model)
     if not report.enabled:
         raise CheckpointingError(f"policy {policy.describe()} selected no decoder layer of {report.total_layers}")
@@ -125,10 +128,9 @@ def _check_can_apply(model: torch.nn.Module, hf_model: torch.nn.Module) -> None:
 def remove_activation_checkpointing(model: torch.nn.Module) -> None:
     """Undo ``apply_activation_checkpointing``, so that another policy can be applied (once again).
 
-    The layers' flags go off and selective_ops' module hooks are removed, so the model runs as it
-    did before. A model leantune did not checkpoint is left alone. (The reentrant variant's hook
-    that makes the embeddings' output require grad stays: harmless, and a quantized base's
-    preparation may rely on the same hook.)
+    The layers' flags go off, selective_ops' module hooks are removed, and so are the hooks that
+    enabling added to the embeddings (transformers makes their output require grad for every
+    variant): the model runs as it did before. A model leantune did not checkpoint is left alone.
     """
     hf_model = unwrap_model(model)
     policy = getattr(hf_model, "_leantune_checkpoint_policy", None)
@@ -140,7 +142,12 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> None:
         hf_model.gradient_checkpointing_disable()
     for layer in decoder_layers(hf_model):
         layer.gradient_checkpointing = False
+    embedding_hooks = hf_model.get_input_embeddings()._forward_hooks
+    for key in getattr(hf_model, "_leantune_checkpoint_hooks", ()):
+        embedding_hooks.pop(key, None)
     roles = getattr(policy, "roles", None)
     if roles is not None:
         roles.remove()
+        hf_model._leantune_matmul_roles = None
     hf_model._leantune_checkpoint_policy = None
+    hf_model._leantune_checkpoint_hooks = set()

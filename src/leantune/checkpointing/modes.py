@@ -30,7 +30,8 @@ def mode_help() -> str:
     """``--activation_checkpointing_mode``'s help, one clause per mode, from the classes' summaries."""
     clauses = [f"{name}{' (default)' if name == DEFAULT else ''}: {cls.summary}" for name, cls in MODES.items()]
     clauses.append(f"{AUTO}: the mode, per-layer mix or none with the least recompute whose predicted peak fits "
-                   "--memory_budget_gb, chosen before the weights load")
+                   "--memory_budget_gb, chosen before the weights load; with --auto_batch_size, each mode at its "
+                   "largest fitting batch is timed in real steps once they have loaded and the fastest kept")
     return "; ".join(clauses) + "."
 
 

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.checkpointing import apply_activation_checkpointing, policy_from_config, remove_activation_checkpointing
+from leantune.checkpointing import (apply_activation_checkpointing, inspect_checkpointing, policy_from_config,
+                                    remove_activation_checkpointing)
 from leantune.config import RunConfig
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.confirm import confirm_step
@@ -30,6 +31,24 @@ from leantune.planning.plan import with_batch
 from leantune.precision import Precision
 
 TIMED_STEPS = 2  # per candidate, the fastest kept: one step alone is at the mercy of a noisy machine
+# The plan's first choice (fewest FLOPs per token) stays unless another candidate is measured this
+# much faster: two close candidates are told apart by noise, and the run should not flip between them.
+MARGIN = 0.05
+
+
+def keep_saved_choice(memory: MemoryPlan, saved: Optional[dict]) -> MemoryPlan:
+    """Resuming: the candidate the saved run trained with (its batch, and its mode when that fits too),
+    not timed again: a new timing could pick another batch, which the saved run cannot continue with."""
+    if saved is None or not memory.candidates:
+        return memory
+    was = saved.get("config", {})
+    matching = [(mode, batch, plan) for mode, (batch, plan) in memory.candidates.items()
+                if batch == was.get("batch_size_training")]
+    if not matching:
+        return MemoryPlan(memory.cfg, memory.plan, memory.budget)  # the resume check names the batch
+    mode, batch, plan = next((m for m in matching if m[0] == (was.get("activation_checkpointing_mode") or "none")),
+                             matching[0])
+    return MemoryPlan(with_batch(run_config_for_mode(memory.cfg, mode), batch), plan, memory.budget)
 
 
 def use_checkpointing_of(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> None:
@@ -57,37 +76,48 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
     for index, (mode, candidate) in enumerate(configs.items()):
         use_checkpointing_of(model, candidate, precision)
         step = step_for(model, candidate, precision, measured=False)
-        if index == 0:
-            step(smallest)  # the warm-up
+        if index == 0 and _time(step, smallest, cfg.data.context_length, device, clock, steps=1) is None:
+            break  # not even the warm-up fits: nothing to time; the batch check backs off
         tokens_per_s[mode] = _time(step, candidate.training.batch_size_training, cfg.data.context_length, device,
                                    clock)
     fitted = {mode: rate for mode, rate in tokens_per_s.items() if rate is not None}
     if not fitted:
         use_checkpointing_of(model, cfg, precision)
-        return memory
+        return MemoryPlan(cfg, memory.plan, memory.budget)
+    first = cfg.checkpointing.mode or "none"
     best = max(fitted, key=fitted.get)
+    if first in fitted and fitted[best] <= fitted[first] * (1 + MARGIN):
+        best = first
     batch, plan = memory.candidates[best]
     use_checkpointing_of(model, configs[best], precision)
     log(f"auto: each mode timed at its largest fitting batch (the faster of {TIMED_STEPS} real steps): " + ", ".join(
         f"{mode} {configs[mode].training.batch_size_training} "
         f"({f'{rate:,.0f} tokens/s' if rate is not None else 'out of memory'})" for mode, rate in tokens_per_s.items()))
-    log(f"activation checkpointing: auto chose {best} (batch {batch}: the most tokens/s measured)")
+    why = (f"the plan's first choice, no other measured more than {MARGIN:.0%} faster" if best == first
+           else "the most tokens/s measured")
+    log(f"activation checkpointing: auto chose {best} (batch {batch}, "
+        f"{configs[best].training.gradient_accumulation_steps} batches per optimizer step: {why})")
+    log(inspect_checkpointing(model).summary_line())
     return MemoryPlan(configs[best], plan, memory.budget, memory.candidates)
 
 
-def _time(step: Callable[[int], int], batch: int, context: int, device: torch.device, clock) -> Optional[float]:
-    """Tokens per second of ``step`` on ``batch`` rows of ``context`` tokens, the faster of ``TIMED_STEPS``;
+def _time(step: Callable[[int], int], batch: int, context: int, device: torch.device, clock,
+          steps: int = TIMED_STEPS) -> Optional[float]:
+    """Tokens per second of ``step`` on ``batch`` rows of ``context`` tokens, the fastest of ``steps``;
     None when it runs out of memory."""
-    fastest = float("inf")
-    for _ in range(TIMED_STEPS):
+    fastest, out_of_memory = float("inf"), False
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the clock starts when the device is idle, as it stops
         started = clock()
         try:
             step(batch)
         except torch.OutOfMemoryError:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            return None
+            out_of_memory = True
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         fastest = min(fastest, clock() - started)
-    return batch * context / max(fastest, 1e-9)
+    if device.type == "cuda":  # out of the handler, the failed step's tensors are freed: give their blocks back,
+        torch.cuda.empty_cache()  # so that each candidate starts from the same allocator
+    return None if out_of_memory else batch * context / max(fastest, 1e-9)
