@@ -61,8 +61,9 @@ def use_checkpointing_of(model: torch.nn.Module, cfg: RunConfig, precision: Prec
 
 def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Precision, log=print,
                      step_for: Callable = confirm_step, clock: Callable[[], float] = time.perf_counter) -> MemoryPlan:
-    """``memory`` with the candidate that ran fastest in one real step each; ``memory`` itself when there is
-    no choice to make (fewer than two candidates).
+    """``memory`` with the candidate that ran fastest (the faster of ``TIMED_STEPS`` real steps each, the
+    plan's first choice kept within ``MARGIN``); ``memory`` itself when there is no choice to make
+    (fewer than two candidates).
 
     ``step_for(model, cfg, precision, measured=False)`` gives the candidate's step (a function of
     the batch size); ``clock`` reads seconds. A candidate that runs out of memory is left out.
