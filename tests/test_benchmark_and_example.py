@@ -48,21 +48,6 @@ def test_benchmark_writes_one_record_per_kind_and_mode(tmp_path, capsys):
     assert "offload: skipped" in printed and "targets (issue #3):" in printed
 
 
-def test_the_hook_cost_benchmark_times_selective_ops_with_and_without_its_hooks(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: it imports its neighbour
-    bench = _load("benchmarks/selective_ops_hooks.py")
-    built = bench.build("lora", "tiny", seed=0)
-    from leantune.models.structure import unwrap_model
-
-    hooked, unhooked = (unwrap_model(built[name].model)._leantune_matmul_roles for name in bench.CASES[1:])
-    assert hooked._handles and not unhooked._handles  # the third case runs the same policy without its hooks
-    monkeypatch.setattr("sys.argv", ["selective_ops_hooks.py", "--preset", "tiny", "--kind", "lora", "--steps", "1",
-                                     "--json", str(tmp_path / "hooks.json")])
-    bench.main()
-    records = json.loads((tmp_path / "hooks.json").read_text())
-    assert [r["case"] for r in records] == list(bench.CASES) and records[0]["step_time_ratio"] == 1.0
-
-
 def test_benchmark_rejects_unknown_modes():
     bench = _load("benchmarks/activation_checkpointing.py")
     with pytest.raises(SystemExit):
@@ -241,3 +226,18 @@ def test_a_turn_beyond_the_hf_trainers_last_step_is_an_error_not_an_old_time(tin
     with pytest.raises(RuntimeError, match="ended before another step"):
         case.step()
     case.finish()
+
+
+def test_the_compile_benchmark_times_eager_and_compiled_and_reads_the_heap(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: it imports its neighbour
+    bench = _load("benchmarks/compile.py")
+    heap = bench.HeapBytes(torch.device("cpu"))
+    before = heap.live_bytes()
+    block = torch.empty(8 * 2**20, dtype=torch.uint8)
+    assert heap.live_bytes() - before >= block.numel()  # what compiled code allocates is counted too
+    out = tmp_path / "compile.json"
+    assert bench.main(["--preset", "tiny", "--kind", "lora", "--modes", "none", "--steps", "1", "--json", str(out)]) == 0
+    eager, compiled = json.loads(out.read_text())
+    assert (eager["case"], compiled["case"]) == ("eager", "compiled")
+    assert compiled["compile_s"] > 0 and compiled["speedup"] > 0 and 0 < compiled["activation_ratio"] <= 1.5
+    assert "lora  none" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from leantune.checkpointing.recomputed_linear import RecomputedLinear
 from leantune.checkpointing import (FullCheckpointing, SelectiveOps, apply_activation_checkpointing,
                                     inspect_checkpointing, remove_activation_checkpointing)
 from leantune.cli_args import parse_run_config
@@ -43,10 +44,10 @@ def test_removed_checkpointing_leaves_the_model_as_it_was_and_can_be_applied_aga
     embedding = model.get_input_embeddings()
     fresh = (len(embedding._forward_hooks), model.get_input_embeddings()(ids).requires_grad)
     apply_activation_checkpointing(model, SelectiveOps())
-    roles = model.base_model.model._leantune_matmul_roles
-    assert roles._handles and inspect_checkpointing(model).enabled
+    lora_b = model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"]
+    assert type(lora_b) is RecomputedLinear and inspect_checkpointing(model).enabled
     remove_activation_checkpointing(model)
-    assert not inspect_checkpointing(model).enabled and not roles._handles  # its module hooks gone too
+    assert not inspect_checkpointing(model).enabled and type(lora_b) is torch.nn.Linear  # plain Linears again
     # and the hook transformers puts on the embeddings (their output made to require grad)
     assert (len(embedding._forward_hooks), embedding(ids).requires_grad) == fresh
     after = _gradients(model, ids)

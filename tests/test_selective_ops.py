@@ -16,12 +16,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from leantune.checkpointing import SelectiveOps, apply_activation_checkpointing
 from leantune.checkpointing import selective
+from leantune.checkpointing.recomputed_linear import RecomputedLinear
+from leantune.checkpointing.selective import unmark_recomputed_linears
 from leantune.training.step import forward_hidden
 
 from helpers import activation_bytes, gradients, make_batch
 
 HIDDEN, HEAD_DIM, LAYERS = 64, 16, 2
-MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+# aten's, and the op of the Linears whose matmul is recomputed (RecomputedLinear)
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              torch.ops.leantune.recomputed_linear.default}
 SAVED, RECOMPUTED = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -148,13 +152,30 @@ def test_autocast_really_multiplies_in_bf16(record):
     assert dtypes == [torch.bfloat16] and decisions
 
 
-def test_hooks_are_attached_once_and_stay_balanced():
+def test_marking_happens_once_and_is_undone():
     model = tiny_llama(lora_r=4)
-    SelectiveOps().bind(model)  # an earlier bind's hooks are replaced, never stacked
-    apply_activation_checkpointing(model, SelectiveOps())
-    roles = model.get_base_model()._leantune_checkpoint_policy.roles
     lora_b = model.get_base_model().model.layers[0].self_attn.q_proj.lora_B["default"]
-    assert len(lora_b._forward_pre_hooks) == 1 and len(lora_b._forward_hooks) == 1
-    gradients(model, *make_batch(128))
-    # Recompute stops early by raising inside a layer; the always-called hook still pops.
-    assert roles.current() is None
+    weight = lora_b.weight
+    SelectiveOps().bind(model)  # an earlier bind's marks are undone and made again, never stacked
+    policy = apply_activation_checkpointing(model, SelectiveOps())
+    assert type(lora_b) is RecomputedLinear and lora_b.weight is weight  # the same parameter, another forward
+    assert "recompute elementwise ops, lora_B)" in policy.policy  # LoRA: down_proj's base is frozen, saved
+    assert sum(type(m) is RecomputedLinear for m in model.modules()) == 3 * LAYERS
+    unmark_recomputed_linears(model)
+    assert not any(type(m) is RecomputedLinear for m in model.modules())
+
+
+def test_the_recomputed_op_keeps_autocasts_dtypes_and_linears_gradients():
+    torch.manual_seed(0)
+    plain, marked = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+    marked.load_state_dict(plain.state_dict())
+    marked.__class__ = RecomputedLinear
+    x = torch.randn(3, 40, 16, requires_grad=True)
+    grads = []
+    for layer in (plain, marked):
+        x.grad = None
+        layer(x).square().sum().backward()
+        grads.append((x.grad.clone(), layer.weight.grad.clone()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(*grads))  # float32: bitwise aten's linear backward

@@ -27,6 +27,7 @@ from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, close_distributed
 from leantune.memory.oom import is_out_of_memory, oom_report
+from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
 from leantune.models.loading import ModelLoadError, load_tokenizer
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_peak
@@ -61,6 +62,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
+    if cfg.training.compile:
+        check_can_compile(device.type)
     if cfg.memory.memory_snapshot and device.type != "cuda":
         raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
                           "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
@@ -83,6 +86,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         shard(loss_model, cfg, dist, device, precision, log)
     if cfg.data.packs_apart:
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
+    if cfg.training.compile:  # after the checks, which run once and need no compiling
+        log(compile_decoder_layers(model))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
     predicted = predicted_peak(memory, facts.config, device, log, traces, dist.world_size)
     peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)

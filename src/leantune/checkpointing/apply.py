@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from leantune.checkpointing.policies import CheckpointPolicy
+from leantune.checkpointing.selective import unmark_recomputed_linears
 from leantune.models.structure import decoder_layers, unwrap_model
 
 
@@ -128,7 +129,7 @@ def _check_can_apply(model: torch.nn.Module, hf_model: torch.nn.Module) -> None:
 def remove_activation_checkpointing(model: torch.nn.Module) -> None:
     """Undo ``apply_activation_checkpointing``, so that another policy can be applied (once again).
 
-    The layers' flags go off, selective_ops' module hooks are removed, and so are the hooks that
+    The layers' flags go off, selective_ops' Linears are plain again, and so are the hooks that
     enabling added to the embeddings (transformers makes their output require grad for every
     variant): the model runs as it did before. A model leantune did not checkpoint is left alone.
     """
@@ -145,9 +146,6 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> None:
     embedding_hooks = hf_model.get_input_embeddings()._forward_hooks
     for key in getattr(hf_model, "_leantune_checkpoint_hooks", ()):
         embedding_hooks.pop(key, None)
-    roles = getattr(policy, "roles", None)
-    if roles is not None:
-        roles.remove()
-        hf_model._leantune_matmul_roles = None
+    unmark_recomputed_linears(hf_model)
     hf_model._leantune_checkpoint_policy = None
     hf_model._leantune_checkpoint_hooks = set()

@@ -47,9 +47,11 @@ def policy_from_config(ac) -> Optional[CheckpointPolicy]:
     return None if ac.mode is None else policy_class(ac.mode).from_config(ac)
 
 
-def planned_modes(on_gpu: bool) -> list[str]:
-    """The columns of a plan, in order: no checkpointing, then each planned mode the target can run."""
-    return [NONE, *(name for name, cls in MODES.items() if cls.planned and (on_gpu or not cls.gpu_only))]
+def planned_modes(on_gpu: bool, compiled: bool = False) -> list[str]:
+    """The columns of a plan, in order: no checkpointing, then each planned mode the target can run
+    (``compiled``: with ``--compile``)."""
+    return [NONE, *(name for name, cls in MODES.items()
+                    if cls.planned and (on_gpu or not cls.gpu_only) and (cls.compiles or not compiled))]
 
 
 def recompute_rank(mode: str) -> int:

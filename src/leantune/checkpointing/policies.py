@@ -14,7 +14,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from leantune.checkpointing.offload import ActivationOffloader, OffloadingCheckpoint, default_max_pinned_bytes
-from leantune.checkpointing.selective import MatmulRoles
+from leantune.checkpointing.selective import mark_recomputed_linears, selective_contexts
 from leantune.models.structure import decoder_layers
 
 
@@ -34,6 +34,7 @@ class CheckpointPolicy:
     keeps_least: ClassVar[bool] = True  # nothing recomputes more to save memory (the OOM advice skips "use full")
     own_flags: ClassVar[tuple[str, ...]] = ()  # the checkpointing flags only this mode reads
     implied_by: ClassVar[Optional[str]] = None  # a flag whose presence alone selects this mode
+    compiles: ClassVar[bool] = True  # torch.compile can trace it with the layer (--compile)
 
     @classmethod
     def from_config(cls, ac) -> "CheckpointPolicy":
@@ -116,11 +117,12 @@ class EveryNLayers(CheckpointPolicy):
 class SelectiveOps(CheckpointPolicy):
     """Op-level selective checkpointing (LoRA-aware): see ``leantune.checkpointing.selective``.
 
-    ``roles`` (made by ``bind``) hooks the Linears whose matmuls are recomputed — LoRA's lora_B
-    and each down_proj whose weight trains — so the policy knows which module runs each op.
+    ``bind`` makes the Linears whose matmuls are recomputed — LoRA's lora_B and each down_proj
+    whose weight trains — ``RecomputedLinear``s, so the policy knows their matmul by its op;
+    ``recomputed`` is the roles it found.
     """
 
-    roles: Optional[MatmulRoles] = field(default=None, compare=False)
+    recomputed: Optional[tuple[str, ...]] = field(default=None, compare=False)
     name = "selective_ops"
     summary = "save attention and projection outputs, recompute the cheap ops (LoRA-aware)"
     supports_reentrant = False  # torch's selective checkpointing works only with use_reentrant=False
@@ -128,17 +130,17 @@ class SelectiveOps(CheckpointPolicy):
     keeps_least = False
 
     def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "SelectiveOps":
-        return replace(self, roles=MatmulRoles.attach(model))
+        return replace(self, recomputed=mark_recomputed_linears(model))
 
     def context_fn(self) -> Optional[Callable]:
-        if self.roles is None:
+        if self.recomputed is None:
             raise ValueError("selective_ops decides by module, so it must be bound to the model first "
                              "(apply_activation_checkpointing does this)")
-        return self.roles.contexts
+        return selective_contexts
 
     def describe(self) -> str:
         # Bound, name only the recomputed matmuls the model really has (no lora_B in full FT).
-        found = ("lora_B", "trained down_proj") if self.roles is None else self.roles.recomputed_roles()
+        found = ("lora_B", "trained down_proj") if self.recomputed is None else self.recomputed
         recomputed = ", ".join(("elementwise ops", *found))
         return f"selective_ops (save attention + projections; recompute {recomputed})"
 
@@ -158,6 +160,7 @@ class OffloadCheckpointing(CheckpointPolicy):
     recompute_rank = 4
     flops_as = "full"
     own_flags = ("activation_offload_max_pinned_gb",)
+    compiles = False  # its saved-tensor hooks act as the layer runs; a compiled graph does not expose them
 
     @classmethod
     def from_config(cls, ac) -> "OffloadCheckpointing":
@@ -228,7 +231,7 @@ class LayerMix(CheckpointPolicy):
     """
 
     layers: tuple[str, ...] = ()
-    roles: Optional[MatmulRoles] = field(default=None, compare=False)  # when a layer is selective
+    recomputed: Optional[tuple[str, ...]] = field(default=None, compare=False)  # when a layer is selective
     name = "layer_mix"
     summary = "a choice per layer (--activation_checkpointing_layers)"
     supports_reentrant = False  # selective layers need non-reentrant checkpointing
@@ -247,7 +250,7 @@ class LayerMix(CheckpointPolicy):
         count = len(decoder_layers(model))
         if len(self.layers) != count:
             raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, the model has {count}")
-        return replace(self, roles=MatmulRoles.attach(model) if "selective_ops" in self.layers else None)
+        return replace(self, recomputed=mark_recomputed_linears(model) if "selective_ops" in self.layers else None)
 
     def selects_layer(self, index: int) -> bool:
         return self.layers[index] != "none"
@@ -255,7 +258,7 @@ class LayerMix(CheckpointPolicy):
     def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
         if self.layers[layer_index] != "selective_ops":
             return checkpoint_fn
-        return functools.partial(checkpoint_fn, context_fn=self.roles.contexts)
+        return functools.partial(checkpoint_fn, context_fn=selective_contexts)
 
     def describe(self) -> str:
         return f"layer_mix ({format_layer_mix(self.layers)})"

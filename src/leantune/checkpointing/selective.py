@@ -29,21 +29,22 @@ earlier size-based rule made the same decision for every op).
 A matmul is told apart by the module that runs it, never by a size (sizes collide: a LoRA rank
 can equal the hidden size or the head size, an intermediate size the hidden size) nor by its
 weight's storage (autocast multiplies a fresh low-precision copy of a frozen weight). At bind
-time ``MatmulRoles`` finds the ``lora_B`` Linears and the trained ``down_proj`` Linears (also as
-a PEFT ``base_layer``) and hooks them, so the policy can ask whether the op running now is inside
-one of them; a matmul inside no such module — a projection, ``lora_A``, or eager attention — is
-saved. The hooks run again when the layer is recomputed, so forward and recompute walk the same
-modules and make the same decisions.
+time the ``lora_B`` Linears and the trained ``down_proj`` Linears (also as a PEFT ``base_layer``)
+become ``RecomputedLinear``s, whose matmul is one op of its own, ``leantune::recomputed_linear``;
+the policy recomputes that op and saves every other matmul (a projection, ``lora_A``, eager
+attention). The decision reads the op alone, so it holds in the recompute, needs no per-call
+Python state, and can be traced by ``torch.compile`` (``--compile``), which calls the policy
+while it builds the graph rather than while the layer runs.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from leantune.checkpointing.recomputed_linear import RECOMPUTED_LINEAR, RecomputedLinear, swap_in, swap_out
 from leantune.models.structure import decoder_layers, unwrap_model
 
 aten = torch.ops.aten
@@ -68,13 +69,19 @@ def is_matmul(op) -> bool:
     return op in MATMULS or (op.namespace == "bitsandbytes" and op.name() in QUANTIZED_MATMULS)
 
 
+
 LORA_B, DOWN_PROJ = "lora_B", "down_proj"
 _ROLE_ORDER = (LORA_B, DOWN_PROJ)  # the order describe() lists them in
+_SWAPPED = "_leantune_recomputed_linears"  # on the HF model: the Linears bind made RecomputedLinears
 
 
 def _recompute_role(name: str, module: torch.nn.Module) -> Optional[str]:
-    """The role of a Linear whose matmul is recomputed, or None for one whose output is saved."""
-    if not isinstance(module, torch.nn.Linear):
+    """The role of a Linear whose matmul is recomputed, or None for one whose output is saved.
+
+    Only a plain ``nn.Linear`` (a subclass may compute something else in its forward, and a
+    quantized base's weight is frozen anyway) — or one an earlier bind already swapped.
+    """
+    if type(module) not in (torch.nn.Linear, RecomputedLinear):
         return None
     parts = name.split(".")
     if LORA_B in parts:  # PEFT: <target>.lora_B.<adapter>
@@ -106,65 +113,41 @@ def _find_recomputed(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Mo
     return found
 
 
-class MatmulRoles:
-    """Knows, while a checkpointed layer runs, whether the current op is inside a recomputed Linear.
+def mark_recomputed_linears(model: torch.nn.Module) -> tuple[str, ...]:
+    """Make ``model``'s recomputed Linears ``RecomputedLinear``s; returns the roles found, in order.
 
-    A forward pre-hook on each such Linear pushes its role and a forward hook pops it; the hook
-    is ``always_call`` because non-reentrant checkpointing stops a recompute early by raising
-    from inside the layer, and a missed pop would misclassify the next layer's ops.
+    An earlier mark is undone first, so the roles are read afresh and nothing is marked twice.
     """
+    unmark_recomputed_linears(model)
+    found = _find_recomputed(model)
+    for _, _, module in found:
+        swap_in(module)
+    setattr(unwrap_model(model), _SWAPPED, [module for _, _, module in found])
+    roles = {role for _, role, _ in found}
+    return tuple(role for role in _ROLE_ORDER if role in roles)
 
-    _ATTRIBUTE = "_leantune_matmul_roles"  # on the HF model: the helper whose hooks are in force
 
-    def __init__(self, found: list[tuple[str, str, torch.nn.Module]]):
-        self._stack: list[str] = []
-        self.modules: dict[str, str] = {name: role for name, role, _ in found}
-        self._handles = []
-        for _, role, module in found:
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, role)))
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+def unmark_recomputed_linears(model: torch.nn.Module) -> None:
+    """Undo ``mark_recomputed_linears``: the model's Linears are plain again."""
+    hf_model = unwrap_model(model)
+    for module in getattr(hf_model, _SWAPPED, ()):
+        swap_out(module)
+    setattr(hf_model, _SWAPPED, [])
 
-    @classmethod
-    def attach(cls, model: torch.nn.Module) -> "MatmulRoles":
-        """Hook ``model``'s recomputed Linears, replacing the hooks of an earlier ``attach``."""
-        hf_model = unwrap_model(model)
-        previous = getattr(hf_model, cls._ATTRIBUTE, None)
-        if previous is not None:
-            previous.remove()
-        roles = cls(_find_recomputed(model))
-        setattr(hf_model, cls._ATTRIBUTE, roles)
-        return roles
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The ``create_selective_checkpoint_contexts`` policy: see the module docstring.
 
-    def _enter(self, role: str, module, args) -> None:
-        self._stack.append(role)
-
-    def _leave(self, module, args, output) -> None:
-        self._stack.pop()
-
-    def current(self) -> Optional[str]:
-        """The role of the innermost recomputed Linear running now, or None."""
-        return self._stack[-1] if self._stack else None
-
-    def recomputed_roles(self) -> tuple[str, ...]:
-        found = set(self.modules.values())
-        return tuple(role for role in _ROLE_ORDER if role in found)
-
-    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        """The ``create_selective_checkpoint_contexts`` policy: see the module docstring."""
-        if op in _ATTENTION:
-            return CheckpointPolicy.MUST_SAVE
-        if is_matmul(op) and self.current() is None:
-            return CheckpointPolicy.MUST_SAVE
+    Stateless by design: eager checkpointing calls it for each op as the layer runs (and again in
+    the recompute), ``torch.compile`` once per op while tracing; both must decide alike.
+    """
+    if op is RECOMPUTED_LINEAR:
         return CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _ATTENTION or is_matmul(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def contexts(self):
-        """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``, called once per layer."""
-        # A checkpointed region is a whole decoder layer, which starts outside every hooked
-        # Linear; clearing makes that hold even after an exception escaped a hook-less path.
-        self._stack.clear()
-        return create_selective_checkpoint_contexts(self.policy)
+
+def selective_contexts():
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (a plain function, as compile needs)."""
+    return create_selective_checkpoint_contexts(selective_policy)

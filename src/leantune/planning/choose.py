@@ -21,7 +21,7 @@ from leantune.planning.per_rank import per_rank, sharding_shapes
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
                                     plan_modes, run_mode, with_batch)
-from leantune.planning.table import format_table
+from leantune.planning.table import COMPILE_NOTE, format_table
 
 
 @dataclass
@@ -154,6 +154,8 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     if not needs_plan(cfg):
         return MemoryPlan(cfg)
     budget = _budget(cfg, device)
+    if cfg.training.compile:
+        log(COMPILE_NOTE)
     if needs_optimizer_choice(cfg):  # first: the mode and the batch are chosen for the optimizer it picks
         cfg = choose_optimizer(cfg, config, device, budget, log, traces)
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO

@@ -289,8 +289,8 @@ def run_mode(cfg: RunConfig) -> str:
 
 
 def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
-    """The mode asked for, or every mode (offload only for a GPU target)."""
+    """The mode asked for, or every mode (offload only for a GPU target, and not with --compile)."""
     asked = cfg.checkpointing.activation_checkpointing_mode
     if asked and asked != AUTO:
         return [asked]
-    return planned_modes(on_gpu=target.type == "cuda")
+    return planned_modes(on_gpu=target.type == "cuda", compiled=cfg.training.compile)

@@ -27,6 +27,7 @@ from leantune.distributed.fsdp import reshard
 from leantune.labels import count_targets
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.memory.tracker import persistent_bytes
+from leantune.models.compiling import compile_line
 from leantune.precision import Precision
 from leantune.report.flops import TokenFlops
 from leantune.report.loggers import MetricLoggers
@@ -270,6 +271,8 @@ class Trainer:
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)
+        if step == self._steps_at_start + 1 and self.cfg.training.compile:  # this process's first step compiled
+            self.log(compile_line(result.step_time_s))
         if step == 2 and parts.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(lines.plan_check_line(record, parts.predicted_peak_bytes))
         return record

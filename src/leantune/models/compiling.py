@@ -1,0 +1,81 @@
+"""``--compile``: ``torch.compile`` on each decoder layer, its activation checkpointing inside the graph.
+
+Each layer gets ``nn.Module.compile``, which compiles the layer's own call in place: no wrapper
+module, so parameter names, saved states, PEFT and FSDP2 see the model they saw before. Hugging
+Face checkpoints a layer's ``forward`` inside that call, so the compiled graph holds the
+checkpoint too: full and every-N recompute inside it, and selective_ops' policy is traced (its
+decisions read the op alone, ``leantune.checkpointing.selective``). The layers share their code,
+so one graph serves every layer alike (a checkpointed and an uncheckpointed layer, or training
+and validation, make one each).
+
+Two settings keep a compiled run equal to an eager one:
+
+* ``fallback_random``: inductor would draw dropout masks with its own generator, so LoRA dropout
+  would differ from eager's (and from a resumed run's); with it the masks are torch's own.
+* ``skip_fwd_side_effects_in_bwd_under_checkpoint``: transformers' output-capturing hooks read a
+  context variable inside each layer (to collect attentions or hidden states on request), which
+  dynamo counts as a side effect it cannot replay in the recompute and refuses to trace the
+  checkpoint at all (the layer would run eagerly). Training never requests those outputs.
+
+The first step compiles (tens of seconds on a CPU); ``compile_line`` says how long it took.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from leantune.config import ConfigError
+from leantune.models.structure import decoder_layers
+
+
+def check_can_compile(device_type: str) -> None:
+    """Refuse early, with the fix, what would otherwise fail in the middle of the first step."""
+    if device_type == "cpu":
+        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(name and shutil.which(name) for name in compilers):
+            raise ConfigError("--compile: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
+                              "found (g++, c++, clang++ or $CXX). Install one (e.g. apt install g++) or drop --compile")
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> str:
+    """Compile each decoder layer of ``model`` in place; returns the line that says so."""
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    torch._inductor.config.fallback_random = True
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return (f"compile: torch.compile on each of the {len(layers)} decoder layers (checkpointing inside the graph); "
+            "they compile during the first step")
+
+
+def compile_line(first_step_s: float, metrics: Optional[dict] = None, counters: Optional[dict] = None) -> str:
+    """What compiling cost, after the first compiled step; ``metrics`` and ``counters`` default to torch's own."""
+    if metrics is None or counters is None:
+        from torch._dynamo import utils
+
+        metrics, counters = utils.compilation_time_metrics, utils.counters
+    spent = _compile_seconds(metrics)
+    graphs = counters["stats"].get("unique_graphs", 0)
+    line = f"compile: step 1 took {first_step_s:.1f} s"
+    line += f", {spent:.1f} s of it compiling {graphs} graph(s)" if spent is not None else f" ({graphs} graph(s))"
+    breaks = sum(counters["graph_break"].values())
+    if breaks:
+        reason = next(iter(counters["graph_break"]))
+        line += (f"; {breaks} graph break(s), where the layers run eagerly: e.g. {reason.splitlines()[0]} "
+                 "(TORCH_LOGS=graph_breaks shows each)")
+    return line
+
+
+def _compile_seconds(metrics: dict) -> Optional[float]:
+    """Dynamo's and the lazily compiled backward's time, as torch records them (None: not recorded)."""
+    forward = metrics.get("_compile.compile_inner")
+    if not forward:
+        return None
+    return sum(forward) + sum(metrics.get("compile_fx.<locals>.bw_compiler", ()))

@@ -1,0 +1,93 @@
+"""``--compile``: every decoder layer compiled in place, the run's losses those of the same run eager.
+
+Compiling costs tens of seconds a graph on a CPU, so the cases are few and share their graphs:
+compiled layers of one structure are reused by every later run in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantune.checkpointing.recomputed_linear import RecomputedLinear
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.finetuning import run
+from leantune.models import compiling
+from test_distributed import DIST_GRAD_NORM_RTOL, DIST_LOSS_TOL, FAST, step_losses
+
+CASES = {
+    # LoRA dropout: compiled, its masks must still be torch's (fallback_random); lora_B and down_proj's
+    # adapter recomputed by selective_ops' policy, traced.
+    "lora, selective_ops, dropout": ["--use_peft", "--lora_dropout", "0.1", "--lora_target_modules",
+                                     "q_proj,v_proj,down_proj", "--enable_activation_checkpointing",
+                                     "--activation_checkpointing_mode", "selective_ops"],
+    # one layer checkpointed, one not (two graphs), sharded by FSDP2 after compiling, clipped
+    "full FT, every_n, one-process FSDP": ["--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                                           "every_n", "--enable_fsdp", "--gradient_clipping"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_compiled_run_gives_the_losses_of_the_same_run_eager(case, tiny_model_dir, tmp_path):
+    common = ["--model_name", str(tiny_model_dir), *FAST, *CASES[case], "--batch_size_training", "2",
+              "--max_train_step", "3"]
+    logs: list[str] = []
+    run(parse_run_config([*common, "--output_dir", str(tmp_path / "eager")]), log=lambda _: None)
+    run(parse_run_config([*common, "--compile", "--output_dir", str(tmp_path / "compiled")]), log=logs.append)
+    assert any(line.startswith("compile: torch.compile on each of the 2 decoder layers") for line in logs)
+    compiled_lines = [line for line in logs if line.startswith("compile: step 1 took")]
+    assert len(compiled_lines) == 1 and "graph break" not in compiled_lines[0], compiled_lines
+    eager, compiled = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
+    assert len(eager) == len(compiled) >= 2
+    assert compiled == pytest.approx(eager, rel=0, abs=DIST_LOSS_TOL)
+    norms = step_losses(tmp_path / "eager", "grad_norm"), step_losses(tmp_path / "compiled", "grad_norm")
+    assert norms[1] == pytest.approx(norms[0], rel=DIST_GRAD_NORM_RTOL, abs=0)
+
+
+def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(tiny_model_dir):
+    from leantune.builders.model import build_model
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"], "--compile"])
+    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lambda _: None)
+    names = [name for name, _ in model.named_parameters()]
+    line = compiling.compile_decoder_layers(model)
+    assert line.startswith("compile: torch.compile on each of the 2 decoder layers")
+    assert [name for name, _ in model.named_parameters()] == names  # compiled in place: no wrapper, no new prefix
+    layer = model.get_base_model().model.layers[0]
+    assert layer._compiled_call_impl is not None
+    assert type(layer.self_attn.q_proj.lora_B["default"]) is RecomputedLinear
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_anything_loads(monkeypatch):
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"--compile: torch.compile on the CPU builds C\+\+ kernels.*apt install g\+\+"):
+        compiling.check_can_compile("cpu")
+    compiling.check_can_compile("cuda")  # inductor brings its own GPU compiler (Triton)
+
+
+def test_the_compile_line_reports_torchs_time_and_graph_breaks():
+    metrics = {"_compile.compile_inner": [4.0, 1.5], "compile_fx.<locals>.bw_compiler": [2.0]}
+    counters = {"stats": {"unique_graphs": 2}, "graph_break": {"Unsupported: a call\nmore": 3}}
+    line = compiling.compile_line(9.25, metrics, counters)
+    assert line == ("compile: step 1 took 9.2 s, 7.5 s of it compiling 2 graph(s); 3 graph break(s), where the "
+                    "layers run eagerly: e.g. Unsupported: a call (TORCH_LOGS=graph_breaks shows each)")
+    assert compiling.compile_line(3.0, {}, {"stats": {}, "graph_break": {}}) == "compile: step 1 took 3.0 s (0 graph(s))"
+
+
+def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
+    with pytest.raises(ConfigError, match="--compile: not with --activation_checkpointing_mode offload"):
+        parse_run_config(["--compile", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload"])
+    from leantune.checkpointing.modes import planned_modes
+
+    assert "offload" in planned_modes(on_gpu=True)
+    assert planned_modes(on_gpu=True, compiled=True) == [m for m in planned_modes(on_gpu=True) if m != "offload"]
+
+
+def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):
+    from leantune.planning.cli import main as plan_main
+    from leantune.planning.table import COMPILE_NOTE
+
+    assert plan_main(["--model_name", str(tiny_model_dir), "--context_length", "128", "--compile"]) == 0
+    assert COMPILE_NOTE in capsys.readouterr().out
