@@ -62,18 +62,21 @@ def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(t
 
 def test_compile_without_a_cpp_compiler_is_refused_before_anything_loads(monkeypatch):
     monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
-    with pytest.raises(ConfigError, match=r"--compile: torch.compile on the CPU builds C\+\+ kernels.*apt install g\+\+"):
+    with pytest.raises(ConfigError, match=r"--compile: torch.compile on the CPU builds C\+\+ code.*apt install g\+\+"):
         compiling.check_can_compile("cpu")
-    compiling.check_can_compile("cuda")  # inductor brings its own GPU compiler (Triton)
+    # on a GPU, Triton builds each kernel's launcher with a C compiler
+    with pytest.raises(ConfigError, match=r"on the CUDA builds C code, and no C compiler was found \(gcc, cc, clang"):
+        compiling.check_can_compile("cuda")
 
 
 def test_the_compile_line_reports_torchs_time_and_graph_breaks():
     metrics = {"_compile.compile_inner": [4.0, 1.5], "compile_fx.<locals>.bw_compiler": [2.0]}
     counters = {"stats": {"unique_graphs": 2}, "graph_break": {"Unsupported: a call\nmore": 3}}
-    line = compiling.compile_line(9.25, metrics, counters)
+    line = compiling.compile_line(1, 9.25, metrics, counters)
     assert line == ("compile: step 1 took 9.2 s, 7.5 s of it compiling 2 graph(s); 3 graph break(s), where the "
                     "layers run eagerly: e.g. Unsupported: a call (TORCH_LOGS=graph_breaks shows each)")
-    assert compiling.compile_line(3.0, {}, {"stats": {}, "graph_break": {}}) == "compile: step 1 took 3.0 s (0 graph(s))"
+    resumed = compiling.compile_line(5, 3.0, {}, {"stats": {}, "graph_break": {}})  # the first step of a resumed run
+    assert resumed == "compile: step 5 took 3.0 s (0 graph(s))"
 
 
 def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
@@ -81,8 +84,14 @@ def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
         parse_run_config(["--compile", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload"])
     from leantune.checkpointing.modes import planned_modes
 
+    from leantune.planning.plan import modes_to_plan
+
     assert "offload" in planned_modes(on_gpu=True)
     assert planned_modes(on_gpu=True, compiled=True) == [m for m in planned_modes(on_gpu=True) if m != "offload"]
+    auto = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"]
+    gpu = torch.device("cuda")
+    assert "offload" in modes_to_plan(parse_run_config(auto), gpu)
+    assert "offload" not in modes_to_plan(parse_run_config([*auto, "--compile"]), gpu)
 
 
 def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):
@@ -91,3 +100,11 @@ def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):
 
     assert plan_main(["--model_name", str(tiny_model_dir), "--context_length", "128", "--compile"]) == 0
     assert COMPILE_NOTE in capsys.readouterr().out
+
+
+def test_the_out_of_memory_advice_does_not_offer_offload_to_a_compiled_run():
+    from leantune.memory.oom import memory_fixes
+
+    flags = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"]
+    offered = [memory_fixes(parse_run_config([*flags, *extra]), torch.device("cuda")) for extra in ([], ["--compile"])]
+    assert [any("--activation_checkpointing_mode offload" in fix for fix in fixes) for fixes in offered] == [True, False]

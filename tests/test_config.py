@@ -88,6 +88,7 @@ FLAG_VALUES = {
     "no_run_validation": (["--no_run_validation"], {"run_validation": False}),
     "loss_chunk_size": (["--loss_chunk_size", "0"], {"loss_chunk_size": 0}),
     "skip_nonfinite_steps": (["--skip_nonfinite_steps", "2"], {"skip_nonfinite_steps": 2}),
+    "compile": (["--compile"], {"compile": True}),
     "use_peft": (["--use_peft"], {"use_peft": True}),
     "peft_method": (["--peft_method", "lora"], {"peft_method": "lora"}),  # its only choice, also the default
     "from_peft_checkpoint": (["--use_peft", "--from_peft_checkpoint", "ckpt"], {"from_peft_checkpoint": "ckpt"}),

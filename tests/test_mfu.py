@@ -113,6 +113,11 @@ def test_recompute_counts_in_hfu_only(tiny_model_dir):
     assert layers * (layer_forward - down_proj) <= (full.hardware - full.model) * SEQ <= layers * layer_forward
     lora = _token_flops([*common, "--use_peft"])
     assert lora.model * SEQ == lora.hardware * SEQ == LORA_ROW_FLOPS  # no weight gradients for the frozen base
+    # selective_ops recomputes only elementwise ops and down_proj, an op of its own (RecomputedLinear) that
+    # keeps its inputs after it multiplies: the recompute reaches it, so each layer's down_proj runs again
+    selective = _token_flops([*common, "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                              "selective_ops"])
+    assert selective.model == none.model and (selective.hardware - selective.model) * SEQ == layers * down_proj
 
 
 @pytest.mark.parametrize("flags", [[], ["--loss_chunk_size", "0"], ["--enable_activation_checkpointing"],

@@ -99,7 +99,12 @@ def test_the_plan_equals_the_real_step(mode, target):
     assert predicted.peak_bytes == trace_step(cfg, config, target, mode, fake=False).peak_bytes
     if mode != "none":  # without checkpointing the bf16 CPU kernels allocate 400 KiB out of sight, quantized or not
         measured = profiled_peak_bytes(cfg, config, target, mode)
-        assert measured["missed_bytes"] == 0 and 0 <= measured["bytes"] - predicted.peak_bytes <= 4 * 5120 + 16 * 512
+        # checkpointing's RNG states; with the GPU's bf16 on CPU stand-ins, also what the CPU's bf16 kernels
+        # allocate for themselves, which depends on the processor (75 KiB for full on an AMD EPYC with
+        # avx512_bf16, none on the Intel machine this test was first written on) and which no GPU allocates
+        scratch = 96 * 1024 if target == CUDA else 0
+        assert measured["missed_bytes"] == 0
+        assert 0 <= measured["bytes"] - predicted.peak_bytes <= 4 * 5120 + 16 * 512 + scratch
 
 
 def test_the_plan_counts_the_dequantized_weight_and_the_flops_of_its_matmul(monkeypatch):

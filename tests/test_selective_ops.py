@@ -165,17 +165,24 @@ def test_marking_happens_once_and_is_undone():
     assert not any(type(m) is RecomputedLinear for m in model.modules())
 
 
-def test_the_recomputed_op_keeps_autocasts_dtypes_and_linears_gradients():
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("shape", [(3, 40, 16), (40, 16)], ids=["3d", "2d"])
+def test_the_recomputed_op_gives_linears_outputs_and_gradients_bitwise(autocast, frozen, shape):
     torch.manual_seed(0)
     plain, marked = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
     marked.load_state_dict(plain.state_dict())
     marked.__class__ = RecomputedLinear
-    x = torch.randn(3, 40, 16, requires_grad=True)
-    grads = []
+    x = torch.randn(*shape, requires_grad=True)
+    results = []
     for layer in (plain, marked):
+        layer.weight.requires_grad_(not frozen)
         x.grad = None
-        layer(x).square().sum().backward()
-        grads.append((x.grad.clone(), layer.weight.grad.clone()))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert layer(x).dtype == torch.bfloat16
-    assert all(torch.equal(a, b) for a, b in zip(*grads))  # float32: bitwise aten's linear backward
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(x)
+        out.float().square().sum().backward()  # backward outside autocast, as the trainer's
+        results.append((out, x.grad.clone(), None if frozen else layer.weight.grad.clone()))
+    (out, grad_x, grad_w), (marked_out, marked_grad_x, marked_grad_w) = results
+    assert out.dtype == marked_out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(out, marked_out) and torch.equal(grad_x, marked_grad_x)
+    assert (grad_w is None and marked_grad_w is None) or torch.equal(grad_w, marked_grad_w)

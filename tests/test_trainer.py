@@ -63,6 +63,15 @@ def test_summary_medians_use_the_step_records_without_the_warm_up_step(tiny_mode
         assert f"{step['tokens_per_s']:,.0f} tokens/s, {step['step_time_s']:.3f} s/step" in line
 
 
+def test_a_resumed_runs_first_step_is_left_out_of_the_medians_too():
+    from leantune.training.outputs import summarise
+
+    steps = [{"step": n, "loss": 1.0, "step_time_s": 10.0 if n in (1, 4) else 1.0, "tokens_per_s": 1.0}
+             for n in range(1, 7)]  # steps 1-3 saved, 4-6 trained by the resumed process (4 compiled again)
+    summary = summarise(steps, [], 0, None, "checkpoint-3", warm_up_steps=(1, 4))
+    assert summary["timed_steps"] == 4 and summary["median_step_time_s"] == 1.0
+
+
 def test_padding_counts_only_real_tokens_over_an_accumulation_window(tiny_model_dir, tmp_path, write_jsonl):
     # Texts of all different lengths: even length-grouped batches of them carry padding.
     data = write_jsonl([{"text": " ".join(["word"] * k)} for k in range(1, 41)])

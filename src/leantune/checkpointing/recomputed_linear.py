@@ -6,9 +6,17 @@ worth keeping (LoRA's ``lora_B``, a trained ``down_proj``) into this class and b
 policy recognises their matmul from the op alone: no module hooks, no state between ops, and a
 decision ``torch.compile`` can make while it traces.
 
-The op's gradients are aten's own for ``F.linear`` (the same matmuls, in the same layouts), so a
-run with the op is bitwise equal to one without it in float32; its FLOPs are registered with
-torch's table, which leantune's planner counts from.
+The op's gradients are aten's own for a bias-free ``F.linear`` on the contiguous inputs a decoder
+layer passes (the same matmuls, in the same layouts), so a run with the op is bitwise equal to one
+without it in float32; its FLOPs are registered with torch's table, which leantune's planner
+counts from.
+
+One cost aten's matmul does not have, in eager checkpointing: aten's autograd keeps a matmul's
+inputs *before* it multiplies, so a recompute that stops early (non-reentrant checkpointing stops
+once backward has every tensor it needs) never runs a layer's last matmul; a custom op keeps its
+inputs after its forward. The layer's last recomputed matmul (``down_proj`` in full fine-tuning,
+its ``lora_B`` with LoRA) therefore runs once more in backward, and the planner counts it (in
+HFU, not MFU). Compiled layers (``--compile``) do not run it.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
     flat_grad = grad.reshape(-1, grad.shape[-1])
     # The products aten's mm backward makes for F.linear, operands in the same layouts: bitwise equal.
-    grad_x = flat_grad.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+    grad_x = flat_grad.mm(weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
     grad_weight = None if x is None else flat_grad.t().mm(x.reshape(-1, x.shape[-1]))
     return grad_x, grad_weight
 
@@ -57,7 +65,11 @@ def _flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
 
 
 class RecomputedLinear(torch.nn.Linear):
-    """A plain ``nn.Linear`` whose matmul is ``leantune::recomputed_linear`` (see the module docstring)."""
+    """A plain ``nn.Linear`` whose matmul is ``leantune::recomputed_linear`` (see the module docstring).
+
+    A bias is added after the op, not inside the matmul as ``F.linear`` adds it: equal within one
+    rounding of the output (Llama's MLP and PEFT's lora_B have none by default).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

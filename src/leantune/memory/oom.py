@@ -48,7 +48,7 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     if length > 64:
         fixes.append(f"shorter rows: --context_length {length // 2} (now {length})")
     offload = OffloadCheckpointing.name
-    if device.type == "cuda" and mode != offload:
+    if device.type == "cuda" and mode != offload and not tc.compile:  # compiled layers cannot offload
         fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
                      f"--activation_checkpointing_mode {offload}")
     if cfg.peft.use_peft and cfg.quant.quantization != "4bit" and not cfg.distributed.enable_fsdp:

@@ -33,37 +33,44 @@ from leantune.models.structure import decoder_layers
 
 
 def check_can_compile(device_type: str) -> None:
-    """Refuse early, with the fix, what would otherwise fail in the middle of the first step."""
+    """Refuse early, with the fix, what would otherwise fail in the middle of the first step: inductor
+    builds C++ kernels on the CPU, and on a GPU Triton builds each kernel's launcher with a C compiler."""
     if device_type == "cpu":
-        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-        if not any(name and shutil.which(name) for name in compilers):
-            raise ConfigError("--compile: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
-                              "found (g++, c++, clang++ or $CXX). Install one (e.g. apt install g++) or drop --compile")
+        needed, variable, names = "C++", "CXX", ["g++", "c++", "clang++"]
+    else:
+        needed, variable, names = "C", "CC", ["gcc", "cc", "clang"]
+    if not any(shutil.which(name) for name in [os.environ.get(variable, ""), *names] if name):
+        raise ConfigError(f"--compile: torch.compile on the {device_type.upper()} builds {needed} code, and no "
+                          f"{needed} compiler was found ({', '.join(names)} or ${variable}). "
+                          "Install one (e.g. apt install g++) or drop --compile")
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> str:
     """Compile each decoder layer of ``model`` in place; returns the line that says so."""
     import torch._dynamo.config
-    import torch._inductor.config
 
-    torch._inductor.config.fallback_random = True
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # dynamo reads this while it traces, so it cannot be scoped to these layers: it stays on in the process
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.9
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(options={"fallback_random": True})  # inductor's setting for these graphs only
     return (f"compile: torch.compile on each of the {len(layers)} decoder layers (checkpointing inside the graph); "
             "they compile during the first step")
 
 
-def compile_line(first_step_s: float, metrics: Optional[dict] = None, counters: Optional[dict] = None) -> str:
-    """What compiling cost, after the first compiled step; ``metrics`` and ``counters`` default to torch's own."""
+def compile_line(step: int, step_s: float, metrics: Optional[dict] = None, counters: Optional[dict] = None) -> str:
+    """What compiling cost, after this process's first step (``step``: its number, after a resumed state's).
+
+    ``metrics`` and ``counters`` default to torch's own, which count everything this process compiled.
+    """
     if metrics is None or counters is None:
         from torch._dynamo import utils
 
         metrics, counters = utils.compilation_time_metrics, utils.counters
     spent = _compile_seconds(metrics)
     graphs = counters["stats"].get("unique_graphs", 0)
-    line = f"compile: step 1 took {first_step_s:.1f} s"
+    line = f"compile: step {step} took {step_s:.1f} s"
     line += f", {spent:.1f} s of it compiling {graphs} graph(s)" if spent is not None else f" ({graphs} graph(s))"
     breaks = sum(counters["graph_break"].values())
     if breaks:

@@ -272,7 +272,7 @@ class Trainer:
         self.steps.append(record)
         parts.loggers.log_step(record)
         if step == self._steps_at_start + 1 and self.cfg.training.compile:  # this process's first step compiled
-            self.log(compile_line(result.step_time_s))
+            self.log(compile_line(step, result.step_time_s))
         if step == 2 and parts.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(lines.plan_check_line(record, parts.predicted_peak_bytes))
         return record
@@ -281,7 +281,7 @@ class Trainer:
     def results(self) -> dict:
         """The run's summary (``leantune.training.outputs.summarise``)."""
         return summarise(self.steps, self.epochs, self.progress.nonfinite_skipped, self.parts.predicted_peak_bytes,
-                         self.resumed_from)
+                         self.resumed_from, warm_up_steps=(1, self._steps_at_start + 1))
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.parts.tokenizer, self.optimizer,

@@ -25,16 +25,17 @@ SNAPSHOT_STEPS = 3  # --memory_snapshot: the first steps, optimizer state's crea
 
 
 def summarise(steps: list[dict], epochs: list[dict], nonfinite_skipped: int, predicted_peak_bytes: Optional[int],
-              resumed_from: Optional[str]) -> dict:
+              resumed_from: Optional[str], warm_up_steps: tuple[int, ...] = (1,)) -> dict:
     """The run's summary.
 
     ``median_step_time_s`` and ``median_tokens_per_s`` are medians over the same steps, of the
     same per-step records the step lines print (tokens/s: non-padding input tokens of the
-    step's batches over its wall time). The first step is left out of both when there is more
-    than one — it pays for one-off warm-up (allocator growth, kernel selection, lazy init) —
+    step's batches over its wall time). The ``warm_up_steps`` (by number: the first step of each
+    process, step 1 and a resumed run's first) are left out of both while any other is left —
+    they pay for one-off warm-up (allocator growth, kernel selection, lazy init, compiling) —
     and ``timed_steps`` says how many steps the medians cover.
     """
-    timed = steps[1:] if len(steps) > 1 else steps
+    timed = [s for s in steps if s["step"] not in warm_up_steps] or steps
     return {"steps": len(steps), "epochs": epochs,
             "first_loss": steps[0]["loss"] if steps else None,
             "last_loss": steps[-1]["loss"] if steps else None,
