@@ -309,6 +309,10 @@ def test_persistent_bytes_counts_each_storage_once(load_tiny):
     assert persistent_bytes(model, optimizer) == {"parameter": expected, "gradient": 0, "optimizer_state": 0}
     model.get_input_embeddings().weight.sum().backward()
     assert persistent_bytes(model, optimizer)["gradient"] == model.get_input_embeddings().weight.numel() * 4
+    # the breakdown is set against one device's allocator: what lives elsewhere (offloaded shards) is not in it
+    assert persistent_bytes(model, optimizer, torch.device("cpu")) == persistent_bytes(model, optimizer)
+    assert persistent_bytes(model, optimizer, torch.device("cuda", 0)) == dict.fromkeys(
+        ("parameter", "gradient", "optimizer_state"), 0)
 
 
 def test_tracker_counts_a_storage_once_and_frees_it():

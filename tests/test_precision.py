@@ -109,3 +109,17 @@ def test_autocast_keeps_no_half_precision_copy_of_the_trainable_weights(monkeypa
     h, kv = config.hidden_size, config.hidden_size * config.num_key_value_heads // config.num_attention_heads
     layer_weights = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
     assert with_cache - without_cache >= 0.9 * layer_weights * 2  # the bf16 copies of the layers' weights
+
+
+@pytest.mark.parametrize("capability, bf16", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)],
+                         ids=["V100", "T4", "A100", "H100"])
+def test_bf16_is_chosen_by_compute_capability_not_emulation(monkeypatch, capability, bf16):
+    """torch.cuda.is_bf16_supported() says yes on a V100 or T4 (emulated): those get float32 and the fp16 hint."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what emulation would answer
+    precision = choose_precision(parse_run_config(["--use_peft"]), torch.device("cuda"))
+    if bf16:
+        assert precision.note.startswith("bfloat16 autocast")
+    else:
+        assert precision.note == "float32 (this GPU has no bfloat16; --use_fp16 halves it)"

@@ -64,7 +64,17 @@ def pure_bf16_allowed(cfg: RunConfig) -> bool:
 
 
 def _bf16_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    """Whether the GPU computes in bfloat16 natively: compute capability 8.0 (Ampere) or newer.
+
+    Not ``torch.cuda.is_bf16_supported()``, whose default counts emulation: a V100 or a T4 would
+    say yes and then run bfloat16 matmuls far slower than float16 ones.
+    """
+    if device.type != "cuda":
+        return False
+    if torch.version.hip:  # ROCm: torch knows which AMD GPUs have bfloat16
+        return torch.cuda.is_bf16_supported()
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
 
 
 def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optional[bool] = None) -> Precision:

@@ -44,11 +44,13 @@ class StorageTracker(TorchDispatchMode):
     ``totals``: bytes alive now per category; ``peak_bytes`` / ``peak_breakdown``: the largest
     total since the start and what it was made of; ``stage_peaks``: the largest total seen in
     each stage. Use as a context manager around the step; ``close()`` removes the gradient hooks.
+    ``only_on``: register only tensors on that device (an index-less device matches any index).
     """
 
-    def __init__(self, round_to: int = 1):
+    def __init__(self, round_to: int = 1, only_on: Optional[torch.device] = None):
         super().__init__()
         self.round_to = max(1, round_to)
+        self.only_on = only_on
         self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
@@ -59,13 +61,18 @@ class StorageTracker(TorchDispatchMode):
         self._hooks: list = []
 
     # ------------------------------------------------------------ registering
+    def _counts(self, where: torch.device) -> bool:
+        wanted = self.only_on
+        return wanted is None or (where.type == wanted.type and wanted.index in (None, where.index))
+
     def register(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Count storages that exist already (or re-file them) under ``category``."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 if hasattr(tensor, "to_local"):  # a DTensor (FSDP): this rank holds its local shard
                     tensor = tensor.to_local()
-                self._file(tensor, category, refile=True)
+                if self._counts(tensor.device):
+                    self._file(tensor, category, refile=True)
         self._update_peak()
 
     def watch_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -162,13 +169,17 @@ def carried_tensors(param: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
     return found
 
 
-def persistent_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+def persistent_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                     device: Optional[torch.device] = None) -> dict[str, int]:
     """Bytes of the parameters, their gradients and the optimizer state, read from the tensors themselves.
 
     Each storage counts once (tied weights, views), as the tracker counts it. Cheap enough for
     every step: it walks the parameters and the optimizer state, never the activations.
+    ``device``: count only what lives there, the device whose allocator the breakdown is set
+    against (with --fsdp_cpu_offload the shards, their gradients and the optimizer state live in
+    host memory, and subtracting them from the GPU's peak would leave a negative remainder).
     """
-    tracker = StorageTracker()
+    tracker = StorageTracker(only_on=device)
     tracker.register_model(model)
     if optimizer is not None:
         tracker.register_optimizer(optimizer)

@@ -10,6 +10,7 @@ saving and resuming in ``leantune.training.state``, what the run leaves behind i
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import sys
@@ -259,7 +260,9 @@ class Trainer:
 
     def _record_step(self, epoch: int, result: StepResult) -> dict:
         step = len(self.steps) + 1
-        memory = self.monitor.record(step, breakdown=lambda: persistent_bytes(self.model, self.optimizer))
+        # only what lives on the monitored device (offloaded shards and optimizer state do not)
+        memory = self.monitor.record(step, breakdown=functools.partial(persistent_bytes, self.model, self.optimizer,
+                                                                       self.device))
         parts = self.parts
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
                   "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
