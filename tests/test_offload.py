@@ -260,3 +260,41 @@ def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
         assert offloader.pool.free_bytes == offloader.pool.held_bytes  # every buffer back after the step
     assert offloader.pool.peak_held_bytes <= cap and (offloader.fallbacks > 0) == (cap < MiB)
     assert offloader.copies_back == offloader.prefetch_hits > 0  # every copy back was started ahead
+
+
+def test_a_saved_tensor_changed_in_place_after_it_was_offloaded_is_refused_at_backward():
+    """Saved-tensor hooks skip autograd's version check; on CUDA the host copy may hold either value."""
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    x = torch.randn(64, 64, requires_grad=True)
+    with offloader.group(0):
+        y = x.exp()  # exp saves its output
+    y.add_(1)
+    with pytest.raises(RuntimeError, match=r"activation offload: a tensor saved for backward \(\[64, 64\], "
+                                           r"torch.float32\) was modified in place after it was saved"):
+        y.sum().backward()
+
+
+def test_a_buffer_handed_out_again_waits_on_the_device_not_the_host():
+    """The next copy into a buffer is queued behind the last copy out of it; the host never blocks."""
+
+    class Event:
+        def synchronize(self):
+            raise AssertionError("the host blocked on a copy")
+
+    waited = []
+    pool = PinnedBufferPool(pin=False, max_bytes=8 * KiB, wait=waited.append)
+    buffer, event = pool.take(4 * KiB), Event()
+    pool.give_back(buffer, event)
+    assert pool.take(4 * KiB) is buffer and waited == [event]
+    pool.give_back(buffer, Event())
+    assert pool.take(8 * KiB) is not None  # at the cap: the idle buffer is released, without a wait
+    assert pool.releases == 1 and waited == [event]
+
+
+def test_non_contiguous_tensors_kept_on_the_device_are_counted():
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    x = torch.randn(64, 32, requires_grad=True)
+    with offloader.group(0):
+        y = x.t().sin()  # sin saves its input, the transposed view
+    assert offloader.stats()["kept_noncontiguous_bytes"] >= 64 * 32 * 4
+    y.sum().backward()

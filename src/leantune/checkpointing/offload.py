@@ -59,12 +59,14 @@ def default_max_pinned_bytes() -> int:
 class PinnedBufferPool:
     """Host buffers (pinned when ``pin``), best fit, at most ``max_bytes`` held (None: no cap).
 
-    A returned buffer carries the event of the last copy reading it and is handed out again only
-    once that copy is done.
+    A returned buffer carries the event of the last copy reading it; handing it out again passes
+    that event to ``wait`` (the offloader's side stream waits on it), so the host never blocks: the
+    next copy into the buffer is queued behind the last copy out of it. A released buffer needs no
+    wait: torch's pinned-memory allocator keeps its pages until the copies using them are done.
     """
 
-    def __init__(self, pin: bool, max_bytes: Optional[int] = None):
-        self.pin, self.max_bytes = pin, max_bytes
+    def __init__(self, pin: bool, max_bytes: Optional[int] = None, wait=lambda event: None):
+        self.pin, self.max_bytes, self.wait = pin, max_bytes, wait
         self._free: list[tuple[torch.Tensor, Optional[object]]] = []  # oldest returned first
         self.held_bytes = 0  # in use + free
         self.peak_held_bytes = 0
@@ -108,7 +110,7 @@ class PinnedBufferPool:
             return None
         buffer, event = self._free.pop(best)
         if event is not None:
-            event.synchronize()  # the last host->device copy from this buffer has finished
+            self.wait(event)  # the next copy into it runs after the last copy out of it
         return buffer
 
     def _fits(self, size: int) -> bool:
@@ -126,9 +128,7 @@ class PinnedBufferPool:
         if self.max_bytes is None or self.held_bytes - self.free_bytes + size > self.max_bytes:
             return False  # even an empty free list would not make room: keep the buffers for later
         while not self._fits(size):
-            buffer, event = self._free.pop(0)
-            if event is not None:
-                event.synchronize()
+            buffer, _ = self._free.pop(0)
             self.held_bytes -= buffer.numel()
             self.releases += 1
             del buffer  # the last reference: the pinned pages go back to torch's host allocator
@@ -149,9 +149,6 @@ class _SimulatedStream:
 
 class _SimulatedEvent:
     def record(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
         pass
 
 
@@ -186,11 +183,22 @@ class _HostCopy:
 class _Saved:
     """What autograd holds instead of a device tensor: its host copy and its place in it."""
 
-    __slots__ = ("copy", "group", "dtype", "shape", "stride", "offset")
+    __slots__ = ("copy", "group", "dtype", "shape", "stride", "offset", "source", "version")
 
     def __init__(self, copy: _HostCopy, tensor: torch.Tensor, group: int, offset: int):
         self.copy, self.group, self.offset = copy, group, offset
         self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
+        # Saved-tensor hooks skip autograd's check for in-place changes since saving: made here instead
+        self.source, self.version = weakref.ref(tensor), tensor._version
+
+    def check_unchanged(self) -> None:
+        tensor = self.source()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                f"activation offload: a tensor saved for backward ({list(self.shape)}, {self.dtype}) was modified "
+                f"in place after it was saved (version {self.version}, now {tensor._version}); its host copy "
+                "may hold either value, so the gradients would be wrong. Make the in-place operation out of "
+                "place, or use --activation_checkpointing_mode full")
 
 
 class ActivationOffloader:
@@ -204,8 +212,8 @@ class ActivationOffloader:
             raise ValueError(f"activation offload needs a CUDA device, got {self.device}")
         self.min_bytes = min_bytes
         cap = default_max_pinned_bytes() if max_pinned_bytes is None else max_pinned_bytes
-        self.pool = PinnedBufferPool(pin=not simulate, max_bytes=cap)
         self.stream = _SimulatedStream() if simulate else torch.cuda.Stream(device=self.device)
+        self.pool = PinnedBufferPool(pin=not simulate, max_bytes=cap, wait=self.stream.wait_event)
         self._by_storage: dict[tuple, list[weakref.ref]] = {}
         self._groups: dict[int, list[weakref.ref]] = {}
         self._group = 0
@@ -213,6 +221,7 @@ class ActivationOffloader:
         self.copies_back = 0  # host->device copies started (tests: one per host copy)
         self.prefetch_hits = 0  # unpacks that found their copy already started
         self.fallbacks = 0  # tensors kept on the device because the pool was at its cap
+        self.kept_noncontiguous_bytes = 0  # big non-contiguous tensors kept on the device (this step)
         self._warned = False
 
     # ------------------------------------------------ the same code, with or without CUDA
@@ -268,6 +277,7 @@ class ActivationOffloader:
         found = self._find_copy(tensor)
         if found is None:
             if not tensor.is_contiguous():
+                self.kept_noncontiguous_bytes += nbytes
                 return tensor  # its bytes may be spread over a much larger storage
             found = self._copy_to_host(tensor, nbytes), 0
             if found[0] is None:
@@ -307,6 +317,7 @@ class ActivationOffloader:
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        packed.check_unchanged()
         self._prefetch(packed.group)  # the first unpack of a layer starts all of its copies at once
         region = self._bring_back(packed.copy)
         self._prefetch(packed.group - 1)
@@ -355,6 +366,7 @@ class ActivationOffloader:
         self._groups.clear()
         self._by_storage.clear()
         self.offloaded_bytes = 0
+        self.kept_noncontiguous_bytes = 0
 
     def stats(self) -> dict:
         """Counters for diagnostics: pool bytes held and their peak, allocations, fallbacks."""
@@ -362,6 +374,7 @@ class ActivationOffloader:
         return dict(held_bytes=pool.held_bytes, peak_held_bytes=pool.peak_held_bytes, free_bytes=pool.free_bytes,
                     max_bytes=pool.max_bytes, allocations=pool.allocations, releases=pool.releases,
                     fallbacks=self.fallbacks, offloaded_bytes=self.offloaded_bytes,
+                    kept_noncontiguous_bytes=self.kept_noncontiguous_bytes,
                     copies_back=self.copies_back, prefetch_hits=self.prefetch_hits)
 
 
