@@ -139,3 +139,13 @@ def test_gradients_are_normalised_and_scaled(load_tiny, scaler, normaliser, fact
         grads.append(model.lm_head.weight.grad)
     assert losses[1].item() == losses[0].item()  # the returned loss is the sum, neither normalised nor scaled
     torch.testing.assert_close(grads[1], grads[0] * factor)
+
+
+def test_wall_clock_tokens_per_s_counts_the_time_between_steps(tiny_model_dir, tmp_path):
+    metrics, _, _ = _train(tiny_model_dir, tmp_path, "--max_train_step", "3")
+    steps, summary = metrics["train_steps"], metrics["summary"]
+    for step in steps:  # from the previous step's end: the step itself, its data and the last one's logging
+        assert step["wall_time_s"] >= step["step_time_s"] > 0
+        assert step["wall_tokens_per_s"] == step["input_tokens"] / step["wall_time_s"]
+    assert summary["median_wall_tokens_per_s"] == statistics.median(s["wall_tokens_per_s"] for s in steps[1:])
+    assert summary["median_wall_tokens_per_s"] <= summary["median_tokens_per_s"]

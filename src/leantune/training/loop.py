@@ -133,10 +133,11 @@ class Trainer:
         with bar:
             for window in self._windows():
                 result = self.train_step(window)
-                record = self._record_step(epoch, result)
-                self._advance(window, result)
                 now = time.perf_counter()
-                progress.epoch_time_s, last = progress.epoch_time_s + now - last, now
+                wall_s, last = now - last, now  # since the last step ended: its logging and this one's data too
+                progress.epoch_time_s += wall_s
+                record = self._record_step(epoch, result, wall_s)
+                self._advance(window, result)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:,.0f}",
                                 mem=lines.memory_postfix(record))
@@ -258,14 +259,16 @@ class Trainer:
             batches = min(batches, budget)
         return self.progress.epoch_steps + math.ceil(max(batches, 0) / self.cfg.training.gradient_accumulation_steps)
 
-    def _record_step(self, epoch: int, result: StepResult) -> dict:
+    def _record_step(self, epoch: int, result: StepResult, wall_s: float) -> dict:
         step = len(self.steps) + 1
         # only what lives on the monitored device (offloaded shards and optimizer state do not)
         memory = self.monitor.record(step, breakdown=functools.partial(persistent_bytes, self.model, self.optimizer,
                                                                        self.device))
         parts = self.parts
         record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
-                  "tokens_per_s": result.tokens_per_s, **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
+                  "tokens_per_s": result.tokens_per_s, "wall_time_s": wall_s,
+                  "wall_tokens_per_s": result.input_tokens / wall_s if wall_s > 0 else 0.0,
+                  **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}
         if parts.token_flops is not None and parts.peak_tflops:
             record.update(parts.token_flops.utilisation(result.input_tokens, result.step_time_s, parts.peak_tflops,
                                                         self.dist.world_size))

@@ -42,6 +42,7 @@ def summarise(steps: list[dict], epochs: list[dict], nonfinite_skipped: int, pre
             "timed_steps": len(timed),
             "median_step_time_s": statistics.median(s["step_time_s"] for s in timed) if timed else None,
             "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+            "median_wall_tokens_per_s": _median(s.get("wall_tokens_per_s") for s in timed),
             "median_mfu": _median(s.get("mfu") for s in timed),
             "median_hfu": _median(s.get("hfu") for s in timed),
             "predicted_peak_mib": predicted_peak_bytes / 2**20 if predicted_peak_bytes else None,

@@ -225,6 +225,8 @@ class TrainStep:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.device.type == "cuda":  # the step ends when the GPU is done with it, not when its last kernel is queued
+            torch.cuda.synchronize(self.device)
         return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped)
 
     def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
