@@ -116,7 +116,9 @@ def test_the_memory_snapshot_message_names_the_steps_it_recorded(monkeypatch, tm
     for step in range(1, SNAPSHOT_STEPS + 2):
         snapshot.after_step(step)  # written after step 3, once
     snapshot.write(SNAPSHOT_STEPS + 1)  # at close: nothing more
-    assert history == [{"max_entries": 100_000}, {"enabled": None}]  # recording started and stopped, once
+    # recording started (Python stacks only: C++ ones slow every allocation) and stopped, once
+    assert history == [{"max_entries": 100_000, "stacks": "python"}, {"enabled": None}]
+    assert snapshot.covered == (1, 2, 3)  # slower steps: the summary's medians leave them out
     assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
     assert logged == [f"memory snapshot of steps 1-3: {tmp_path / 'memory_snapshot.pickle'} "
                       "(drag it into https://pytorch.org/memory_viz)"]

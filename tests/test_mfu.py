@@ -89,6 +89,20 @@ def test_the_peak_comes_from_the_flag_or_the_table(monkeypatch):
     assert set(PEAK_BF16_TFLOPS) >= {"H100", "H200", "A100"}
 
 
+def test_a_mig_slice_gets_the_peak_of_its_share_of_the_gpu(monkeypatch):
+    """A MIG slice's name names the whole GPU; its SM count says which share of it the run has."""
+    import types
+
+    from leantune.report.flops import FULL_GPU_SMS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        multi_processor_count=60))
+    assert device_peak_tflops(torch.device("cuda")) == pytest.approx(989.5 * 60 / 132)
+    assert set(FULL_GPU_SMS) == set(PEAK_BF16_TFLOPS)
+
+
 def test_recompute_counts_in_hfu_only(tiny_model_dir):
     common = ["--model_name", str(tiny_model_dir), "--context_length", str(SEQ)]
     config = model_config(str(tiny_model_dir))

@@ -31,6 +31,9 @@ PEAK_BF16_TFLOPS = {
 }
 # Names that contain a key above but are other GPUs (A10G, L40): unknown rather than wrong.
 _NOT_IN_TABLE = ("A10G", "L40 ", "L40-")
+# The whole GPU's streaming multiprocessors, which the peak above is for: a MIG slice has a share of them.
+FULL_GPU_SMS = {"H200 NVL": 132, "H200": 132, "H100 NVL": 132, "H100 PCIe": 114, "H100": 132, "A100": 108,
+                "L40S": 142, "L4": 58, "A10": 72}
 
 
 def device_peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
@@ -45,6 +48,9 @@ def device_peak_tflops(device: torch.device, override: Optional[float] = None) -
     words = f" {name.replace('-', ' ')} "
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
         if f" {key} " in words:
+            if " MIG " in words:  # a slice: the peak of its share of the SMs, not the whole GPU's
+                slice_sms = torch.cuda.get_device_properties(device).multi_processor_count
+                return PEAK_BF16_TFLOPS[key] * min(1.0, slice_sms / FULL_GPU_SMS[key])
             return PEAK_BF16_TFLOPS[key]
     return None
 

@@ -117,13 +117,16 @@ class MemorySnapshot:
                  log: Callable[[str], None] = print):
         self.steps = SNAPSHOT_STEPS if enabled and device.type == "cuda" else 0
         self.first = 1  # the first step recorded (later in a run resumed within the snapshot's steps)
+        self.covered: tuple[int, ...] = ()  # the steps recorded: slower, so left out of the summary's medians
         self.device, self.output_dir, self.dist, self.log = device, output_dir, dist, log
 
     def start(self, steps_done: int) -> None:
         """Start recording, unless the steps it covers are done already (a resumed run: then nothing is written)."""
         if self.steps and steps_done < self.steps:
             self.first = steps_done + 1
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            self.covered = tuple(range(self.first, self.steps + 1))
+            # Python stacks only: C++ stacks for every allocation slow the recorded steps several times over
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         else:
             self.steps = 0
 
