@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 SMALL_LAYERS = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                     num_key_value_heads=4)
 
@@ -67,10 +69,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
     kinds = ("full", "lora") if args.kind == "both" else (args.kind,)
+    ranks = [int(n) for n in args.ranks.split(",")]
+    if torch.cuda.is_available():  # one GPU per rank: more ranks than GPUs cannot run here
+        gpus = torch.cuda.device_count()
+        if max(ranks) > gpus:
+            print(f"--ranks: this host has {gpus} GPU(s); leaving out {[n for n in ranks if n > gpus]}")
+            ranks = [n for n in ranks if n <= gpus]
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
-        records = [run_ranks(model, int(n), kind, args, Path(tmp) / f"{kind}-{n}")
-                   for kind in kinds for n in args.ranks.split(",")]
+        records = [run_ranks(model, n, kind, args, Path(tmp) / f"{kind}-{n}") for kind in kinds for n in ranks]
     print(f"{'kind':<6}{'ranks':>6}{'peak per rank (MiB, max)':>26}{'tokens/s':>11}   measure")
     for r in records:
         print(f"{r['kind']:<6}{r['ranks']:>6}{r['max_peak_mib']:>26,.0f}{r['tokens_per_s']:>11,.0f}   {r['peak_measure']}")

@@ -39,7 +39,7 @@ def timed_steps(trainer, windows, count: int) -> list[float]:
     for _ in range(count):
         started = time.perf_counter()
         result = trainer.train_step(next(windows))
-        trainer._record_step(0, result)  # what the loop records after every step
+        trainer._record_step(0, result, time.perf_counter() - started)  # what the loop records after every step
         times.append(time.perf_counter() - started)
     return times
 
@@ -78,7 +78,7 @@ def measure(flags: list[str], interval: float, rounds: int, steps: int, warmup: 
             null_ratios.append(median["off_again"] / median["off"])  # no difference at all: the noise floor
         with MemoryMonitor(out / "memory.jsonl", trainer.device, interval, append=True) as monitor:
             trainer.monitor = monitor
-            record_s = statistics.median(_seconds(lambda: trainer._record_step(0, _result())) for _ in range(50))
+            record_s = statistics.median(_seconds(lambda: trainer._record_step(0, _result(), 1.0)) for _ in range(50))
     sampler_share = sample_seconds() / interval  # the thread's busy share of one core
     off_median = statistics.median(times["off"])
     return {"flags": flags, "interval_s": interval, "rounds": rounds, "steps_each": len(times["on"]),

@@ -61,6 +61,7 @@ chunk (or leantune's automatic size, 512 or more here) would be a single chunk.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -135,11 +136,19 @@ def measure_gpu_case(kind: str, mode: str, batch: int, context: int) -> dict:
             "reserved_error": record["predicted_reserved_bytes"] / measured["reserved_bytes"] - 1}
 
 
+def collect_between_cases(device: torch.device) -> None:
+    """Free what the last case left in reference cycles, so that no case is measured with another's state."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_gpu(args) -> list[dict]:
     """The GPU comparison: every kind and mode of the grid at the reference workload's shape."""
     records = []
     for kind in args.kinds:
         for mode in args.modes:
+            collect_between_cases(torch.device("cuda"))
             r = measure_gpu_case(kind, mode, args.batch_size, args.context_length)
             records.append(r)
             errors = (f"{r['allocated_error']:+.2%} {r['reserved_error']:+.2%}" if "allocated_error" in r
@@ -225,6 +234,7 @@ def main(argv=None) -> int:
         print_header()
         records = []
         for case in grid(args):
+            collect_between_cases(torch.device("cpu"))
             records.append(measure_case(*case, args.loss_chunk_size))
             print_row(records[-1])
         print(summary(records) + f"; {time.perf_counter() - started:.0f} s ({time.process_time():.0f} s CPU)")

@@ -255,7 +255,11 @@ def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
     offloader = offloaded._leantune_checkpoint_policy.offloader
     for seq in (256, 96, 160, 256):  # 128 KiB per layer input at 256: the tight cap holds one
         ids, labels = (t.cuda() for t in make_batch(plain.config.vocab_size, seq=seq, seed=seq))
-        _assert_equal_grads(gradients(plain, ids, labels), gradients(offloaded, ids, labels))
+        expected, actual = gradients(plain, ids, labels), gradients(offloaded, ids, labels)
+        # bitwise on the CPU (simulate mode above); a GPU's attention backward may sum in another order per run
+        assert expected.keys() == actual.keys() and expected
+        for name in expected:
+            torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
         torch.cuda.synchronize()
         assert offloader.pool.free_bytes == offloader.pool.held_bytes  # every buffer back after the step
     assert offloader.pool.peak_held_bytes <= cap and (offloader.fallbacks > 0) == (cap < MiB)
@@ -298,3 +302,16 @@ def test_non_contiguous_tensors_kept_on_the_device_are_counted():
         y = x.t().sin()  # sin saves its input, the transposed view
     assert offloader.stats()["kept_noncontiguous_bytes"] >= 64 * 32 * 4
     y.sum().backward()
+
+
+def test_the_activation_meter_counts_only_the_models_device():
+    """Offload's pinned host buffers are host memory, not a GPU's activations (a meta model stands in)."""
+    from leantune.memory.meter import ActivationMeter
+
+    model = torch.nn.Linear(4, 4, device="meta")
+    with ActivationMeter.for_model(model) as meter:
+        kept = torch.empty(MiB, dtype=torch.uint8)  # on the CPU: another device than the model's
+    assert meter.live_bytes() == 0 and kept.numel() == MiB
+    with ActivationMeter.for_model(torch.nn.Linear(4, 4)) as meter:
+        kept = torch.empty(MiB, dtype=torch.uint8)
+    assert meter.live_bytes() == MiB

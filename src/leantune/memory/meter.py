@@ -9,7 +9,7 @@ never counted. This gives the same number on every run, on the CPU and on a GPU 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -26,9 +26,11 @@ class ActivationMeter(TorchDispatchMode):
     ``live_bytes()`` under a name for later reporting.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: Optional[torch.device] = None):
         super().__init__()
         self._excluded = {t.untyped_storage()._cdata for t in exclude}
+        # only tensors there: activation offload's pinned host buffers are not a GPU's activations
+        self._device_type = None if device is None else device.type
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._bytes = 0
         self.peak_bytes = 0
@@ -36,13 +38,15 @@ class ActivationMeter(TorchDispatchMode):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "ActivationMeter":
-        """A meter that ignores ``model``'s parameters and buffers (and views of them)."""
-        return cls(exclude=[*model.parameters(), *model.buffers()])
+        """A meter of the device ``model`` is on, that ignores its parameters and buffers (and views of them)."""
+        parameters = list(model.parameters())
+        return cls(exclude=[*parameters, *model.buffers()], device=parameters[0].device if parameters else None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta" and self._device_type in (
+                    None, leaf.device.type):
                 self._track(leaf)
         # Frees are only noticed when we look; looking after every op keeps the peak exact.
         self._prune()
