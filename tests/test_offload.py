@@ -315,3 +315,21 @@ def test_the_activation_meter_counts_only_the_models_device():
     with ActivationMeter.for_model(torch.nn.Linear(4, 4)) as meter:
         kept = torch.empty(MiB, dtype=torch.uint8)
     assert meter.live_bytes() == MiB
+
+
+def test_the_derived_offload_plan_lowers_a_stage_by_no_more_than_its_activations():
+    """Backward's peak, with no layer input left in it, stays; forward's drops by the inputs moved."""
+    from leantune.planning.fake_step import StepTrace
+    from leantune.planning.plan import offload_trace
+
+    def held(activation, other):
+        return {"activation": activation, "parameter": other}
+
+    full = StepTrace(peak_bytes=120 * MiB, breakdown=held(0, 120 * MiB), flops=0, layer_input_bytes=8 * MiB,
+                     num_layers=6, checkpointing="full",
+                     stage_peaks={"forward": 110 * MiB, "backward": 120 * MiB, "optimizer": 90 * MiB},
+                     stage_breakdowns={"forward": held(48 * MiB, 62 * MiB), "backward": held(0, 120 * MiB),
+                                       "optimizer": held(0, 90 * MiB)})
+    derived = offload_trace(full, max_pinned_bytes=1 << 40)  # 4 of the 6 inputs move (two stay: recomputing)
+    assert derived.stage_peaks == {"forward": 78 * MiB, "backward": 120 * MiB, "optimizer": 90 * MiB}
+    assert derived.peak_bytes == 120 * MiB and derived.breakdown == held(0, 120 * MiB)

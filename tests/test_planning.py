@@ -122,7 +122,8 @@ def test_gpu_target_traces_the_gpu_precision(monkeypatch):
                               + gpu.fragmentation_bytes)
     assert "a bf16-capable GPU assumed" in describe_run(flags("--use_peft"), model_config("tiny"), CUDA)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
     assert target_precision(flags("--use_peft"), CUDA).compute_dtype is None  # float32: no bf16 on that GPU
 
 

@@ -115,17 +115,24 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
 
     Offload keeps on the device only the layers being recomputed (the current one and the one
     prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved, and no more
-    than the pinned pool's cap holds (in its power-of-two buffers). The optimizer step holds no
-    activations, so its peak stays. Derived, not traced: offload's copies need CUDA streams, which
+    than the pinned pool's cap holds (in its power-of-two buffers). Each stage's peak drops by at
+    most the activations that stage holds at it (the optimizer step holds none, so its peak stays). Derived, not traced: offload's copies need CUDA streams, which
     fake CPU tensors do not have.
     """
     moved = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
         fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
-        moved = min(full.breakdown["activation"], min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes)
-    stages = {stage: peak - (moved if stage != "optimizer" else 0) for stage, peak in full.stage_peaks.items()}
-    breakdown = dict(full.breakdown, activation=full.breakdown["activation"] - moved)
-    return dataclasses.replace(full, peak_bytes=max(stages.values(), default=full.peak_bytes - moved),
+        moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
+    # A stage sheds at most the activations it holds at its peak (the optimizer step holds none, and a
+    # stage without a breakdown is left as traced): never below what it really keeps.
+    shed = {stage: min(moved, full.stage_breakdowns.get(stage, {}).get("activation", 0))
+            for stage in full.stage_peaks}
+    stages = {stage: peak - shed[stage] for stage, peak in full.stage_peaks.items()}
+    peak_stage = max(stages, key=stages.get, default=None)
+    at_peak = full.stage_breakdowns.get(peak_stage) if peak_stage is not None else None
+    breakdown = (dict(at_peak, activation=at_peak["activation"] - shed[peak_stage]) if at_peak
+                 else dict(full.breakdown, activation=full.breakdown["activation"] - moved))
+    return dataclasses.replace(full, peak_bytes=stages[peak_stage] if peak_stage else full.peak_bytes - moved,
                                breakdown=breakdown, stage_peaks=stages,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
                                              f"in pinned host memory, whose pool may hold {format_bytes(max_pinned_bytes)})")
