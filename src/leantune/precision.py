@@ -71,7 +71,7 @@ def _bf16_supported(device: torch.device) -> bool:
     """
     if device.type != "cuda":
         return False
-    if torch.version.hip:  # ROCm: torch knows which AMD GPUs have bfloat16
+    if torch.version.hip:  # ROCm: no compute capability to read; torch's own answer (yes on ROCm builds)
         return torch.cuda.is_bf16_supported()
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8

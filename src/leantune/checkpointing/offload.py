@@ -3,12 +3,8 @@
 With every layer checkpointed, what stays on the device through the step is each layer's input
 (``batch x seq x hidden`` per layer). ``ActivationOffloader`` moves those to host memory:
 
-* **A bounded pool of pinned buffers**, reused across steps (``cudaHostAlloc`` is slow and
-  serialising). Buffers come in power-of-two sizes — what torch's host allocator pins anyway — and
-  a request takes the smallest free buffer of its size or the next (at most 2x its rounded size).
-  The bytes the pool holds (in use + free) stay under a cap: to stay under it the pool first
-  reuses any bigger free buffer, then releases idle buffers (least recently returned first), and
-  if that is not enough the tensor stays on the device (counted in ``fallbacks``).
+* **A bounded pool of pinned buffers** (``pinned_pool.PinnedBufferPool``), reused across steps;
+  when it is at its cap the tensor stays on the device (counted in ``fallbacks``).
 * **Side stream**: device→host copies run on their own stream after it waits for the compute
   stream; ``record_stream`` keeps the allocator from reusing a tensor's memory before its copy
   is done. Copy-back tensors are allocated on the compute stream (so their blocks return to the
@@ -39,9 +35,9 @@ from typing import Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from leantune.checkpointing.pinned_pool import PinnedBufferPool
+
 MIN_OFFLOAD_BYTES = 1 << 20
-_MIN_BUFFER = 4096  # a page: the host allocator's granularity
-_MAX_FIT = 2  # a request may take a free buffer up to this many times its rounded size
 
 
 def default_max_pinned_bytes() -> int:
@@ -54,87 +50,6 @@ def default_max_pinned_bytes() -> int:
 
     local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     return psutil.virtual_memory().total // 4 // local_processes
-
-
-class PinnedBufferPool:
-    """Host buffers (pinned when ``pin``), best fit, at most ``max_bytes`` held (None: no cap).
-
-    A returned buffer carries the event of the last copy reading it; handing it out again passes
-    that event to ``wait`` (the offloader's side stream waits on it), so the host never blocks: the
-    next copy into the buffer is queued behind the last copy out of it. A released buffer needs no
-    wait: torch's pinned-memory allocator keeps its pages until the copies using them are done.
-    """
-
-    def __init__(self, pin: bool, max_bytes: Optional[int] = None, wait=lambda event: None):
-        self.pin, self.max_bytes, self.wait = pin, max_bytes, wait
-        self._free: list[tuple[torch.Tensor, Optional[object]]] = []  # oldest returned first
-        self.held_bytes = 0  # in use + free
-        self.peak_held_bytes = 0
-        self.allocations = 0  # buffers created over the pool's life (reuse: this stops growing)
-        self.releases = 0  # buffers dropped to stay under the cap
-        self.refusals = 0  # requests that got no buffer (the caller keeps the tensor on the device)
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        return max(_MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(buffer.numel() for buffer, _ in self._free)
-
-    def take(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A buffer of at least ``nbytes``, or None when the cap leaves no room for one."""
-        size = self.size_class(nbytes)
-        buffer = self._pop_fit(size, _MAX_FIT * size)
-        if buffer is None and self._fits(size):
-            buffer = self._allocate(size)
-        if buffer is None:  # at the cap: any bigger idle buffer beats releasing and pinning again
-            buffer = self._pop_fit(size, None)
-        if buffer is None and self._release_room_for(size):
-            buffer = self._allocate(size)
-        if buffer is None:
-            self.refusals += 1
-        return buffer
-
-    def give_back(self, buffer: torch.Tensor, event: Optional[object]) -> None:
-        self._free.append((buffer, event))
-
-    def _pop_fit(self, size: int, limit: Optional[int]) -> Optional[torch.Tensor]:
-        best = None
-        for i, (buffer, _) in enumerate(self._free):
-            n = buffer.numel()
-            # <=: among equal sizes the latest returned, so the oldest age towards release
-            if n >= size and (limit is None or n <= limit) and (best is None or n <= self._free[best][0].numel()):
-                best = i
-        if best is None:
-            return None
-        buffer, event = self._free.pop(best)
-        if event is not None:
-            self.wait(event)  # the next copy into it runs after the last copy out of it
-        return buffer
-
-    def _fits(self, size: int) -> bool:
-        return self.max_bytes is None or self.held_bytes + size <= self.max_bytes
-
-    def _allocate(self, size: int) -> torch.Tensor:
-        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        self.allocations += 1
-        self.held_bytes += size
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-        return buffer
-
-    def _release_room_for(self, size: int) -> bool:
-        """Drop idle buffers, oldest first, until ``size`` more fits; drop none if that cannot work."""
-        if self.max_bytes is None or self.held_bytes - self.free_bytes + size > self.max_bytes:
-            return False  # even an empty free list would not make room: keep the buffers for later
-        while not self._fits(size):
-            buffer, _ = self._free.pop(0)
-            self.held_bytes -= buffer.numel()
-            self.releases += 1
-            del buffer  # the last reference: the pinned pages go back to torch's host allocator
-        if self.pin and hasattr(torch, "accelerator") and hasattr(torch.accelerator, "empty_host_cache"):
-            torch.accelerator.empty_host_cache()  # ... which would otherwise keep them cached
-        return True
 
 
 class _SimulatedStream:
@@ -189,7 +104,8 @@ class _Saved:
         self.copy, self.group, self.offset = copy, group, offset
         self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
         # Saved-tensor hooks skip autograd's check for in-place changes since saving: made here instead
-        self.source, self.version = weakref.ref(tensor), tensor._version
+        # the base when it is a view: the base outlives the view and shares its version counter
+        self.source, self.version = weakref.ref(tensor if tensor._base is None else tensor._base), tensor._version
 
     def check_unchanged(self) -> None:
         tensor = self.source()
@@ -221,7 +137,8 @@ class ActivationOffloader:
         self.copies_back = 0  # host->device copies started (tests: one per host copy)
         self.prefetch_hits = 0  # unpacks that found their copy already started
         self.fallbacks = 0  # tensors kept on the device because the pool was at its cap
-        self.kept_noncontiguous_bytes = 0  # big non-contiguous tensors kept on the device (this step)
+        self.kept_noncontiguous_bytes = 0  # storages of big non-contiguous tensors kept on the device (this step)
+        self._kept: set = set()
         self._warned = False
 
     # ------------------------------------------------ the same code, with or without CUDA
@@ -276,15 +193,22 @@ class ActivationOffloader:
             return tensor
         found = self._find_copy(tensor)
         if found is None:
-            if not tensor.is_contiguous():
-                self.kept_noncontiguous_bytes += nbytes
-                return tensor  # its bytes may be spread over a much larger storage
+            if not tensor.is_contiguous():  # its bytes may be spread over a much larger storage
+                self._count_kept(tensor)
+                return tensor
             found = self._copy_to_host(tensor, nbytes), 0
             if found[0] is None:
                 return tensor
         copy, offset = found
         copy.unpacks_left += 1
         return _Saved(copy, tensor, self._group, offset)
+
+    def _count_kept(self, tensor: torch.Tensor) -> None:
+        """Count a storage kept on the device once a step, by its bytes (an expanded mask is small)."""
+        key = self._storage_key(tensor)
+        if key not in self._kept:
+            self._kept.add(key)
+            self.kept_noncontiguous_bytes += tensor.untyped_storage().nbytes()
 
     def _copy_to_host(self, tensor: torch.Tensor, nbytes: int) -> Optional[_HostCopy]:
         buffer = self.pool.take(nbytes)
@@ -367,6 +291,7 @@ class ActivationOffloader:
         self._by_storage.clear()
         self.offloaded_bytes = 0
         self.kept_noncontiguous_bytes = 0
+        self._kept.clear()
 
     def stats(self) -> dict:
         """Counters for diagnostics: pool bytes held and their peak, allocations, fallbacks."""

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import torch
 
 from leantune.checkpointing.modes import AUTO, NONE, planned_modes, recompute_rank
-from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, PinnedBufferPool, default_max_pinned_bytes
+from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned_bytes
+from leantune.checkpointing.pinned_pool import PinnedBufferPool
 from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import ConfigError, RunConfig
 from leantune.memory.stats import CUDA_CONTEXT_BYTES
@@ -110,30 +111,35 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     return plan
 
 
+_ALL_INPUTS_ALIVE = ("forward", "loss")  # the stages at whose peak every layer's saved input is alive
+
+
 def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     """Offload's step, derived from ``full``'s trace: the saved layer inputs live in host memory instead.
 
     Offload keeps on the device only the layers being recomputed (the current one and the one
     prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved, and no more
-    than the pinned pool's cap holds (in its power-of-two buffers). Each stage's peak drops by at
-    most the activations that stage holds at it (the optimizer step holds none, so its peak stays). Derived, not traced: offload's copies need CUDA streams, which
+    than the pinned pool's cap holds (in its power-of-two buffers). Only the forward's and the loss's
+    peaks drop, by at most the activations held there; backward's and the optimizer step's stay. Derived, not traced: offload's copies need CUDA streams, which
     fake CPU tensors do not have.
     """
     moved = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
         fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
         moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
-    # A stage sheds at most the activations it holds at its peak (the optimizer step holds none, and a
-    # stage without a breakdown is left as traced): never below what it really keeps.
-    shed = {stage: min(moved, full.stage_breakdowns.get(stage, {}).get("activation", 0))
-            for stage in full.stage_peaks}
+    # Only where every layer input is alive (the end of the forward, the loss) is it sure that the moved
+    # ones are gone from the peak; backward frees them layer by layer and peaks where an unknown number
+    # is left, so its peak stays as traced (too high rather than too low). A stage sheds no more than
+    # the activations it holds at its peak.
+    shed = {stage: min(moved, full.stage_breakdowns.get(stage, {}).get("activation", 0)) if stage in _ALL_INPUTS_ALIVE
+            else 0 for stage in full.stage_peaks}
     stages = {stage: peak - shed[stage] for stage, peak in full.stage_peaks.items()}
+    breakdowns = {stage: dict(held, activation=held["activation"] - shed.get(stage, 0))
+                  for stage, held in full.stage_breakdowns.items()}
     peak_stage = max(stages, key=stages.get, default=None)
-    at_peak = full.stage_breakdowns.get(peak_stage) if peak_stage is not None else None
-    breakdown = (dict(at_peak, activation=at_peak["activation"] - shed[peak_stage]) if at_peak
-                 else dict(full.breakdown, activation=full.breakdown["activation"] - moved))
-    return dataclasses.replace(full, peak_bytes=stages[peak_stage] if peak_stage else full.peak_bytes - moved,
-                               breakdown=breakdown, stage_peaks=stages,
+    return dataclasses.replace(full, peak_bytes=stages[peak_stage] if peak_stage else full.peak_bytes,
+                               breakdown=breakdowns.get(peak_stage, full.breakdown), stage_peaks=stages,
+                               stage_breakdowns=breakdowns,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
                                              f"in pinned host memory, whose pool may hold {format_bytes(max_pinned_bytes)})")
 
