@@ -139,18 +139,24 @@ def measure_memory(case: Case, ids: torch.Tensor, device: torch.device) -> None:
                        param_bytes=param_bytes(case.model))
 
 
+def timed_step(case: Case, ids: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one forward+backward from fresh gradients, the device's queue drained on both sides."""
+    case.model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    step(case, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 def time_round_robin(cases: list[Case], ids: torch.Tensor, device: torch.device, steps: int, warmup: int) -> None:
     for index in range(warmup + steps):
         for case in cases:
-            case.model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            step(case, ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds = timed_step(case, ids, device)
             if index >= warmup:
-                case.times.append(time.perf_counter() - started)
+                case.times.append(seconds)
 
 
 def run_kind(args, kind: str, modes: list[str], device: torch.device) -> list[dict]:

@@ -28,13 +28,12 @@ import json
 import platform
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
 
-from activation_checkpointing import PRESETS, make_case, step
+from activation_checkpointing import PRESETS, make_case, step, timed_step
 from leantune.models.compiling import compile_decoder_layers
 
 MODES = ("none", "full", "selective_ops")
@@ -60,17 +59,6 @@ class HeapBytes:
             return torch.cuda.memory_allocated(self.device)
         info = self._libc.mallinfo2()
         return info.uordblks + info.hblkhd
-
-
-def timed_step(case, ids: torch.Tensor, device: torch.device) -> float:
-    case.model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    step(case, ids)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
 
 
 def activation_bytes(case, ids: torch.Tensor, device: torch.device) -> tuple[int, int]:
