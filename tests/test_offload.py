@@ -249,6 +249,7 @@ def test_a_negative_cap_is_refused():
 
 
 # ------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.filterwarnings("ignore:activation offload")
 @pytest.mark.parametrize("cap", [64 * MiB, 200 * KiB], ids=["roomy", "tight"])

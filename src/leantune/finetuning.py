@@ -26,6 +26,7 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, close_distributed
+from leantune.memory.gpu_constants import measure_gpu_constants
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
@@ -62,6 +63,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
+    if (constants := measure_gpu_constants(device)) is not None:  # before anything of ours is on the GPU
+        log(constants.line())
     if cfg.training.compile:
         check_can_compile(device.type)
     if cfg.memory.memory_snapshot and device.type != "cuda":

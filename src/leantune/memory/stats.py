@@ -20,6 +20,8 @@ GIB = float(2**30)
 # An assumption until measured on a GPU (driver-dependent, 300-600 MiB typical); the planner adds it to
 # every GPU plan and the step-peak meter to what it measured, so both count the same terms.
 CUDA_CONTEXT_BYTES = 512 * 2**20
+# PyTorch's default cuBLAS workspace on Hopper (8 MiB before), allocated through its caching allocator.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -62,16 +64,26 @@ def _accelerator_module(device: torch.device):
     return module
 
 
+def _is_mig_slice(module, device: torch.device) -> bool:
+    """A MIG instance: its name says so ("NVIDIA H100 80GB HBM3 MIG 3g.40gb"), and the driver's free/total
+    is the slice's own."""
+    try:
+        return " MIG " in f" {module.get_device_name(device)} "
+    except Exception:  # a backend without device names
+        return False
+
+
 def _device_used_bytes(module, device: torch.device) -> tuple[Optional[int], Optional[int]]:
     """Used and total bytes of the whole device: NVML when installed, else the driver's free/total."""
     try:
         total = module.get_device_properties(device).total_memory
     except Exception:  # a backend without device properties
         total = None
-    try:
-        return module.device_memory_used(device), total  # NVML: exactly what nvidia-smi reports
-    except Exception:  # pynvml missing, or a backend without NVML
-        pass
+    if not _is_mig_slice(module, device):  # NVML on a MIG slice can give the parent GPU's usage
+        try:
+            return module.device_memory_used(device), total  # NVML: exactly what nvidia-smi reports
+        except Exception:  # pynvml missing, or a backend without NVML
+            pass
     try:
         free, total = module.mem_get_info(device)
         return total - free, total

@@ -81,7 +81,8 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
 def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
     """A randomly initialised causal LM of ``family`` whose vocabulary matches ``tokenizer``.
 
-    ``overrides``: shape fields (``TINY_SHAPE``'s) or any other field of the family's config.
+    ``overrides``: shape fields (``TINY_SHAPE``'s) or any other field of the family's config; a
+    ``vocab_size`` larger than the tokenizer's gives a real model's head (the extra rows are never a label).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,9 +90,12 @@ def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     fields = {"tie_word_embeddings": False, **TINY_SHAPE, **overrides}
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    vocab_size = fields.pop("vocab_size", len(tokenizer))
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     config = AutoConfig.for_model(
         FAMILIES[family],
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -18,7 +18,7 @@ from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
 from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import ConfigError, RunConfig
-from leantune.memory.stats import CUDA_CONTEXT_BYTES
+from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
 from leantune.models.facts import check_context_length
 from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
@@ -29,8 +29,9 @@ OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, 
 # What a GPU adds to the traced step, each with where the number comes from. Until a GPU run has
 # measured them for leantune (docs/planning.md), these are stated assumptions, not measurements.
 # The CUDA context (driver and kernels, outside PyTorch's allocator; nvidia-smi counts it) is
-# ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too.
-CUBLAS_WORKSPACE_BYTES = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper (8 MiB before), through its allocator
+# ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too; the cuBLAS workspace
+# ``CUBLAS_WORKSPACE_BYTES`` next to it. A run on a GPU measures both at start-up and prints the difference
+# (``leantune.memory.gpu_constants``).
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
 TRANSIENT_KINDS = ("activation", "loss", "temporary")  # what fragmentation is a share of
 EXTRA_SOURCES = {

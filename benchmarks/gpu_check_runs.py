@@ -1,0 +1,137 @@
+"""What ``gpu_check.py``'s parts share: the check's settings, the model it trains, and one leantune run read back.
+
+Each run is a real ``python -m leantune.finetuning`` (or ``torchrun``) process with memory monitoring
+on, its output directory under ``OUT/runs/NAME`` and its log in ``OUT/logs/NAME.log``. What comes
+back from it: the exit code, the summary of ``metrics.json`` (median step time, tokens/s, MFU), the
+largest per-step peaks of ``memory.jsonl``, the plan's prediction set against step 2's measured peak,
+and the lines that say what the run chose (precision, loss, checkpointing, batch, memory check, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from leantune.models.presets import PRESETS
+from leantune.models.tiny import make_tiny_model
+
+# The reference report's shape (Llama-3.2-1B), its vocabulary included; leantune's tiny tokenizer feeds it.
+GPU_SHAPE = {key: value for key, value in PRESETS["Llama-3.2-1B"].items() if key not in ("bos_token_id",
+                                                                                          "eos_token_id")}
+DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048)
+
+# The lines of a run's log that say what it chose and measured (their prefixes).
+TOLD = ("gpu constants:", "precision:", "loss:", "activation checkpointing:", "batch size:", "memory check:", "mfu:",
+        "fsdp:", "optimizer:", "quantization:", "memory plan:", "auto:", "saved ", "memory snapshot:", "fp16")
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big the runs are: the reference report's on a GPU, a few tiny steps in the dry run."""
+
+    context: int
+    batch: int  # the report's batch
+    small_batch: int  # the runs that check a path rather than a figure
+    full_batch: int  # full fine-tuning's (the 4 x 2048 step the fused loss is measured on)
+    steps: int  # enough for medians after the warm-up (and after --memory_snapshot's steps)
+    short_steps: int  # step 2 is the plan check's
+
+
+GPU_SIZES = Sizes(context=2048, batch=11, small_batch=2, full_batch=4, steps=7, short_steps=4)
+DRY_SIZES = Sizes(context=128, batch=2, small_batch=1, full_batch=1, steps=3, short_steps=3)
+
+
+@dataclass
+class Check:
+    """The check's settings, shared by every part."""
+
+    out: Path
+    work: Path
+    dry_run: bool
+    has_bitsandbytes: bool = False
+    model: Optional[Path] = None
+    sizes: Sizes = field(init=False)
+
+    def __post_init__(self):
+        self.sizes = DRY_SIZES if self.dry_run else GPU_SIZES
+
+    def gpu_only(self, *flags: str) -> list[str]:
+        """``flags`` on a GPU; nothing in the dry run, where they are refused (offload, snapshot, ...)."""
+        return [] if self.dry_run else list(flags)
+
+    def dry_only(self, *flags: str) -> list[str]:
+        """``flags`` in the dry run only: what a CPU needs and a GPU reads for itself (a memory budget)."""
+        return list(flags) if self.dry_run else []
+
+    def build_model(self) -> Path:
+        """The model every run trains, made once outside OUT (a 1B model must not travel back with the results)."""
+        name, shape = ("tiny", DRY_SHAPE) if self.dry_run else ("llama-3.2-1b-shape", GPU_SHAPE)
+        path = self.work / name
+        if not (path / "config.json").is_file():
+            make_tiny_model(path, seed=0, **shape)
+        self.model = path
+        return path
+
+    def leantune(self, name: str, flags: list[str], steps: int, torchrun: bool = False) -> dict:
+        """One training run, read back (``rc`` 0 when it finished)."""
+        out_dir, log = self.out / "runs" / name, self.out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"] if torchrun
+                    else [sys.executable])
+        argv = ["--model_name", str(self.model), "--context_length", str(self.sizes.context), "--num_epochs", "8",
+                "--max_train_step", str(steps), "--num_workers_dataloader", "1", "--run_validation", "false",
+                "--save_model", "false", "--save_metrics", "true", "--enable_memory_monitoring",
+                "--overwrite_output_dir", "--output_dir", str(out_dir), *flags]
+        started = time.perf_counter()
+        with log.open("w") as sink:
+            rc = subprocess.call([*launcher, "-m", "leantune.finetuning", *argv], stdout=sink,
+                                 stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        record = {"run": name, "flags": flags, "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
+        lines = log.read_text(errors="replace").splitlines()
+        record["told"] = [line for line in lines if line.startswith(TOLD)]
+        if rc != 0:
+            record["log_tail"] = lines[-_LOG_TAIL_LINES:]
+        return {**record, **read_run(out_dir)}
+
+
+def read_run(out_dir: Path) -> dict:
+    """The figures of a finished run's ``metrics.json`` and ``memory.jsonl`` (what exists of them)."""
+    figures: dict = {}
+    metrics_path = out_dir / "metrics.json"
+    if metrics_path.is_file():
+        metrics = json.loads(metrics_path.read_text())
+        summary = metrics["summary"]
+        figures.update({key: summary.get(key) for key in (
+            "steps", "first_loss", "last_loss", "median_step_time_s", "median_tokens_per_s",
+            "median_wall_tokens_per_s", "median_mfu", "median_hfu", "predicted_peak_mib", "timed_steps")})
+        figures["batch_size"] = metrics["config"].get("batch_size_training")
+        figures["checkpointing_mode"] = metrics["config"].get("activation_checkpointing_mode")
+        step_two = next((s for s in metrics["train_steps"] if s["step"] == 2), None)
+        if step_two and step_two.get("peak_allocated_mib") and summary.get("predicted_peak_mib"):
+            figures["plan_error_at_step_2"] = summary["predicted_peak_mib"] / step_two["peak_allocated_mib"] - 1
+    memory_path = out_dir / "memory.jsonl"
+    if memory_path.is_file():
+        rows = [json.loads(line) for line in memory_path.read_text().splitlines() if line.strip()]
+        for key in ("peak_allocated_mib", "peak_reserved_mib", "device_used_mib", "cpu_rss_peak_mib"):
+            values = [row[key] for row in rows if row.get(key) is not None]
+            figures[f"max_{key}"] = max(values) if values else None
+    return figures
+
+
+def pytest_record(name: str, check: Check, args: list[str]) -> dict:
+    """A pytest run over the repository's tests, its log under OUT/logs."""
+    log = check.out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], stdout=sink,
+                             stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    lines = log.read_text(errors="replace").splitlines()
+    return {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
