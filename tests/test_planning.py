@@ -14,7 +14,7 @@ from leantune.models.presets import HUB_IDS, PRESETS, ModelShapeError, model_con
 from leantune.planning.choose import MemoryPlan, apply_memory_plan
 from leantune.planning.confirm import confirm_batch
 from leantune.planning.fake_step import trace_step
-from leantune.planning.plan import MIB, choose_mode, largest_batch, plan_modes, with_batch
+from leantune.planning.plan import MIB, NCCL_BUFFER_BYTES, choose_mode, largest_batch, plan_modes, with_batch
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TINY = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "128"]
@@ -391,6 +391,10 @@ def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
     assert optimizer["optimizer_state"] == shared.optimizer_state_bytes
     assert shared.peak_bytes < whole.peak_bytes and "per rank of 4" in shared.checkpointing
     assert shared.host_bytes == shared.pinned_host_bytes == 0  # without offload nothing is planned for the host
+    # NCCL's buffers: an assumed term beside the context, for a rank with peers only
+    assert shared.nccl_buffer_bytes == NCCL_BUFFER_BYTES and per_rank(whole, 1, shapes).nccl_buffer_bytes == 0
+    assert shared.peak_bytes == (shared.traced_peak_bytes + shared.cuda_context_bytes + shared.cublas_workspace_bytes
+                                 + NCCL_BUFFER_BYTES + shared.fragmentation_bytes)
     assert main(["--model_name", "small", "--enable_fsdp", "--device", "cuda"]) == 2
     assert "--world_size: with --enable_fsdp" in capsys.readouterr().err
     assert main(["--model_name", "small", "--world_size", "2", "--device", "cuda"]) == 2
@@ -399,7 +403,14 @@ def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
                  "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
                  "--batch_size_training", "1", "--context_length", "128"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
-    assert record["peak_bytes"] == shared.peak_bytes
+    assert record["peak_bytes"] == shared.peak_bytes and record["nccl_buffer_bytes"] == NCCL_BUFFER_BYTES
+    assert main(["--model_name", "small", "--enable_fsdp", "--world_size", "4", "--device", "cuda",
+                 "--batch_size_training", "1", "--context_length", "128"]) == 0
+    printed = capsys.readouterr().out
+    assert "NCCL buffers" in printed and "NCCL buffers: 512 MiB assumed per rank" in printed
+    assert main(["--model_name", "small", "--device", "cuda", "--batch_size_training", "1", "--context_length",
+                 "128"]) == 0
+    assert "NCCL" not in capsys.readouterr().out  # one GPU: no row, no note
 
 
 def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():

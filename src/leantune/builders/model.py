@@ -27,9 +27,11 @@ def loss_function(cfg: RunConfig, model: torch.nn.Module):
     """``model``'s loss as ``cfg`` asks for it: chunked cross-entropy unless `--loss_chunk_size 0` asks for the
     plain loss, either applying what the model's forward does to its logits (read from its config)."""
     hf_model = unwrap_model(model)
-    vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+    head = hf_model.get_output_embeddings().weight
     transform = logit_transform(hf_model.config)
-    chunk = effective_chunk_size(cfg.training.loss_chunk_size, vocab_size)
+    # A float32 head that trains has its gradient summed chunk by chunk: larger chunks, fewer passes over it.
+    summed = head.numel() * 4 if head.requires_grad and head.dtype == torch.float32 else 0
+    chunk = effective_chunk_size(cfg.training.loss_chunk_size, head.shape[0], summed)
     return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 
 

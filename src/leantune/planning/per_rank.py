@@ -30,7 +30,7 @@ from leantune.models.facts import meta_model
 from leantune.models.loading import attach_lora
 from leantune.models.structure import decoder_layers
 from leantune.planning.fake_step import StepTraces, target_precision
-from leantune.planning.plan import FRAGMENTATION_SHARE, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes
+from leantune.planning.plan import FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes
 
 _SHARDED = ("parameter", "gradient", "optimizer_state")
 
@@ -171,12 +171,14 @@ def per_rank(plan: ModePlan, world_size: int, shapes: ShardingShapes, cpu_offloa
               for stage, b in _moments(plan.stage_breakdowns).items()}
     stage, b = max(stages.items(), key=lambda item: sum(item[1].values()))
     total = sum(b.values())
-    extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes
+    nccl = NCCL_BUFFER_BYTES if plan.target == "cuda" and world_size > 1 else 0  # one rank has no peers
+    extras = plan.cuda_context_bytes + plan.cublas_workspace_bytes + nccl
     fragmentation = int(FRAGMENTATION_SHARE * sum(b[k] for k in TRANSIENT_KINDS)) if plan.target == "cuda" else 0
     host, pinned = host_bytes(plan, world_size, shapes) if cpu_offload else (0, 0)
     how = "FSDP, CPU offload" if cpu_offload else "FSDP"
     return dataclasses.replace(
         plan, traced_peak_bytes=total, peak_bytes=total + extras + fragmentation, fragmentation_bytes=fragmentation,
+        nccl_buffer_bytes=nccl,
         parameter_bytes=b["parameter"], gradient_bytes=b["gradient"], optimizer_state_bytes=b["optimizer_state"],
         activation_bytes=b["activation"], loss_bytes=b["loss"], temporary_bytes=b["temporary"],
         other_bytes=b["buffer"] + b["input"], optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,

@@ -32,6 +32,10 @@ OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, 
 # ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too; the cuBLAS workspace
 # ``CUBLAS_WORKSPACE_BYTES`` next to it. A run on a GPU measures both at start-up and prints the difference
 # (``leantune.memory.gpu_constants``).
+# NCCL's own buffers on a rank with peers (FSDP over more than one GPU): outside PyTorch's allocator. An
+# assumption, not measured (one GPU has no peers): about 4 MiB per protocol buffer, 3 protocols, 2 connections
+# (ring and tree) and up to 32 channels on NVLink; NVLink SHARP (NVLS) on NVSwitch systems adds more.
+NCCL_BUFFER_BYTES = 512 * MIB
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
 TRANSIENT_KINDS = ("activation", "loss", "temporary")  # what fragmentation is a share of
 EXTRA_SOURCES = {
@@ -39,6 +43,8 @@ EXTRA_SOURCES = {
                           "torch.cuda.max_memory_reserved, inside nvidia-smi's number",
     "cublas_workspace_bytes": "cuBLAS workspace: 32 MiB (PyTorch's default on Hopper GPUs; CUBLAS_WORKSPACE_CONFIG "
                               "changes it), allocated through the caching allocator",
+    "nccl_buffer_bytes": "NCCL buffers: 512 MiB assumed per rank when FSDP has more than one (not measured; "
+                         "NCCL_BUFFSIZE and NCCL_NVLS_ENABLE change it); outside torch.cuda.max_memory_reserved",
     "fragmentation_bytes": "allocator fragmentation: 10% of the step's activations, loss and temporaries (assumed; "
                            "allocations are already rounded to the allocator's 512-byte blocks in the trace)",
 }
@@ -73,6 +79,7 @@ class ModePlan:
     cuda_context_bytes: int = 0
     cublas_workspace_bytes: int = 0
     fragmentation_bytes: int = 0
+    nccl_buffer_bytes: int = 0  # FSDP over more than one GPU (``per_rank``)
     optimizer_step_peak_bytes: int = 0  # the peak while the optimizer steps (with the GPU's context and workspace)
     flops: int = 0  # of the whole step, recompute included
     traced_tokens: int = 0  # the tokens of the traced step (``flops`` are theirs)

@@ -15,7 +15,7 @@ _ROWS = (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
          ("optimizer state", "optimizer_state_bytes"), ("activations", "activation_bytes"),
          ("loss", "loss_bytes"), ("temporaries", "temporary_bytes"), ("buffers + batch", "other_bytes"))
 _GPU_ROWS = (("CUDA context", "cuda_context_bytes"), ("cuBLAS workspace", "cublas_workspace_bytes"),
-             ("fragmentation", "fragmentation_bytes"))
+             ("NCCL buffers", "nccl_buffer_bytes"), ("fragmentation", "fragmentation_bytes"))
 
 
 def _size(nbytes: int, unit: int) -> str:
@@ -30,6 +30,8 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     rows = [("", names)]
     gpu = plans[0].target == "cuda"
     for label, key in _ROWS + (_GPU_ROWS if gpu else ()):
+        if key == "nccl_buffer_bytes" and not any(p.nccl_buffer_bytes for p in plans):
+            continue  # one GPU: no peers, no row
         rows.append((label, [_size(getattr(p, key), unit) for p in plans]))
     rows.append((f"predicted peak ({unit_name})", [f"{p.peak_bytes / unit:,.2f}" for p in plans]))
     if any(p.host_bytes for p in plans):
@@ -72,8 +74,9 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
         "training code; bytes by what they hold at the moment of the peak.")
     if target.type == "cuda":
         log("GPU-only parts (not traced; assumptions until measured on a GPU):")
-        for text in EXTRA_SOURCES.values():
-            log(f"  - {text}")
+        for key, text in EXTRA_SOURCES.items():
+            if key != "nccl_buffer_bytes" or any(plan.nccl_buffer_bytes for plan in plans):
+                log(f"  - {text}")
     if any(plan.paged_state_bytes for plan in plans):
         log("note: the paged optimizer state is CUDA unified memory, not in the predicted peak: on the GPU while "
             "it has room, moved to the host by the driver when it has not (then read over PCIe every step)")
