@@ -173,6 +173,32 @@ def test_simulate_mode_prefetches_the_layer_below_once_per_copy(four_layer_dir, 
     assert offloader.pool.free_bytes == offloader.pool.held_bytes > 0  # the freed graph gave the buffers back
 
 
+def test_copies_back_keep_at_most_the_two_layer_inputs_the_plan_assumes(four_layer_dir, monkeypatch):
+    """The derived plan keeps two layer inputs on the device in backward (the layer recomputed and the one
+    prefetched below it): the copies back never hold more, however many layers there are."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(four_layer_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    offloader = _offloaded(model.train())
+    alive, most = {}, [0]
+    start_copy_back = offloader._start_copy_back
+
+    def counted_start(copy):
+        start_copy_back(copy)
+        tensor = copy.prefetched[0]
+        alive[id(tensor)] = tensor.nbytes
+        weakref.finalize(tensor, alive.pop, id(tensor))
+        most[0] = max(most[0], sum(alive.values()))
+
+    monkeypatch.setattr(offloader, "_start_copy_back", counted_start)
+    ids, labels = make_batch(model.config.vocab_size, seq=96)
+    gradients(model, ids, labels)
+    layer_input = ids.numel() * model.config.hidden_size * 4  # float32 hidden states of one layer
+    assert offloader.copies_back == 4 and most[0] == 2 * layer_input
+    assert not alive  # each freed with the recompute that read it
+
+
 # --------------------------------------------------------- dedup by storage
 def test_views_of_one_storage_share_one_host_copy():
     offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, simulate=True, max_pinned_bytes=64 * MiB)
