@@ -76,9 +76,11 @@ class Case:
 
 def case_config(args, kind: str, mode: str, loss: str) -> RunConfig:
     """The leantune run config of one case, through the same flag parser as ``leantune finetune``."""
-    vocab = PRESETS[args.preset]["shape"]["vocab_size"]
-    # An explicit chunk size, so that each case names its loss (``--losses chunked,plain``) whatever the default.
-    chunk = (args.loss_chunk_size or auto_chunk_size(vocab)) if loss == "chunked" else 0
+    shape = PRESETS[args.preset]["shape"]
+    # An explicit chunk size, so that each case names its loss (``--losses chunked,plain``) whatever the default:
+    # the default's own, which for full fine-tuning (a float32 head that trains) depends on the head's size.
+    head_grad_bytes = shape["vocab_size"] * shape["hidden_size"] * 4 if kind == "full" else 0
+    chunk = (args.loss_chunk_size or auto_chunk_size(shape["vocab_size"], head_grad_bytes)) if loss == "chunked" else 0
     flags = ["--device", args.device, "--loss_chunk_size", str(chunk)]
     flags += ["--use_peft"] if kind == "lora" else []
     if mode != "none":

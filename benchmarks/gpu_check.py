@@ -1,53 +1,70 @@
 """The prepared check for leantune's first GPU: what one should tell us, in order of value, as JSON under OUT.
 
-    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR]   # one CUDA GPU, about 8 minutes
+    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR]   # one CUDA GPU
     python benchmarks/gpu_check.py --dry_run --out /tmp/gpu_check            # the CPU: every part, tiny shapes
 
-Set up on the GPU machine: its preinstalled CUDA PyTorch, and ``pip install -e . --no-deps``. The
-parts (``gpu_check_parts.py``; docs/gpu_check.md says what each measures):
+Nothing to install on the GPU machine beyond its own CUDA PyTorch, transformers and peft: the script
+puts this checkout's ``src`` first on its own and its children's path (the image has no package
+index, so ``pip install -e .`` could not fetch its build tools). The parts (``gpu_check_parts.py``;
+docs/gpu_check.md says what each measures):
 
 1. ``device``: versions, the GPU's name and MFU peak, bf16, the measured CUDA context and cuBLAS
    workspace against the planner's assumptions, the allocator's rounding with and without
    expandable segments;
 2. ``reference``: the report this project answers, run by leantune (Llama-3.2-1B LoRA, context 2048):
    batch 11 without checkpointing, with it, with offload (plus the memory snapshot), and
-   ``--auto_batch_size``; peak, step time, tokens/s, MFU and the plan check of each;
+   ``--auto_batch_size`` in the report's 80 GB; peak, step time, tokens/s, MFU and the plan check of each;
 3. ``cuda_tests``: the tests marked ``gpu`` and the memory tests' CUDA branches;
 4. ``full_finetuning``: the chunked against the plain loss, 4 x 2048;
 5. ``lean``: anyprecision + pure bf16, the optimizer step in backward, 8-bit AdamW and QLoRA;
 6. ``fsdp``: FSDP2 on one NCCL rank under torchrun with CPU offload, the model saved;
 7. ``fp16``: float16 with the gradient scaler.
 
-Each part runs in a process of its own under its own time limit, and the parts stop being started
-when ``--budget_s`` is spent (counting the model's build), so a hang or an out-of-memory error costs
-one part, not the check. The model (the 1B shape, random weights, leantune's tiny tokenizer) is built
-with ``save_pretrained`` in ``--work_dir``, outside OUT. Results: ``OUT/gpu_check.json`` (every part's
-status, seconds and findings), ``OUT/logs/*.log``, ``OUT/runs/NAME/`` (each run's metrics.json,
-memory.jsonl, report). bitsandbytes is not in the GPU machine's image: ``--bitsandbytes_wheels DIR``
-installs it from a wheel directory; without it those runs are skipped with one line. In the dry run the
-CUDA-only flags (offload, the snapshot, FSDP's CPU offload) are left out, and everything else runs.
+Each part runs in a process of its own under its own time limit (at the limit, it and everything
+under it, torchrun's worker included, get SIGTERM, then SIGKILL), and no part starts once ``--budget_s`` is spent
+(the model's build included), so a hang or an out-of-memory error costs one part, not the check; a
+part's runs are saved as each ends, so one stopped at its limit keeps what finished. Not yet timed
+on a GPU. The model (the 1B shape, random weights, leantune's tiny tokenizer) is built with
+``save_pretrained`` in ``--work_dir``, where every run's directory and log stay too. OUT gets three
+files, rewritten after every part: ``gpu_check.json`` (every part's status, seconds and findings),
+``gpu_check.txt`` (the table printed at the end) and ``logs.tar.gz`` (every log, cut to its last
+lines if the archive would pass 12 MiB). bitsandbytes is not in the GPU machine's image:
+``--bitsandbytes_wheels DIR`` installs it from a wheel directory; without it those runs are skipped
+with one line. In the dry run the CUDA-only flags (offload, the snapshot, FSDP's CPU offload) are
+left out, and everything else runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
-import signal
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+SRC = HERE.parent / "src"
+sys.path[:0] = [str(HERE), str(SRC)]
+# Every child (leantune's runs, pytest, the probes) finds this checkout's leantune and never asks the hub.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(HERE), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu_check_parts import PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
 from gpu_check_runs import Check  # noqa: E402
 
 DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the H200 the limits above are for
 MIN_PART_S = 20  # a part is not started with less time than this left
+GRACE_S = 20  # between SIGTERM and SIGKILL for a part at its limit
+LOG_ARCHIVE_BYTES = 12 << 20  # the device machine sends back files of at most 16 MiB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,13 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/gpu_check")),
                         help="where the results go ($OUT on the device machine)")
     parser.add_argument("--work_dir", type=Path, default=Path("/tmp/leantune_gpu_check"),
-                        help="where the model is built (outside --out)")
+                        help="where the model is built and the runs write (outside --out)")
     parser.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU; CUDA-only flags left out")
-    parser.add_argument("--budget_s", type=float, default=480.0, help="no part starts once this is spent")
+    parser.add_argument("--budget_s", type=float, help="no part starts once this is spent (default: 480 s on a GPU, "
+                        "an hour in the dry run)")
+    parser.add_argument("--part_limit_s", type=float, help="every part's time limit, instead of its own")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument("--bitsandbytes_wheels", type=Path, help="a directory holding a bitsandbytes wheel")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: run this one part in this process
     args = parser.parse_args(argv)
+    args.budget_s = args.budget_s if args.budget_s is not None else 3600.0 if args.dry_run else 480.0
     unknown = [name for name in args.parts.split(",") if name not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
@@ -80,39 +100,76 @@ def has_bitsandbytes(wheels: Path | None) -> tuple[bool, str]:
 
 
 def run_part_here(args: argparse.Namespace) -> int:
-    """The child's side: one part, its findings written to OUT/parts/NAME.json."""
-    check = Check(args.out, args.work_dir, args.dry_run, has_bitsandbytes=os.environ.get("GPU_CHECK_BNB") == "1")
+    """The child's side: one part, its findings written to WORK/parts/NAME.json."""
+    check = Check(args.work_dir, args.dry_run, has_bitsandbytes=os.environ.get("GPU_CHECK_BNB") == "1", part=args.part)
     check.build_model()
     function, _ = PARTS[args.part]
     findings = function(check)
-    path = args.out / "parts" / f"{args.part}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = args.work_dir / "parts" / f"{args.part}.json"
     path.write_text(json.dumps(findings, indent=2, default=str))
     return 0 if all(run["rc"] == 0 for run in findings.get("runs", [])) else 1
 
 
+def _stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM to the part and everything under it (torchrun's worker too, which runs in a session of its
+    own), SIGKILL to what is left after ``GRACE_S``: nothing a part started outlives it."""
+    try:
+        family = [psutil.Process(process.pid)]
+        family += family[0].children(recursive=True)
+    except psutil.NoSuchProcess:  # ended, and waited for its children
+        return
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(family, timeout=GRACE_S)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(alive, timeout=GRACE_S)
+
+
 def run_part(name: str, args: argparse.Namespace, limit_s: float, bnb: bool) -> dict:
-    """One part in a process group of its own, killed whole (its leantune runs too) at ``limit_s``."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(args.out),
-               "--work_dir", str(args.work_dir), *(["--dry_run"] if args.dry_run else [])]
-    log = args.out / "logs" / f"part_{name}.log"
+    """One part in a process of its own, stopped with everything under it (its leantune runs too) at ``limit_s``."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--work_dir", str(args.work_dir),
+               *(["--dry_run"] if args.dry_run else [])]
+    log = args.work_dir / "logs" / f"part_{name}.log"
     started = time.perf_counter()
     with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    env={**os.environ, "GPU_CHECK_BNB": "1" if bnb else "0"})
         try:
             rc = process.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _stop_tree(process)
             process.wait()
             rc = None
     seconds = round(time.perf_counter() - started, 1)
-    found = args.out / "parts" / f"{name}.json"
-    findings = json.loads(found.read_text()) if found.is_file() else {}
+    found, progress = args.work_dir / "parts" / f"{name}.json", Check(args.work_dir, args.dry_run).progress_path(name)
+    findings = (json.loads(found.read_text()) if found.is_file()
+                else {"runs": json.loads(progress.read_text())} if progress.is_file() else {})
     status = "timed out" if rc is None else "ok" if rc == 0 else "failed"
     tail = log.read_text(errors="replace").splitlines()[-30:] if status != "ok" else []
     return {"status": status, "seconds": seconds, "limit_s": round(limit_s), **findings,
             **({"part_log_tail": tail} if tail else {})}
+
+
+def write_results(args: argparse.Namespace, result: dict) -> None:
+    """OUT's three files, whole or not at all (each written aside, then renamed)."""
+    table = "\n".join(summary_rows(result["parts"])) + "\n"
+    for name, text in (("gpu_check.json", json.dumps(result, indent=2, default=str)), ("gpu_check.txt", table)):
+        staged = args.out / f".{name}.partial"
+        staged.write_text(text)
+        staged.replace(args.out / name)
+    staged = args.out / ".logs.tar.gz.partial"
+    with tarfile.open(staged, "w:gz") as archive:
+        logs = sorted((args.work_dir / "logs").glob("*.log"))
+        share = LOG_ARCHIVE_BYTES // max(1, len(logs))
+        for log in logs:
+            data = log.read_bytes()[-share:]  # a log's end says how it ended
+            info = tarfile.TarInfo(f"logs/{log.name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    staged.replace(args.out / "logs.tar.gz")
 
 
 def summary_rows(parts: dict) -> list[str]:
@@ -135,29 +192,32 @@ def summary_rows(parts: dict) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.out = args.out.resolve()
+    args.out, args.work_dir = args.out.resolve(), args.work_dir.resolve()
     if args.part:
         return run_part_here(args)
     started = time.perf_counter()
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for folder in ("logs", "parts"):
+        shutil.rmtree(args.work_dir / folder, ignore_errors=True)  # an earlier check's findings are not this one's
+        (args.work_dir / folder).mkdir(parents=True)
     bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels)
     print(bnb_line, flush=True)
-    Check(args.out, args.work_dir, args.dry_run).build_model()  # once, before the parts' clocks start
-    parts: dict = {}
+    Check(args.work_dir, args.dry_run).build_model()  # once, counted in the budget
+    result = {"dry_run": args.dry_run, "bitsandbytes": bnb_line, "machine": platform.node(), "argv": sys.argv[1:],
+              "parts": {}}
     for name in args.parts.split(","):
         left = args.budget_s - (time.perf_counter() - started)
-        limit = DRY_RUN_LIMIT_S if args.dry_run else min(PARTS[name][1], left)
-        if not args.dry_run and left < MIN_PART_S:
-            parts[name] = {"status": "not started", "why": f"the budget of {args.budget_s:.0f} s was spent"}
+        if left < MIN_PART_S:
+            result["parts"][name] = {"status": "not started", "why": f"the budget of {args.budget_s:.0f} s was spent"}
         else:
-            parts[name] = run_part(name, args, limit, bnb)
-        print(f"{name}: {parts[name]['status']} ({parts[name].get('seconds', 0)} s)", flush=True)
-    result = {"dry_run": args.dry_run, "seconds": round(time.perf_counter() - started, 1), "bitsandbytes": bnb_line,
-              "machine": platform.node(), "argv": sys.argv[1:], "parts": parts}
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
-    print("\n".join(summary_rows(parts)))
-    print(f"wrote {args.out / 'gpu_check.json'}")
-    return 0 if all(part["status"] == "ok" for part in parts.values()) else 1
+            limit = args.part_limit_s or (DRY_RUN_LIMIT_S if args.dry_run else min(PARTS[name][1], left))
+            result["parts"][name] = run_part(name, args, limit, bnb)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        write_results(args, result)
+        print(f"{name}: {result['parts'][name]['status']} ({result['parts'][name].get('seconds', 0)} s)", flush=True)
+    print("\n".join(summary_rows(result["parts"])))
+    print(f"wrote {args.out / 'gpu_check.json'}, gpu_check.txt and logs.tar.gz")
+    return 0 if all(part["status"] == "ok" for part in result["parts"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from gpu_check_runs import Check, pytest_record
 from leantune.memory.gpu_constants import measure_gpu_constants
@@ -45,12 +46,15 @@ def allocator_probe(device: torch.device) -> list[dict]:
     return rows
 
 
-def _probe_in_a_child(device: torch.device, alloc_conf: str) -> list[dict]:
-    """The probe in a fresh process whose allocator was configured by ``PYTORCH_CUDA_ALLOC_CONF``."""
+def _probe_in_a_child(device: torch.device, alloc_conf: str) -> list[dict] | dict:
+    """The probe in a fresh process whose allocator was configured by ``PYTORCH_CUDA_ALLOC_CONF`` (its error
+    instead, where the setting cannot work: expandable segments need the driver's virtual memory calls)."""
     code = (f"import json, torch, gpu_check_parts as p; "
             f"print(json.dumps(p.allocator_probe(torch.device({str(device)!r}))))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-3:]}
     return json.loads(result.stdout.splitlines()[-1])
 
 
@@ -82,7 +86,9 @@ def part_reference(check: Check) -> dict:
     snapshot, MFU and the plan check at step 2), and the largest batch that fits, as leantune runs them."""
     s, ac = check.sizes, ["--enable_activation_checkpointing"]
     batch = ["--batch_size_training", str(s.batch)]
-    auto = ["--auto_batch_size", *check.dry_only("--memory_budget_gb", "0.08")]  # a GPU's budget: its free memory
+    # The report's 80 GB card (its context aside), and at most 32 rows: the search traces each batch it tries.
+    budget = "0.08" if check.dry_run else "76"
+    auto = ["--auto_batch_size", "--memory_budget_gb", budget, "--target_global_batch_size", str(s.target_batch)]
     runs = [check.leantune("reference_batch_none", LORA + batch, s.steps),
             check.leantune("reference_batch_full", LORA + batch + ac, s.steps),
             check.leantune("reference_batch_offload", LORA + batch + ac + check.gpu_only(
@@ -90,14 +96,18 @@ def part_reference(check: Check) -> dict:
             check.leantune("reference_auto_batch_full", LORA + ac + auto, s.steps),
             check.leantune("reference_auto_batch_auto_mode", LORA + ac + auto + ["--activation_checkpointing_mode",
                                                                                   "auto"], s.steps)]
-    snapshot = check.out / "runs" / "reference_batch_offload" / "memory_snapshot.pickle"
-    return {"runs": runs, "report": REFERENCE_REPORT, "snapshot_written": snapshot.is_file(),
-            "report_md_written": (check.out / "runs" / "reference_batch_offload" / "report.md").is_file()}
+    offloaded = check.runs / "reference_batch_offload"
+    return {"runs": runs, "report": REFERENCE_REPORT,
+            "snapshot_bytes": (offloaded / "memory_snapshot.pickle").stat().st_size
+            if (offloaded / "memory_snapshot.pickle").is_file() else None,
+            "report_md_written": (offloaded / "report.md").is_file()}
 
 
 def part_cuda_tests(check: Check) -> dict:
     """The tests marked ``gpu`` (skipped on a CPU) and the memory tests whose CUDA branches a CPU never takes."""
-    runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", "tests"])]
+    # Named files: collecting every test would import what the GPU machine's image lacks (datasets).
+    runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", "tests/test_offload.py",
+                                                       "tests/test_gpu_constants.py"])]
     if not check.dry_run:
         runs.append(pytest_record("pytest_memory", check, ["tests/test_memory.py", "tests/test_cuda_counters.py",
                                                            "tests/test_step_peak.py"]))
@@ -135,14 +145,14 @@ def part_fsdp(check: Check) -> dict:
     s = check.sizes
     flags = ["--enable_fsdp", "--batch_size_training", str(s.small_batch), "--save_model", "true",
              *check.gpu_only("--fsdp_cpu_offload")]
-    run = check.leantune("fsdp_one_rank", flags, s.short_steps, torchrun=True)
-    saved = check.out / "runs" / "fsdp_one_rank"
-    run["saved_files"] = sorted(p.name for p in saved.glob("*.safetensors")) if saved.is_dir() else []
-    if run["rc"] == 0:
-        from transformers import AutoConfig
-
-        run["saved_config_reads"] = AutoConfig.from_pretrained(saved).model_type
-        for weights in saved.glob("*.safetensors"):  # a 1B model must not travel back with the results
+    saved = check.runs / "fsdp_one_rank"
+    try:
+        run = check.leantune("fsdp_one_rank", flags, s.short_steps, torchrun=True)
+        run["saved_files"] = sorted(p.name for p in saved.glob("*.safetensors")) if saved.is_dir() else []
+        if run["rc"] == 0:
+            run["saved_config_reads"] = AutoConfig.from_pretrained(saved).model_type
+    finally:
+        for weights in saved.glob("*.safetensors"):  # 5 GB of random weights, read back: not kept
             weights.unlink()
     return {"runs": [run]}
 

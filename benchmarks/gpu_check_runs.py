@@ -1,7 +1,8 @@
 """What ``gpu_check.py``'s parts share: the check's settings, the model it trains, and one leantune run read back.
 
 Each run is a real ``python -m leantune.finetuning`` (or ``torchrun``) process with memory monitoring
-on, its output directory under ``OUT/runs/NAME`` and its log in ``OUT/logs/NAME.log``. What comes
+on, its output directory under ``WORK/runs/NAME`` and its log in ``WORK/logs/NAME.log`` (only the
+JSON and a capped archive of the logs go to OUT, whose files the device machine sends back). What comes
 back from it: the exit code, the summary of ``metrics.json`` (median step time, tokens/s, MFU), the
 largest per-step peaks of ``memory.jsonl``, the plan's prediction set against step 2's measured peak,
 and the lines that say what the run chose (precision, loss, checkpointing, batch, memory check, ...).
@@ -41,35 +42,44 @@ class Sizes:
     batch: int  # the report's batch
     small_batch: int  # the runs that check a path rather than a figure
     full_batch: int  # full fine-tuning's (the 4 x 2048 step the fused loss is measured on)
+    target_batch: int  # --auto_batch_size searches the divisors of this
     steps: int  # enough for medians after the warm-up (and after --memory_snapshot's steps)
     short_steps: int  # step 2 is the plan check's
 
 
-GPU_SIZES = Sizes(context=2048, batch=11, small_batch=2, full_batch=4, steps=7, short_steps=4)
-DRY_SIZES = Sizes(context=128, batch=2, small_batch=1, full_batch=1, steps=3, short_steps=3)
+GPU_SIZES = Sizes(context=2048, batch=11, small_batch=2, full_batch=4, target_batch=32, steps=7, short_steps=4)
+DRY_SIZES = Sizes(context=128, batch=2, small_batch=1, full_batch=1, target_batch=8, steps=3, short_steps=3)
 
 
 @dataclass
 class Check:
-    """The check's settings, shared by every part."""
+    """The check's settings, shared by every part; ``part`` is the one running (its runs are saved as they end)."""
 
-    out: Path
     work: Path
     dry_run: bool
     has_bitsandbytes: bool = False
+    part: str = ""
     model: Optional[Path] = None
     sizes: Sizes = field(init=False)
+    finished: list = field(default_factory=list)
 
     def __post_init__(self):
         self.sizes = DRY_SIZES if self.dry_run else GPU_SIZES
+        self.runs, self.logs = self.work / "runs", self.work / "logs"
+
+    def progress_path(self, part: str) -> Path:
+        """The runs of ``part`` that have ended, rewritten after each: a part stopped at its limit keeps them."""
+        return self.work / "parts" / f"{part}.runs.json"
+
+    def _save_progress(self, record: dict) -> None:
+        self.finished.append(record)
+        path = self.progress_path(self.part)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.finished, indent=2, default=str))
 
     def gpu_only(self, *flags: str) -> list[str]:
         """``flags`` on a GPU; nothing in the dry run, where they are refused (offload, snapshot, ...)."""
         return [] if self.dry_run else list(flags)
-
-    def dry_only(self, *flags: str) -> list[str]:
-        """``flags`` in the dry run only: what a CPU needs and a GPU reads for itself (a memory budget)."""
-        return list(flags) if self.dry_run else []
 
     def build_model(self) -> Path:
         """The model every run trains, made once outside OUT (a 1B model must not travel back with the results)."""
@@ -82,7 +92,7 @@ class Check:
 
     def leantune(self, name: str, flags: list[str], steps: int, torchrun: bool = False) -> dict:
         """One training run, read back (``rc`` 0 when it finished)."""
-        out_dir, log = self.out / "runs" / name, self.out / "logs" / f"{name}.log"
+        out_dir, log = self.runs / name, self.logs / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"] if torchrun
                     else [sys.executable])
@@ -92,14 +102,15 @@ class Check:
                 "--overwrite_output_dir", "--output_dir", str(out_dir), *flags]
         started = time.perf_counter()
         with log.open("w") as sink:
-            rc = subprocess.call([*launcher, "-m", "leantune.finetuning", *argv], stdout=sink,
-                                 stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            rc = subprocess.call([*launcher, "-m", "leantune.finetuning", *argv], stdout=sink, stderr=subprocess.STDOUT)
         record = {"run": name, "flags": flags, "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
         lines = log.read_text(errors="replace").splitlines()
         record["told"] = [line for line in lines if line.startswith(TOLD)]
         if rc != 0:
             record["log_tail"] = lines[-_LOG_TAIL_LINES:]
-        return {**record, **read_run(out_dir)}
+        record.update(read_run(out_dir))
+        self._save_progress(record)
+        return record
 
 
 def read_run(out_dir: Path) -> dict:
@@ -128,10 +139,12 @@ def read_run(out_dir: Path) -> dict:
 
 def pytest_record(name: str, check: Check, args: list[str]) -> dict:
     """A pytest run over the repository's tests, its log under OUT/logs."""
-    log = check.out / "logs" / f"{name}.log"
+    log = check.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], stdout=sink,
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], stdout=sink,
                              stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
     lines = log.read_text(errors="replace").splitlines()
-    return {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
+    record = {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
+    check._save_progress(record)
+    return record

@@ -1,8 +1,6 @@
-"""The prepared GPU check's dry run: every part, every run, tiny shapes on the CPU, results written as on a GPU.
-
-So the first GPU minute is not spent on a typo: a flag leantune refuses, a part that cannot read
-its runs back, a summary that breaks on a missing figure. About two and a half minutes on 2 cores.
-"""
+"""The prepared GPU check (``benchmarks/gpu_check.py``) on the CPU: its dry run runs every part and every run
+with tiny shapes and writes its results as on a GPU, so the first GPU minute is not spent on a typo; a part
+at its limit is stopped with everything it started; the 1B shape it builds is a valid model."""
 
 from __future__ import annotations
 
@@ -10,37 +8,82 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check_parts import PARTS  # noqa: E402
+from gpu_check_runs import GPU_SHAPE  # noqa: E402
+
+OUT_FILES = ["gpu_check.json", "gpu_check.txt", "logs.tar.gz"]  # the device machine sends back 8 files at most
+
+
+def _check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--out", str(out),
+                             "--work_dir", str(tmp_path / "work"), *flags], capture_output=True, text=True,
+                            env={key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"})
+    assert sorted(p.name for p in out.iterdir()) == OUT_FILES, result.stderr[-3000:]
+    return result, json.loads((out / "gpu_check.json").read_text())
 
 
 @pytest.mark.slow
 def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry_run", "--out", str(out),
-                             "--work_dir", str(tmp_path / "work")], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    """About two and a half minutes on 2 cores."""
+    result, check = _check(tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    check = json.loads((out / "gpu_check.json").read_text())
     assert check["dry_run"] is True and list(check["parts"]) == list(PARTS)
     assert {name: part["status"] for name, part in check["parts"].items()} == {name: "ok" for name in PARTS}
     runs = [run for part in check["parts"].values() for run in part.get("runs", [])]
     trained = [run for run in runs if not run["run"].startswith("pytest")]
-    assert len(trained) == 13 and all(run["rc"] == 0 for run in runs)
+    with_bnb = check["bitsandbytes"] == "bitsandbytes: installed"
+    assert len(trained) == 11 + 2 * with_bnb and all(run["rc"] == 0 for run in runs)
     for run in trained:  # each read back from its own metrics.json and memory.jsonl
         assert run["median_step_time_s"] > 0 and run["steps"] >= 3 and run["max_cpu_rss_peak_mib"] > 100, run
         assert any(line.startswith("precision:") for line in run["told"]), run
-        assert (out / "logs" / f"{run['run']}.log").is_file()
     auto = check["parts"]["reference"]["runs"][3]
-    assert auto["run"] == "reference_auto_batch_full" and auto["batch_size"] > 2  # the search ran
+    assert auto["run"] == "reference_auto_batch_full" and auto["batch_size"] in (4, 8)  # searched, within 8
     fsdp = check["parts"]["fsdp"]["runs"][0]
     assert fsdp["saved_files"] == ["model.safetensors"] and fsdp["saved_config_reads"] == "llama"
-    assert not list((out / "runs").rglob("*.safetensors"))  # no weights travel back with the results
+    assert not list((tmp_path / "work" / "runs").rglob("*.safetensors"))  # read back, then deleted
     assert check["parts"]["device"]["facts"]["allocator"]["expandable_segments"]
-    assert "wrote" in result.stdout and "reference_batch_offload" in result.stdout  # the summary table
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
+        logged = {Path(name).stem for name in archive.getnames()}
+    assert {run["run"] for run in runs} <= logged and "part_reference" in logged
+    assert "reference_batch_offload" in result.stdout  # the table
+
+
+def test_a_part_at_its_limit_is_stopped_with_everything_it_started(tmp_path):
+    """torchrun's worker runs in a session of its own: it is stopped too, and what ended is kept."""
+    result, check = _check(tmp_path, "--parts", "fsdp", "--part_limit_s", "6")
+    assert result.returncode == 1 and check["parts"]["fsdp"]["status"] == "timed out"
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left
+
+
+def test_no_part_starts_once_the_budget_is_spent(tmp_path):
+    result, check = _check(tmp_path, "--budget_s", "0", "--parts", "device,reference")
+    assert result.returncode == 1
+    assert {part["status"] for part in check["parts"].values()} == {"not started"}
+
+
+def test_the_gpu_check_shape_is_a_llama_with_the_reports_vocabulary_and_tied_head(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.tiny import make_tiny_model
+
+    small = dict(GPU_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", **small))
+    assert model.config.vocab_size == 128_256 and model.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    with pytest.raises(ValueError, match="smaller than the tokenizer's"):
+        make_tiny_model(tmp_path / "too-small", vocab_size=100)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

@@ -99,12 +99,14 @@ def test_auto_chunk_size_keeps_a_chunk_near_64_mib():
     assert auto_chunk_size(128_256) == 128
     assert auto_chunk_size(32_000) == 512
     assert auto_chunk_size(10**9) == 128  # never below 128 tokens
+    assert count_targets(torch.tensor([[-100, 5, -100, 7]])) == 2
 
 
-@pytest.mark.parametrize("full_finetuning, pure_bf16, expected", [(True, False, 512), (False, False, 128),
-                                                                  (True, True, 128)],
-                         ids=["float32-head-trains", "lora-frozen-head", "bf16-head-by-blocks"])
-def test_a_trained_float32_head_gets_chunks_of_a_quarter_of_its_gradient(full_finetuning, pure_bf16, expected):
+@pytest.mark.parametrize("full_finetuning, pure_bf16, flags, expected",
+                         [(True, False, [], 512), (False, False, [], 128), (True, True, [], 128),
+                          (True, False, ["--enable_fsdp"], 128)],
+                         ids=["float32-head-trains", "lora-frozen-head", "bf16-head-by-blocks", "fsdp-bf16-copy"])
+def test_a_trained_float32_head_gets_chunks_of_a_quarter_of_its_gradient(full_finetuning, pure_bf16, flags, expected):
     """Llama-3.2-1B's head (1 GiB of float32 gradient) is summed over 16 chunks of 512 tokens, not 64 of 128."""
     config = LlamaConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
@@ -112,9 +114,8 @@ def test_a_trained_float32_head_gets_chunks_of_a_quarter_of_its_gradient(full_fi
         model = LlamaForCausalLM(config).to(torch.bfloat16 if pure_bf16 else torch.float32)
     model.requires_grad_(full_finetuning)
     assert auto_chunk_size(128_256, 128_256 * 2048 * 4) == 512
-    assert loss_function(parse_run_config([]), model).chunk_size == expected
+    assert loss_function(parse_run_config(flags), model).chunk_size == expected
     assert loss_function(parse_run_config(["--loss_chunk_size", "256"]), model).chunk_size == 256  # asked for
-    assert count_targets(torch.tensor([[-100, 5, -100, 7]])) == 2
 
 
 def test_chunk_size_must_be_positive():

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from leantune.checkpointing import OffloadCheckpointing, apply_activation_checkpointing, policy_from_config
 from leantune.checkpointing.offload import ActivationOffloader, _Saved, default_max_pinned_bytes
@@ -181,22 +182,24 @@ def test_copies_back_keep_at_most_the_two_layer_inputs_the_plan_assumes(four_lay
     model = AutoModelForCausalLM.from_pretrained(four_layer_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
     offloader = _offloaded(model.train())
-    alive, most = {}, [0]
+    copies, most = [], [0]  # the storages of the copies back (weakly: a view keeps a storage, not its tensor)
     start_copy_back = offloader._start_copy_back
+
+    def alive_bytes() -> int:
+        return sum(nbytes for ref, nbytes in copies if not ref.expired())
 
     def counted_start(copy):
         start_copy_back(copy)
-        tensor = copy.prefetched[0]
-        alive[id(tensor)] = tensor.nbytes
-        weakref.finalize(tensor, alive.pop, id(tensor))
-        most[0] = max(most[0], sum(alive.values()))
+        storage = copy.prefetched[0].untyped_storage()
+        copies.append((StorageWeakRef(storage), storage.nbytes()))
+        most[0] = max(most[0], alive_bytes())
 
     monkeypatch.setattr(offloader, "_start_copy_back", counted_start)
     ids, labels = make_batch(model.config.vocab_size, seq=96)
     gradients(model, ids, labels)
     layer_input = ids.numel() * model.config.hidden_size * 4  # float32 hidden states of one layer
     assert offloader.copies_back == 4 and most[0] == 2 * layer_input
-    assert not alive  # each freed with the recompute that read it
+    assert alive_bytes() == 0  # each freed with the recompute that read it
 
 
 # --------------------------------------------------------- dedup by storage

@@ -30,7 +30,9 @@ def loss_function(cfg: RunConfig, model: torch.nn.Module):
     head = hf_model.get_output_embeddings().weight
     transform = logit_transform(hf_model.config)
     # A float32 head that trains has its gradient summed chunk by chunk: larger chunks, fewer passes over it.
-    summed = head.numel() * 4 if head.requires_grad and head.dtype == torch.float32 else 0
+    # Not under FSDP, whose forward sees a bfloat16 copy of the head (its gradient is made by blocks instead).
+    summed = head.numel() * 4 if (head.requires_grad and head.dtype == torch.float32
+                                  and not cfg.distributed.enable_fsdp) else 0
     chunk = effective_chunk_size(cfg.training.loss_chunk_size, head.shape[0], summed)
     return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 

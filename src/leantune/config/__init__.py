@@ -87,7 +87,8 @@ class TrainingConfig:
     run_validation: bool = field(default=True, metadata=_help("Validate after each epoch."))
     loss_chunk_size: Optional[int] = field(default=None, metadata=_help(
         "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
-        "0: plain loss; default: chunked, about 64 MiB of float32 logits a chunk (with or without checkpointing)."))
+        "0: plain loss; default: chunked, about 64 MiB of float32 logits a chunk, or a quarter of a trained "
+        "float32 head's gradient when that is more (with or without checkpointing)."))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer (with its activation checkpointing, any mode but offload); "
         "the first step compiles (tens of seconds), later steps run the compiled layers. Losses equal "

@@ -9,7 +9,8 @@ What the readings include. The context is the device's used memory (the driver's
 what PyTorch has reserved: another process on the same GPU counts in it too, and kernels loaded
 later (lazy module loading) add to it. The workspace is what the allocator holds after the first
 bfloat16 matmul that it did not hold before (the cuBLAS and cuBLASLt workspaces of this stream);
-when an earlier matmul already made it, it reads as 0 and the line says so.
+when an earlier matmul already made it (or ``CUBLAS_WORKSPACE_CONFIG`` sets none), it reads as 0 and the
+line says it was not seen.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class GpuConstants:
                    f"{(measured - assumed) / MIB:+,.0f} MiB)"
 
         workspace = (versus(self.cublas_workspace_bytes, CUBLAS_WORKSPACE_BYTES) if self.cublas_workspace_bytes
-                     else "not measured (a matmul had already made it)")
+                     else "not seen (made before, outside the allocator, or set to 0 by CUBLAS_WORKSPACE_CONFIG)")
         return (f"gpu constants: CUDA context {versus(self.context_bytes, CUDA_CONTEXT_BYTES)} at start-up, other "
                 f"processes on this GPU included; cuBLAS workspace {workspace}")
 

@@ -33,8 +33,9 @@ OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, 
 # ``CUBLAS_WORKSPACE_BYTES`` next to it. A run on a GPU measures both at start-up and prints the difference
 # (``leantune.memory.gpu_constants``).
 # NCCL's own buffers on a rank with peers (FSDP over more than one GPU): outside PyTorch's allocator. An
-# assumption, not measured (one GPU has no peers): about 4 MiB per protocol buffer, 3 protocols, 2 connections
-# (ring and tree) and up to 32 channels on NVLink; NVLink SHARP (NVLS) on NVSwitch systems adds more.
+# assumption, not measured (one GPU has no peers): NCCL_BUFFSIZE (4 MiB) for its main protocol and smaller
+# buffers for the others, per channel and connection, with up to 32 channels on NVLink: a few hundred MiB;
+# NVLink SHARP (NVLS) on NVSwitch systems adds more.
 NCCL_BUFFER_BYTES = 512 * MIB
 FRAGMENTATION_SHARE = 0.10  # reserved-but-unused: 10% of the step's transient bytes (assumption)
 TRANSIENT_KINDS = ("activation", "loss", "temporary")  # what fragmentation is a share of
@@ -295,12 +296,14 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budge
 
 
 def budget_bytes(cfg: RunConfig, target: torch.device) -> Optional[int]:
-    """``--memory_budget_gb`` in bytes; by default on a usable GPU its free memory less 5% (plus the context in use)."""
+    """``--memory_budget_gb`` in bytes; by default on a usable GPU its free memory less 5%, plus what of every
+    plan this process already holds: its context, and what its allocator reserved (the cuBLAS workspace the
+    start-up measurement made)."""
     if cfg.memory.memory_budget_gb is not None:
         return int(cfg.memory.memory_budget_gb * GIB)
     if target.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(target)
-        return int(free * 0.95) + CUDA_CONTEXT_BYTES  # our own context is already in use, and in every plan
+        return int(free * 0.95) + CUDA_CONTEXT_BYTES + torch.cuda.memory_reserved(target)
     return None
 
 
