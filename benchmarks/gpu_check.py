@@ -88,11 +88,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def has_bitsandbytes(wheels: Path | None) -> tuple[bool, str]:
-    """Install bitsandbytes from ``wheels`` when given; whether it imports, and a line saying what happened."""
+def has_bitsandbytes(wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
+    """Install bitsandbytes from ``wheels`` when given, into ``work_dir/site`` (put on every child's path: the
+    image's own environment stays as it is); whether it imports, and a line saying what happened."""
     if wheels is not None:
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links",
-                                 str(wheels), "bitsandbytes"], capture_output=True, text=True)
+        site = work_dir / "site"
+        result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade",
+                                 "--target", str(site), "--find-links", str(wheels), "bitsandbytes"],
+                                capture_output=True, text=True)
+        os.environ["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], str(site)])
         if result.returncode != 0:
             return False, f"bitsandbytes: installing from {wheels} failed: {result.stderr.strip()[-300:]}"
     found = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True).returncode == 0
@@ -200,7 +204,7 @@ def main(argv=None) -> int:
     for folder in ("logs", "parts"):
         shutil.rmtree(args.work_dir / folder, ignore_errors=True)  # an earlier check's findings are not this one's
         (args.work_dir / folder).mkdir(parents=True)
-    bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels)
+    bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels, args.work_dir)
     print(bnb_line, flush=True)
     Check(args.work_dir, args.dry_run).build_model()  # once, counted in the budget
     result = {"dry_run": args.dry_run, "bitsandbytes": bnb_line, "machine": platform.node(), "argv": sys.argv[1:],
