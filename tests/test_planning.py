@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -38,6 +39,32 @@ def test_prediction_equals_the_same_step_on_real_tensors(kind, mode):
     assert predicted.peak_bytes == measured.peak_bytes
     assert predicted.breakdown == measured.breakdown
     assert predicted.flops == measured.flops > 0
+
+
+@pytest.mark.parametrize("extra", [["--use_peft"], [], ["--pure_bf16", "--optimizer", "anyprecision"]],
+                         ids=["lora-frozen-head", "float32-head-summed", "bf16-head-by-blocks"])
+@pytest.mark.parametrize("chunk", ["32", "48"], ids=["even", "uneven"])
+def test_a_trace_that_samples_the_loss_chunks_predicts_what_running_them_all_measures(extra, chunk):
+    """Fake tensors run the first and last chunk (and backward block) only: the bytes and FLOPs are those of
+    the same step on real tensors, which runs every chunk (8 or 6 of them here, the last of 16 tokens)."""
+    cfg = flags("--loss_chunk_size", chunk, *extra)
+    predicted = trace_step(cfg, model_config("tiny"), CPU, "full")
+    measured = trace_step(cfg, model_config("tiny"), CPU, "full", fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.stage_peaks == measured.stage_peaks
+    assert predicted.breakdown == measured.breakdown
+    assert predicted.flops == measured.flops > 0
+
+
+def test_sampling_the_loss_chunks_changes_no_byte_or_flop_of_a_gpu_plan(monkeypatch):
+    """For a GPU target (bf16 autocast, float32 head summed chunk by chunk), sampled against every chunk run."""
+    from leantune.planning import fake_step
+
+    cfg = flags("--loss_chunk_size", "40")
+    sampled = trace_step(cfg, model_config("tiny"), CUDA, "selective_ops")
+    monkeypatch.setattr(fake_step, "sampled_chunks", lambda tracker: contextlib.nullcontext())
+    every = trace_step(cfg, model_config("tiny"), CUDA, "selective_ops")
+    assert (sampled.peak_bytes, sampled.stage_breakdowns, sampled.flops) == (every.peak_bytes, every.stage_breakdowns,
+                                                                            every.flops)
 
 
 @pytest.mark.parametrize("kind, target", [("lora", CPU), ("lora", CUDA)])

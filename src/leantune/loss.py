@@ -34,6 +34,7 @@ chunk, with its exact gradient, so no full-vocabulary logits appear for these mo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +45,41 @@ from leantune.labels import IGNORE_INDEX, shifted_targets
 
 # Auto chunk size: about this many bytes of float32 logits per chunk.
 _CHUNK_LOGITS_BYTES = 64 << 20
+# Set by ``sampled_chunks`` while a planner traces a step on fake tensors (a global, not a context variable:
+# backward may run on autograd's device thread).
+_sampling: list = []
+
+
+@contextlib.contextmanager
+def sampled_chunks(counter):
+    """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first and the last
+    of its chunks (and of its backward's vocabulary blocks), and adds the FLOPs of those between, each a
+    copy of the first, to ``counter.flops``.
+
+    Every full chunk allocates and frees the same bytes and leaves the same behind (its rows of the
+    gradients, written in place), so the peak and what stays are those of running them all; only
+    the skipped chunks' values are missing, which fake tensors do not have. A trace at Llama 3's
+    vocabulary otherwise runs one chunk per 128 tokens and grows with the batch. Never for real tensors.
+    """
+    _sampling.append(counter)
+    try:
+        yield
+    finally:
+        _sampling.pop()
+
+
+def _pieces(length: int, step: int):
+    """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` the first and
+    the last, with the FLOPs the first counted standing in for each one between."""
+    starts = range(0, length, step)
+    if not _sampling or len(starts) <= 2:
+        yield from starts
+        return
+    counter = _sampling[-1]
+    before = counter.flops
+    yield starts[0]
+    counter.flops += (counter.flops - before) * (len(starts) - 2)
+    yield starts[-1]
 
 
 @dataclass(frozen=True)
@@ -189,7 +225,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if want_weight_grad and not by_blocks else None
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_blocks else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, hidden.shape[0], chunk_size):
+            for start in _pieces(hidden.shape[0], chunk_size):
                 end = start + chunk_size
                 h = hidden[start:end].to(dtype)
                 grad_logits = _chunk_loss(h, w, targets[start:end], total, want_hidden_grad or grad_weight is not None,
@@ -243,7 +279,7 @@ def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform:
     safe_t = torch.where(valid, targets, 0)
     rows = torch.arange(len(targets), device=targets.device)
     block = max(1, chunk_size * weight.shape[0] // max(1, len(targets)))
-    for start in range(0, weight.shape[0], block):
+    for start in _pieces(weight.shape[0], block):
         end = min(start + block, weight.shape[0])
         logits = (h @ w[start:end].t()).float()
         slope = transform.apply_(logits, with_slope=True)
