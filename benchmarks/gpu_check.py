@@ -20,9 +20,10 @@ docs/gpu_check.md says what each measures):
 6. ``fsdp``: FSDP2 on one NCCL rank under torchrun with CPU offload, the model saved;
 7. ``fp16``: float16 with the gradient scaler.
 
-Each part runs in a process of its own under its own time limit (at the limit, it and everything
-under it, torchrun's worker included, get SIGTERM, then SIGKILL), and no part starts once ``--budget_s`` is spent
-(the model's build included), so a hang or an out-of-memory error costs one part, not the check; a
+Each part runs in a process of its own under its own time limit (at the limit the part kills its
+runs and saves what they got to, and 20 s later whatever under it is left, torchrun's worker included,
+is killed), and no part starts once ``--budget_s`` is spent (from the process's start), so a hang or
+an out-of-memory error costs one part, not the check; a
 part's runs are saved as each ends, so one stopped at its limit keeps what finished. Not yet timed
 on a GPU. The model (the 1B shape, random weights, leantune's tiny tokenizer) is built with
 ``save_pretrained`` in ``--work_dir``, where every run's directory and log stay too. OUT gets three
@@ -43,6 +44,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -59,7 +61,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(HERE), os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu_check_parts import PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
-from gpu_check_runs import Check  # noqa: E402
+from gpu_check_runs import Check, write_json  # noqa: E402
 
 DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the H200 the limits above are for
 MIN_PART_S = 20  # a part is not started with less time than this left
@@ -106,30 +108,52 @@ def has_bitsandbytes(wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
 def run_part_here(args: argparse.Namespace) -> int:
     """The child's side: one part, its findings written to WORK/parts/NAME.json."""
     check = Check(args.work_dir, args.dry_run, has_bitsandbytes=os.environ.get("GPU_CHECK_BNB") == "1", part=args.part)
+    signal.signal(signal.SIGTERM, _stop_at_the_limit)
     check.build_model()
     function, _ = PARTS[args.part]
     findings = function(check)
-    path = args.work_dir / "parts" / f"{args.part}.json"
-    path.write_text(json.dumps(findings, indent=2, default=str))
+    write_json(args.work_dir / "parts" / f"{args.part}.json", findings)
     return 0 if all(run["rc"] == 0 for run in findings.get("runs", [])) else 1
 
 
+def _stop_at_the_limit(signum, frame) -> None:
+    """The part's limit: its runs are killed at once (a leantune run told SIGTERM would finish its step and
+    save a training state, 15 GB for the 1B's full fine-tuning), then SystemExit unwinds the part, so the run
+    it was in is read back and saved and its ``finally`` blocks (the FSDP run's weights) run."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    raise SystemExit(3)
+
+
 def _stop_tree(process: subprocess.Popen) -> None:
-    """SIGTERM to the part and everything under it (torchrun's worker too, which runs in a session of its
-    own), SIGKILL to what is left after ``GRACE_S``: nothing a part started outlives it."""
+    """SIGTERM to the part (``_stop_at_the_limit``), then SIGKILL to whatever under it is left after ``GRACE_S``:
+    nothing a part started outlives it, torchrun's worker included (a session of its own, and it may ignore
+    SIGTERM)."""
     try:
-        family = [psutil.Process(process.pid)]
-        family += family[0].children(recursive=True)
+        leader = psutil.Process(process.pid)
+        family = [leader, *leader.children(recursive=True)]  # taken first: orphans keep no parent to find them by
     except psutil.NoSuchProcess:  # ended, and waited for its children
         return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        leader.terminate()
+    psutil.wait_procs([leader], timeout=GRACE_S)
     for member in family:
         with contextlib.suppress(psutil.NoSuchProcess):
-            member.terminate()
-    _, alive = psutil.wait_procs(family, timeout=GRACE_S)
-    for member in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
             member.kill()
-    psutil.wait_procs(alive, timeout=GRACE_S)
+    psutil.wait_procs(family, timeout=GRACE_S)
+
+
+def _read_findings(name: str, args: argparse.Namespace) -> dict:
+    """What the part wrote: all of it when it ended, the runs that ended when it was stopped (each file is
+    written whole or not at all; an unreadable one is said, not fatal)."""
+    found, progress = args.work_dir / "parts" / f"{name}.json", Check(args.work_dir, args.dry_run).progress_path(name)
+    try:
+        if found.is_file():
+            return json.loads(found.read_text())
+        return {"runs": json.loads(progress.read_text())} if progress.is_file() else {}
+    except (OSError, ValueError) as err:
+        return {"findings_unreadable": f"{type(err).__name__}: {err}"}
 
 
 def run_part(name: str, args: argparse.Namespace, limit_s: float, bnb: bool) -> dict:
@@ -148,9 +172,7 @@ def run_part(name: str, args: argparse.Namespace, limit_s: float, bnb: bool) -> 
             process.wait()
             rc = None
     seconds = round(time.perf_counter() - started, 1)
-    found, progress = args.work_dir / "parts" / f"{name}.json", Check(args.work_dir, args.dry_run).progress_path(name)
-    findings = (json.loads(found.read_text()) if found.is_file()
-                else {"runs": json.loads(progress.read_text())} if progress.is_file() else {})
+    findings = _read_findings(name, args)
     status = "timed out" if rc is None else "ok" if rc == 0 else "failed"
     tail = log.read_text(errors="replace").splitlines()[-30:] if status != "ok" else []
     return {"status": status, "seconds": seconds, "limit_s": round(limit_s), **findings,
@@ -166,14 +188,25 @@ def write_results(args: argparse.Namespace, result: dict) -> None:
         staged.replace(args.out / name)
     staged = args.out / ".logs.tar.gz.partial"
     with tarfile.open(staged, "w:gz") as archive:
-        logs = sorted((args.work_dir / "logs").glob("*.log"))
-        share = LOG_ARCHIVE_BYTES // max(1, len(logs))
-        for log in logs:
-            data = log.read_bytes()[-share:]  # a log's end says how it ended
-            info = tarfile.TarInfo(f"logs/{log.name}")
+        for name, data in log_ends(sorted((args.work_dir / "logs").glob("*.log")), LOG_ARCHIVE_BYTES):
+            info = tarfile.TarInfo(f"logs/{name}")
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
     staged.replace(args.out / "logs.tar.gz")
+
+
+def log_ends(logs: list[Path], cap: int) -> list[tuple[str, bytes]]:
+    """Each log whole while they fit ``cap`` together; else the small ones whole and the rest share what is left,
+    each cut to its last lines (a log's end says how it ended)."""
+    kept, left = {}, cap
+    by_size = sorted(logs, key=lambda log: log.stat().st_size)
+    for index, log in enumerate(by_size):
+        data, share = log.read_bytes(), left // (len(by_size) - index)
+        if len(data) > share:
+            data = data[-share:]
+            data = data[data.find(b"\n") + 1:] if b"\n" in data else data  # from a line's start
+        kept[log.name], left = data, left - len(data)
+    return [(log.name, kept[log.name]) for log in logs]
 
 
 def summary_rows(parts: dict) -> list[str]:
@@ -186,7 +219,8 @@ def summary_rows(parts: dict) -> list[str]:
     for name, part in parts.items():
         rows.append(f"{name:<34} {part['status']:>9} {number(part.get('seconds'), '.0f'):>6}")
         for run in part.get("runs", []):
-            rows.append(f"  {run['run']:<32} {'ok' if run['rc'] == 0 else 'rc ' + str(run['rc']):>9} "
+            ended = "ok" if run["rc"] == 0 else "stopped" if isinstance(run["rc"], str) else f"rc {run['rc']}"
+            rows.append(f"  {run['run']:<32} {ended:>9} "
                         f"{number(run.get('seconds'), '.0f'):>6} {number(run.get('max_peak_allocated_mib'), ',.0f'):>9} "
                         f"{number(run.get('median_step_time_s'), '.3f'):>7} "
                         f"{number(run.get('median_tokens_per_s'), ',.0f'):>9} {number(run.get('median_mfu'), '.0%'):>5} "
@@ -199,9 +233,9 @@ def main(argv=None) -> int:
     args.out, args.work_dir = args.out.resolve(), args.work_dir.resolve()
     if args.part:
         return run_part_here(args)
-    started = time.perf_counter()
+    started = time.perf_counter() - (time.time() - psutil.Process().create_time())  # imports count too
     args.out.mkdir(parents=True, exist_ok=True)
-    for folder in ("logs", "parts"):
+    for folder in ("logs", "parts", "runs"):
         shutil.rmtree(args.work_dir / folder, ignore_errors=True)  # an earlier check's findings are not this one's
         (args.work_dir / folder).mkdir(parents=True)
     bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels, args.work_dir)
@@ -211,10 +245,11 @@ def main(argv=None) -> int:
               "parts": {}}
     for name in args.parts.split(","):
         left = args.budget_s - (time.perf_counter() - started)
-        if left < MIN_PART_S:
+        if left - 2 * GRACE_S < MIN_PART_S:
             result["parts"][name] = {"status": "not started", "why": f"the budget of {args.budget_s:.0f} s was spent"}
         else:
-            limit = args.part_limit_s or (DRY_RUN_LIMIT_S if args.dry_run else min(PARTS[name][1], left))
+            own = args.part_limit_s or (DRY_RUN_LIMIT_S if args.dry_run else PARTS[name][1])
+            limit = max(1.0, min(own, left - 2 * GRACE_S))  # stopping a part takes up to twice the grace
             result["parts"][name] = run_part(name, args, limit, bnb)
         result["seconds"] = round(time.perf_counter() - started, 1)
         write_results(args, result)

@@ -7,6 +7,7 @@ on a number, except that every run must finish.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,32 +28,35 @@ REFERENCE_REPORT = {"batch_11_no_checkpointing": {"peak_gb": 77, "step_time_s": 
                                                   "mfu": 0.50},
                     "batch_11_checkpointing": {"peak_gb": 45, "step_time_s": 1.65},
                     "batch_19_checkpointing": {"tokens_per_s": 23583, "mfu": 0.56}}
-# Allocation sizes around the caching allocator's thresholds: small pool (<= 1 MiB, 2 MiB segments), large
-# pool below 10 MiB (20 MiB segments), 10 MiB and more (rounded to 2 MiB).
-PROBE_SIZES = (256 * 1024, 1536 * 1024, 9 * 2**20, 11 * 2**20 + 1, 101 * 2**20 + 1)
-
-
-def allocator_probe(device: torch.device) -> list[dict]:
-    """How much each allocation size adds to the allocator's reservation, from an emptied cache."""
-    reserved = torch.cuda.memory_reserved if device.type == "cuda" else (lambda _device: 0)
-    rows = []
-    for size in PROBE_SIZES:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        before = reserved(device)
-        block = torch.empty(size, dtype=torch.uint8, device=device)
-        rows.append({"asked_bytes": size, "reserved_more_bytes": reserved(device) - before})
-        del block
-    return rows
+# How much each allocation size adds to the allocator's reservation, from an emptied cache: sizes around the
+# caching allocator's thresholds (small pool up to 1 MiB in 2 MiB segments, large pool below 10 MiB in 20 MiB
+# segments, 2 MiB rounding above). Run in a fresh process of its own (torch alone: it must start fast) for each
+# allocator setting.
+PROBE = """
+import json, sys, torch
+device = torch.device(sys.argv[1])
+on_gpu = device.type == "cuda"
+rows = []
+for size in (256 * 1024, 1536 * 1024, 9 * 2**20, 11 * 2**20 + 1, 101 * 2**20 + 1):
+    if on_gpu:
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device) if on_gpu else 0
+    block = torch.empty(size, dtype=torch.uint8, device=device)
+    rows.append({"asked_bytes": size, "reserved_more_bytes": (torch.cuda.memory_reserved(device) if on_gpu else 0) - before})
+    del block
+print(json.dumps(rows))
+"""
+PROBE_LIMIT_S = 20
 
 
 def _probe_in_a_child(device: torch.device, alloc_conf: str) -> list[dict] | dict:
-    """The probe in a fresh process whose allocator was configured by ``PYTORCH_CUDA_ALLOC_CONF`` (its error
-    instead, where the setting cannot work: expandable segments need the driver's virtual memory calls)."""
-    code = (f"import json, torch, gpu_check_parts as p; "
-            f"print(json.dumps(p.allocator_probe(torch.device({str(device)!r}))))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+    """``PROBE`` in a fresh process whose allocator ``PYTORCH_CUDA_ALLOC_CONF`` configures; its error instead
+    where the setting cannot work (expandable segments need the driver's virtual memory calls)."""
+    try:
+        result = subprocess.run([sys.executable, "-c", PROBE, str(device)], capture_output=True, text=True,
+                                timeout=PROBE_LIMIT_S, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer in {PROBE_LIMIT_S} s"}
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-3:]}
     return json.loads(result.stdout.splitlines()[-1])
@@ -106,6 +110,8 @@ def part_reference(check: Check) -> dict:
 def part_cuda_tests(check: Check) -> dict:
     """The tests marked ``gpu`` (skipped on a CPU) and the memory tests whose CUDA branches a CPU never takes."""
     # Named files: collecting every test would import what the GPU machine's image lacks (datasets).
+    if importlib.util.find_spec("pytest") is None:
+        return {"runs": [], "skipped": "pytest is not installed here: the CUDA tests were not run"}
     runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", "tests/test_offload.py",
                                                        "tests/test_gpu_constants.py"])]
     if not check.dry_run:
@@ -145,7 +151,7 @@ def part_fsdp(check: Check) -> dict:
     s = check.sizes
     flags = ["--enable_fsdp", "--batch_size_training", str(s.small_batch), "--save_model", "true",
              *check.gpu_only("--fsdp_cpu_offload")]
-    saved = check.runs / "fsdp_one_rank"
+    saved, run = check.runs / "fsdp_one_rank", None
     try:
         run = check.leantune("fsdp_one_rank", flags, s.short_steps, torchrun=True)
         run["saved_files"] = sorted(p.name for p in saved.glob("*.safetensors")) if saved.is_dir() else []
@@ -164,6 +170,6 @@ def part_fp16(check: Check) -> dict:
 
 
 # name -> (part, seconds it may take on one H200)
-PARTS = {"device": (part_device, 60), "reference": (part_reference, 330), "cuda_tests": (part_cuda_tests, 120),
+PARTS = {"device": (part_device, 90), "reference": (part_reference, 330), "cuda_tests": (part_cuda_tests, 120),
          "full_finetuning": (part_full_finetuning, 150), "lean": (part_lean, 200), "fsdp": (part_fsdp, 150),
          "fp16": (part_fp16, 60)}

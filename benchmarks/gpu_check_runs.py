@@ -32,6 +32,7 @@ DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 TOLD = ("gpu constants:", "precision:", "loss:", "activation checkpointing:", "batch size:", "memory check:", "mfu:",
         "fsdp:", "optimizer:", "quantization:", "memory plan:", "auto:", "saved ", "memory snapshot:", "fp16")
 _LOG_TAIL_LINES = 40
+STOPPED = "stopped at its part's limit"  # a run's rc when the part was stopped while it ran
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,7 @@ class Check:
 
     def _save_progress(self, record: dict) -> None:
         self.finished.append(record)
-        path = self.progress_path(self.part)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.finished, indent=2, default=str))
+        write_json(self.progress_path(self.part), self.finished)
 
     def gpu_only(self, *flags: str) -> list[str]:
         """``flags`` on a GPU; nothing in the dry run, where they are refused (offload, snapshot, ...)."""
@@ -100,17 +99,28 @@ class Check:
                 "--max_train_step", str(steps), "--num_workers_dataloader", "1", "--run_validation", "false",
                 "--save_model", "false", "--save_metrics", "true", "--enable_memory_monitoring",
                 "--overwrite_output_dir", "--output_dir", str(out_dir), *flags]
-        started = time.perf_counter()
-        with log.open("w") as sink:
-            rc = subprocess.call([*launcher, "-m", "leantune.finetuning", *argv], stdout=sink, stderr=subprocess.STDOUT)
-        record = {"run": name, "flags": flags, "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
-        lines = log.read_text(errors="replace").splitlines()
-        record["told"] = [line for line in lines if line.startswith(TOLD)]
-        if rc != 0:
-            record["log_tail"] = lines[-_LOG_TAIL_LINES:]
-        record.update(read_run(out_dir))
-        self._save_progress(record)
+        started, rc = time.perf_counter(), STOPPED
+        try:
+            with log.open("w") as sink:
+                rc = subprocess.call([*launcher, "-m", "leantune.finetuning", *argv], stdout=sink,
+                                     stderr=subprocess.STDOUT)
+        finally:  # also when the part is stopped at its limit (SystemExit): what the run got to is kept
+            record = {"run": name, "flags": flags, "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
+            lines = log.read_text(errors="replace").splitlines()
+            record["told"] = [line for line in lines if line.startswith(TOLD)]
+            if rc != 0:
+                record["log_tail"] = lines[-_LOG_TAIL_LINES:]
+            record.update(read_run(out_dir))
+            self._save_progress(record)
         return record
+
+
+def write_json(path: Path, value) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (written aside, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.partial")
+    staged.write_text(json.dumps(value, indent=2, default=str))
+    staged.replace(path)
 
 
 def read_run(out_dir: Path) -> dict:
@@ -138,7 +148,7 @@ def read_run(out_dir: Path) -> dict:
 
 
 def pytest_record(name: str, check: Check, args: list[str]) -> dict:
-    """A pytest run over the repository's tests, its log under OUT/logs."""
+    """A pytest run over the repository's tests, its log under WORK/logs."""
     log = check.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:

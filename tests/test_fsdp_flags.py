@@ -202,3 +202,13 @@ def test_under_fsdp_the_model_waits_on_the_host_for_sharding(tiny_model_dir, mon
         else:  # without FSDP the model is moved at once: on this machine there is nothing to move it to
             with pytest.raises((AssertionError, RuntimeError)):
                 prepare_model(model, cfg, on_gpu)
+
+
+def test_on_a_gpu_a_sharded_rank_says_what_it_holds_and_its_peak_while_loading(monkeypatch):
+    """The reading the GPU check takes for item 1: a rank that had held the whole model shows it as its peak."""
+    from leantune.builders.sharding import sharded_memory_line
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 310 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 700 * 2**20)
+    assert sharded_memory_line(torch.device("cuda", 0)) == (
+        "fsdp: sharded; 310 MiB allocated on cuda:0, peak 700 MiB while loading and sharding")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import psutil
@@ -59,12 +60,45 @@ def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert "reference_batch_offload" in result.stdout  # the table
 
 
-def test_a_part_at_its_limit_is_stopped_with_everything_it_started(tmp_path):
-    """torchrun's worker runs in a session of its own: it is stopped too, and what ended is kept."""
-    result, check = _check(tmp_path, "--parts", "fsdp", "--part_limit_s", "6")
-    assert result.returncode == 1 and check["parts"]["fsdp"]["status"] == "timed out"
+def test_a_part_at_its_limit_is_stopped_and_keeps_the_runs_that_ended(tmp_path):
+    result, check = _check(tmp_path, "--parts", "reference", "--part_limit_s", "20")
+    part = check["parts"]["reference"]
+    assert result.returncode == 1 and part["status"] == "timed out"
+    assert part["runs"] and part["runs"][0]["rc"] == 0 and part["runs"][0]["median_step_time_s"] > 0
+    assert all(run["rc"] in (0, "stopped at its part's limit") for run in part["runs"])  # the one cut short is said
     left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not left
+
+
+def test_stopping_a_part_reaches_a_worker_in_its_own_session_that_ignores_sigterm(tmp_path):
+    """As torchrun starts its worker: a session of its own; and this one will not end on SIGTERM."""
+    import gpu_check
+
+    marker = tmp_path / "worker.pid"
+    worker = ("import os, signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(600)")
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                               f"'-c', {worker!r}], start_new_session=True); time.sleep(600)"])
+    for _ in range(200):
+        if marker.is_file() and marker.read_text():
+            break
+        time.sleep(0.05)
+    worker_pid = int(marker.read_text())
+    gpu_check._stop_tree(leader)
+    leader.wait(timeout=5)
+    assert not psutil.pid_exists(worker_pid) or psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_log_archive_keeps_small_logs_whole_and_the_ends_of_large_ones(tmp_path):
+    import gpu_check
+
+    small, large = tmp_path / "a.log", tmp_path / "b.log"
+    small.write_bytes(b"short\n")
+    large.write_bytes(b"".join(b"line %d\n" % i for i in range(1000)))
+    assert gpu_check.log_ends([small, large], 10**6) == [("a.log", b"short\n"), ("b.log", large.read_bytes())]
+    (_, kept_small), (_, kept_large) = gpu_check.log_ends([small, large], 100)
+    assert kept_small == b"short\n" and kept_large.endswith(b"line 999\n") and kept_large.startswith(b"line ")
+    assert len(kept_small) + len(kept_large) <= 100
 
 
 def test_no_part_starts_once_the_budget_is_spent(tmp_path):

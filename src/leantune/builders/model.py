@@ -30,7 +30,8 @@ def loss_function(cfg: RunConfig, model: torch.nn.Module):
     head = hf_model.get_output_embeddings().weight
     transform = logit_transform(hf_model.config)
     # A float32 head that trains has its gradient summed chunk by chunk: larger chunks, fewer passes over it.
-    # Not under FSDP, whose forward sees a bfloat16 copy of the head (its gradient is made by blocks instead).
+    # Not under FSDP, whose mixed precision (bf16 on a GPU) gives the forward a bfloat16 copy of the head
+    # (its gradient is then made by blocks).
     summed = head.numel() * 4 if (head.requires_grad and head.dtype == torch.float32
                                   and not cfg.distributed.enable_fsdp) else 0
     chunk = effective_chunk_size(cfg.training.loss_chunk_size, head.shape[0], summed)

@@ -48,6 +48,15 @@ def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: t
         load_from_rank0(loss_model, rank0_state, dist, device)
         del rank0_state
     log(describe_sharding(cfg, dist))
+    if device.type == "cuda":
+        log(sharded_memory_line(device))
+
+
+def sharded_memory_line(device: torch.device) -> str:
+    """What this rank holds on its GPU once sharded, and its peak so far (loading and sharding included: the
+    model waited on the host, so a rank that had held the whole model would show it here)."""
+    return (f"fsdp: sharded; {torch.cuda.memory_allocated(device) / 2**20:,.0f} MiB allocated on {device}, "
+            f"peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB while loading and sharding")
 
 
 def describe_sharding(cfg: RunConfig, dist: DistContext) -> str:
