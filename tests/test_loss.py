@@ -313,3 +313,57 @@ def test_a_bf16_head_needs_no_float32_copy_of_its_gradient():
     one_chunk = chunk * vocab * (4 + 2) + tokens * hidden * 2 + (64 << 10)  # float32 logits + bf16 gradient, a chunk
     assert weight_grad < peak <= weight_grad + one_chunk + h.numel() * 2 + tokens * 4
     assert peak < vocab * hidden * 4  # less than a float32 sum of the head's gradient would take alone
+
+
+def test_on_cuda_a_float32_heads_gradient_adds_float32_products(monkeypatch):
+    """Under autocast a float32 head's gradient is summed over the chunks: on CUDA each chunk's product comes out
+    in float32 (no partial sum rounded to bfloat16); the CPU has no such kernel. On meta tensors, CUDA's kind
+    stood in (a CPU build cannot place even fake tensors on CUDA)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from leantune import loss
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dtypes = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.dtype)]
+            self.seen.append((str(func), dtypes[0] if dtypes else None))
+            return func(*args, **(kwargs or {}))
+
+    assert loss.float32_products(torch.device("cuda")) and not loss.float32_products(torch.device("cpu"))
+    monkeypatch.setattr(loss, "float32_products", lambda device: True)
+    with Ops() as ops:
+        grad_weight = torch.zeros(1000, 64, device="meta")
+        loss._add_weight_grad(grad_weight, torch.empty(16, 1000, dtype=torch.bfloat16, device="meta"),
+                              torch.empty(16, 64, dtype=torch.bfloat16, device="meta"))
+    products = [out_dtype for name, out_dtype in ops.seen if name.startswith("aten.mm")]
+    # 1000 rows in blocks whose float32 product is at most the chunk's float32 logits (16 x 1000 x 4 bytes)
+    assert products == [torch.float32] * -(-1000 // (16 * 1000 * 4 // (64 * 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_chunked_head_gradient_is_no_less_exact_than_the_plain_losss():
+    """bf16 autocast, a float32 head, 16 chunks: against the same step in float32 on bf16-rounded inputs."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, 4096, bias=False).cuda()
+    h = torch.randn(8, 256, 256, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 4096, (8, 256), device="cuda")
+
+    def head_grad(loss_fn, autocast: bool, inputs=(h, head)):
+        head.weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss_fn(inputs[0], inputs[1], labels).backward()
+        return head.weight.grad.clone()
+
+    exact_head = torch.nn.Linear(256, 4096, bias=False).cuda()
+    exact_head.weight.data = head.weight.data.bfloat16().float()
+    exact_head.weight.grad = None
+    causal_lm_loss_sum(h.detach().bfloat16().float(), exact_head, labels).backward()
+    exact = exact_head.weight.grad
+    chunked = head_grad(ChunkedCrossEntropy(128), autocast=True)
+    plain = head_grad(causal_lm_loss_sum, autocast=True)
+    assert (chunked - exact).abs().max() <= (plain - exact).abs().max() * 1.01

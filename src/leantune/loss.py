@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from leantune.labels import IGNORE_INDEX, shifted_targets
 
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # Auto chunk size: about this many bytes of float32 logits per chunk.
 _CHUNK_LOGITS_BYTES = 64 << 20
 # Set by ``sampled_chunks`` while a planner traces a step on fake tensors (a global, not a context variable:
@@ -195,10 +196,20 @@ def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: to
     if grad_logits.dtype == h.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), h)
         return
-    # Blocks of vocabulary rows whose half-precision product is no bigger than the chunk's float32 logits.
-    step = max(1, grad_logits.numel() * 4 // (h.shape[1] * h.element_size()))
+    # On CUDA the product comes out in float32 (summed in float32 inside the matmul, as every product is, and
+    # never rounded to half precision): the head's gradient then sums unrounded partial sums over the chunks.
+    # Elsewhere a half-precision product is rounded once per chunk before it is added.
+    wide = float32_products(h.device)
+    # Blocks of vocabulary rows whose product is no bigger than the chunk's float32 logits.
+    step = max(1, grad_logits.numel() * 4 // (h.shape[1] * (4 if wide else h.element_size())))
     for start in range(0, grad_weight.shape[0], step):
-        grad_weight[start:start + step] += grad_logits[:, start:start + step].t() @ h
+        rows = grad_logits[:, start:start + step].t()
+        grad_weight[start:start + step] += torch.mm(rows, h, out_dtype=torch.float32) if wide else rows @ h
+
+
+def float32_products(device: torch.device) -> bool:
+    """Whether a half-precision matmul can write its product in float32 here: CUDA (cuBLAS), torch 2.8 or later."""
+    return device.type == "cuda" and torch.version.hip is None and _TORCH_VERSION >= (2, 8)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
