@@ -113,7 +113,7 @@ def part_cuda_tests(check: Check) -> dict:
     if importlib.util.find_spec("pytest") is None:
         return {"runs": [], "skipped": "pytest is not installed here: the CUDA tests were not run"}
     runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", "tests/test_offload.py",
-                                                       "tests/test_gpu_constants.py"])]
+                                                       "tests/test_gpu_constants.py", "tests/test_loss.py"])]
     if not check.dry_run:
         runs.append(pytest_record("pytest_memory", check, ["tests/test_memory.py", "tests/test_cuda_counters.py",
                                                            "tests/test_step_peak.py"]))

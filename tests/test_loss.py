@@ -315,6 +315,7 @@ def test_a_bf16_head_needs_no_float32_copy_of_its_gradient():
     assert peak < vocab * hidden * 4  # less than a float32 sum of the head's gradient would take alone
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten.mm, "dtype"), reason="torch before 2.8 has no mm.dtype")
 def test_on_cuda_a_float32_heads_gradient_adds_float32_products(monkeypatch):
     """Under autocast a float32 head's gradient is summed over the chunks: on CUDA each chunk's product comes out
     in float32 (no partial sum rounded to bfloat16); the CPU has no such kernel. On meta tensors, CUDA's kind
@@ -333,7 +334,7 @@ def test_on_cuda_a_float32_heads_gradient_adds_float32_products(monkeypatch):
             self.seen.append((str(func), dtypes[0] if dtypes else None))
             return func(*args, **(kwargs or {}))
 
-    assert loss.float32_products(torch.device("cuda")) and not loss.float32_products(torch.device("cpu"))
+    assert not loss.float32_products(torch.device("cpu"))
     monkeypatch.setattr(loss, "float32_products", lambda device: True)
     with Ops() as ops:
         grad_weight = torch.zeros(1000, 64, device="meta")
@@ -344,10 +345,26 @@ def test_on_cuda_a_float32_heads_gradient_adds_float32_products(monkeypatch):
     assert products == [torch.float32] * -(-1000 // (16 * 1000 * 4 // (64 * 4)))
 
 
+@pytest.mark.parametrize("capability, hip, expected", [((9, 0), None, True), ((8, 0), None, True),
+                                                       ((7, 0), None, False), ((9, 0), "6.2", False)],
+                         ids=["hopper", "ampere", "volta", "rocm"])
+def test_float32_products_need_cublas_and_compute_capability_8(monkeypatch, capability, hip, expected):
+    from leantune import loss
+
+    loss._capability.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert loss.float32_products(torch.device("cuda", 0)) == (expected and hasattr(torch.ops.aten.mm, "dtype"))
+    loss._capability.cache_clear()
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_the_chunked_head_gradient_is_no_less_exact_than_the_plain_losss():
-    """bf16 autocast, a float32 head, 16 chunks: against the same step in float32 on bf16-rounded inputs."""
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="needs a CUDA device of compute capability 8.0 or more")
+def test_on_a_gpu_the_chunked_head_gradient_is_more_exact_than_the_plain_loss():
+    """bf16 autocast, a float32 head, 16 chunks: against the same step in float32 on bf16-rounded inputs. Float32
+    products leave about a fifth of the plain loss's error (one bf16 rounding of its product); bf16 products
+    rounded per chunk, as before, about as much as it (emulated on the CPU over 8 seeds: 0.20 and 0.96 of it)."""
     torch.manual_seed(0)
     head = torch.nn.Linear(256, 4096, bias=False).cuda()
     h = torch.randn(8, 256, 256, device="cuda", requires_grad=True)
@@ -366,4 +383,4 @@ def test_on_a_gpu_the_chunked_head_gradient_is_no_less_exact_than_the_plain_loss
     exact = exact_head.weight.grad
     chunked = head_grad(ChunkedCrossEntropy(128), autocast=True)
     plain = head_grad(causal_lm_loss_sum, autocast=True)
-    assert (chunked - exact).abs().max() <= (plain - exact).abs().max() * 1.01
+    assert (chunked - exact).abs().mean() <= 0.5 * (plain - exact).abs().mean()

@@ -47,9 +47,16 @@ def test_prediction_equals_the_same_step_on_real_tensors(kind, mode):
 def test_a_trace_that_samples_the_loss_chunks_predicts_what_running_them_all_measures(extra, chunk):
     """Fake tensors run the first and last chunk (and backward block) only: the bytes and FLOPs are those of
     the same step on real tensors, which runs every chunk (8 or 6 of them here, the last of 16 tokens)."""
+    from leantune import loss
+
     cfg = flags("--loss_chunk_size", chunk, *extra)
-    predicted = trace_step(cfg, model_config("tiny"), CPU, "full")
-    measured = trace_step(cfg, model_config("tiny"), CPU, "full", fake=False)
+    chunks, chunk_loss = [], loss._chunk_loss
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss, "_chunk_loss", lambda *args, **kwargs: chunks.append(1) or chunk_loss(*args, **kwargs))
+        predicted = trace_step(cfg, model_config("tiny"), CPU, "full")
+        sampled = len(chunks)
+        measured = trace_step(cfg, model_config("tiny"), CPU, "full", fake=False)
+    assert sampled == 2 and len(chunks) - sampled == -(-256 // int(chunk))  # real tensors: every chunk
     assert predicted.peak_bytes == measured.peak_bytes and predicted.stage_peaks == measured.stage_peaks
     assert predicted.breakdown == measured.breakdown
     assert predicted.flops == measured.flops > 0

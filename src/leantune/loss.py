@@ -35,15 +35,16 @@ chunk, with its exact gradient, so no full-vocabulary logits appear for these mo
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from leantune.labels import IGNORE_INDEX, shifted_targets
 
-_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # Auto chunk size: about this many bytes of float32 logits per chunk.
 _CHUNK_LOGITS_BYTES = 64 << 20
 # Set by ``sampled_chunks`` while a planner traces a step on fake tensors (a global, not a context variable:
@@ -69,11 +70,12 @@ def sampled_chunks(counter):
         _sampling.pop()
 
 
-def _pieces(length: int, step: int):
-    """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` the first and
-    the last, with the FLOPs the first counted standing in for each one between."""
+def _pieces(length: int, step: int, of: torch.Tensor):
+    """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` (and only for
+    fake tensors ``of``: a real loss always runs every chunk) the first and the last, with the FLOPs the first
+    counted standing in for each one between."""
     starts = range(0, length, step)
-    if not _sampling or len(starts) <= 2:
+    if not _sampling or not is_fake(of) or len(starts) <= 2:
         yield from starts
         return
     counter = _sampling[-1]
@@ -171,7 +173,7 @@ def auto_chunk_size(vocab_size: int, summed_head_grad_bytes: int = 0) -> int:
     ``summed_head_grad_bytes``: the float32 head gradient the chunks add into (full fine-tuning with
     a float32 head). Each chunk reads and writes that whole gradient once, so a fixed 128-token chunk
     at Llama 3's vocabulary costs the 1B's 1 GiB gradient 64 passes for a 4 x 2048 step (about 128 GiB
-    of memory traffic) and 64 roundings of its partial sums under autocast. A quarter of the gradient
+    of memory traffic; off CUDA, also 64 roundings of its partial sums under autocast). A quarter of the gradient
     makes it 16 passes of 512 tokens, for chunk temporaries of about half the gradient's size, which
     the plan counts like any other.
     """
@@ -189,8 +191,8 @@ def compute_dtype(device_type: str, weight: torch.Tensor) -> torch.dtype:
 def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
     """grad_weight += grad_logits.T @ h with no vocab x hidden temporary.
 
-    In float32 that is one in-place ``addmm_``. In half precision the product comes out in half
-    precision and must be added to the float32 buffer, so it is formed one block of vocabulary
+    In float32 that is one in-place ``addmm_``. In half precision the product (float32 on CUDA, half
+    precision elsewhere) must be added to the float32 buffer, so it is formed one block of vocabulary
     rows at a time: the temporaries stay the size of a chunk, not of the head.
     """
     if grad_logits.dtype == h.dtype == grad_weight.dtype:
@@ -208,8 +210,17 @@ def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: to
 
 
 def float32_products(device: torch.device) -> bool:
-    """Whether a half-precision matmul can write its product in float32 here: CUDA (cuBLAS), torch 2.8 or later."""
-    return device.type == "cuda" and torch.version.hip is None and _TORCH_VERSION >= (2, 8)
+    """Whether a half-precision matmul can write its product in float32 here: CUDA's cuBLAS (not ROCm), a torch
+    with the ``mm.dtype`` overload (2.8 and later), and a GPU of compute capability 8.0 or more (cuBLAS refuses
+    bfloat16 in, float32 out below that)."""
+    if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch.ops.aten.mm, "dtype"):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -236,7 +247,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if want_weight_grad and not by_blocks else None
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_blocks else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in _pieces(hidden.shape[0], chunk_size):
+            for start in _pieces(hidden.shape[0], chunk_size, hidden):
                 end = start + chunk_size
                 h = hidden[start:end].to(dtype)
                 grad_logits = _chunk_loss(h, w, targets[start:end], total, want_hidden_grad or grad_weight is not None,
@@ -290,7 +301,7 @@ def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform:
     safe_t = torch.where(valid, targets, 0)
     rows = torch.arange(len(targets), device=targets.device)
     block = max(1, chunk_size * weight.shape[0] // max(1, len(targets)))
-    for start in _pieces(weight.shape[0], block):
+    for start in _pieces(weight.shape[0], block, h):
         end = min(start + block, weight.shape[0])
         logits = (h @ w[start:end].t()).float()
         slope = transform.apply_(logits, with_slope=True)
