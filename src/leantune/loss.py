@@ -56,13 +56,9 @@ _sampling: list = []
 def sampled_chunks(counter):
     """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first and the last
     of its chunks (and of its backward's vocabulary blocks), and adds the FLOPs of those between, each a
-    copy of the first, to ``counter.flops``.
-
-    Every full chunk allocates and frees the same bytes and leaves the same behind (its rows of the
-    gradients, written in place), so the peak and what stays are those of running them all; only
-    the skipped chunks' values are missing, which fake tensors do not have. A trace at Llama 3's
-    vocabulary otherwise runs one chunk per 128 tokens and grows with the batch. Never for real tensors.
-    """
+    copy of the first, to ``counter.flops``. Every full chunk allocates, frees and keeps the same bytes,
+    so the peak and what stays are those of running them all; only the skipped chunks' values are
+    missing, which fake tensors do not have. Never for real tensors (``_pieces`` checks)."""
     _sampling.append(counter)
     try:
         yield
