@@ -62,6 +62,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu_check_parts import PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
 from gpu_check_runs import Check, write_json  # noqa: E402
+from leantune.io import atomic_write_text  # noqa: E402
 
 DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the H200 the limits above are for
 MIN_PART_S = 20  # a part is not started with less time than this left
@@ -181,11 +182,8 @@ def run_part(name: str, args: argparse.Namespace, limit_s: float, bnb: bool) -> 
 
 def write_results(args: argparse.Namespace, result: dict) -> None:
     """OUT's three files, whole or not at all (each written aside, then renamed)."""
-    table = "\n".join(summary_rows(result["parts"])) + "\n"
-    for name, text in (("gpu_check.json", json.dumps(result, indent=2, default=str)), ("gpu_check.txt", table)):
-        staged = args.out / f".{name}.partial"
-        staged.write_text(text)
-        staged.replace(args.out / name)
+    write_json(args.out / "gpu_check.json", result)
+    atomic_write_text(args.out / "gpu_check.txt", "\n".join(summary_rows(result["parts"])) + "\n")
     staged = args.out / ".logs.tar.gz.partial"
     with tarfile.open(staged, "w:gz") as archive:
         for name, data in log_ends(sorted((args.work_dir / "logs").glob("*.log")), LOG_ARCHIVE_BYTES):

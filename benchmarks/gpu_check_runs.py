@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from leantune.io import atomic_write_text
 from leantune.models.presets import PRESETS
 from leantune.models.tiny import make_tiny_model
 
@@ -116,11 +117,8 @@ class Check:
 
 
 def write_json(path: Path, value) -> None:
-    """``value`` as JSON at ``path``, whole or not at all (written aside, then renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.partial")
-    staged.write_text(json.dumps(value, indent=2, default=str))
-    staged.replace(path)
+    """``value`` as JSON at ``path``, whole or not at all (leantune's own atomic write; any value as its text)."""
+    atomic_write_text(path, json.dumps(value, indent=2, default=str))
 
 
 def read_run(out_dir: Path) -> dict:
