@@ -131,6 +131,41 @@ def test_low_cpu_fsdp_trains_what_every_rank_loading_trains(tiny_model_dir, tmp_
     assert step_losses(tmp_path / "rank0-loads") == step_losses(tmp_path / "all-load")
 
 
+def test_rank_0_traces_the_step_and_the_other_ranks_receive_its_trace(tiny_model_dir, tmp_path):
+    """The start-up traces (here the FLOP count MFU needs: the step with and without recompute) are
+    made once, on rank 0, and rank 1 receives them. A trace rank 0 cannot make is rank 1's error too,
+    not a trace rank 1 makes on its own (or a result it waits for)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "import leantune.planning.fake_step as fake_step\n"
+        "traced = fake_step.trace_step\n"
+        "def counted(*args, **kwargs):\n"
+        "    with open(os.environ['TRACE_LOG'], 'a') as log:\n"
+        "        log.write('rank ' + os.environ['RANK'] + '\\n')\n"
+        "    if os.environ.get('FAIL_TRACE'):\n"
+        "        raise RuntimeError('no trace on rank ' + os.environ['RANK'])\n"
+        "    return traced(*args, **kwargs)\n"
+        "fake_step.trace_step = counted\n")
+    common = ["--model_name", str(tiny_model_dir), *FAST, *CASES["lora-full"], "--max_train_step", "2",
+              "--batch_size_training", "2", "--enable_fsdp", "--peak_tflops", "1", "--save_model", "false"]
+    try:
+        os.environ["TRACE_LOG"] = str(tmp_path / "traces.txt")
+        result = torchrun([*common, "--output_dir", str(tmp_path / "out")], pythonpath=str(inject))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "traces.txt").read_text().splitlines() == ["rank 0"] * 2
+        assert "mfu: against 1.0 TFLOP/s peak" in result.stdout
+        os.environ.update(TRACE_LOG=str(tmp_path / "failed.txt"), FAIL_TRACE="1")
+        failed = torchrun([*common, "--output_dir", str(tmp_path / "failed")], pythonpath=str(inject))
+    finally:
+        os.environ.pop("TRACE_LOG"), os.environ.pop("FAIL_TRACE", None)
+    # the FLOP count is an aid: its error is reported (by rank 0) and the run goes on, on both ranks
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    assert "mfu: not reported (RuntimeError: no trace on rank 0)" in failed.stdout
+    assert (tmp_path / "failed.txt").read_text().splitlines() == ["rank 0"]
+
+
 def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, tmp_path):
     """Rank 1 raises at its second step while rank 0 waits in a collective: the run must end, not hang."""
     inject = tmp_path / "inject"

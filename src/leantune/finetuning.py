@@ -72,7 +72,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
                           "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
     loggers = MetricLoggers.for_run(cfg, dist.is_main)  # a missing logger package is refused here, early
     stack.callback(loggers.close)
-    traces = StepTraces()
+    traces = StepTraces(dist)  # traced on rank 0, shared with the others
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
     saved = read_state(resume) if resume is not None else None
     memory = keep_saved_choice(memory, saved)  # auto's timed choice is not made again when resuming

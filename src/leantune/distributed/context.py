@@ -9,6 +9,7 @@ is silent on every rank but 0. Whether the model is sharded is a separate fact (
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,28 @@ class DistContext:
         dist.gather_object(obj, gathered, dst=0)
         return gathered or []
 
+    def from_main(self, compute):
+        """``compute()`` run on rank 0 alone, its result given to every rank; its error too, raised on
+        every rank, so none waits for a result that will not come (``compute()`` itself for one process).
+
+        The other ranks must call this at the same point: it is a collective.
+        """
+        if not self.distributed:
+            return compute()
+        import torch.distributed as dist
+
+        outcome = [None]
+        if self.is_main:
+            try:
+                outcome = [(True, compute())]
+            except Exception as err:
+                outcome = [(False, _picklable(err))]
+        dist.broadcast_object_list(outcome, src=0)
+        succeeded, value = outcome[0]
+        if not succeeded:
+            raise value
+        return value
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
@@ -82,6 +105,15 @@ class DistContext:
 
 
 SINGLE_PROCESS = DistContext()
+
+
+def _picklable(err: Exception) -> Exception:
+    """``err`` if it survives pickling (to be sent to the other ranks), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
 
 
 def launched_world_size() -> int:

@@ -33,6 +33,7 @@ from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
 from leantune.config import RunConfig
 from leantune.data.packing import full_rows_batch
+from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import sampled_chunks
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
@@ -224,18 +225,21 @@ class StepTraces:
     """The steps of one run traced so far, each traced once however many callers ask for it.
 
     The memory plan, auto mode's search, the step-2 memory check and the FLOP count (MFU) of a
-    run all trace the same step; they share one ``StepTraces``.
+    run all trace the same step; they share one ``StepTraces``. Over several processes (``dist``)
+    rank 0 traces and the others receive its trace: every rank asks for the same steps in the same
+    order, and the trace, of the unsharded step on the host's CPU, is the same on every rank.
     """
 
-    def __init__(self):
+    def __init__(self, dist: DistContext = SINGLE_PROCESS):
         self._traces: dict[tuple, StepTrace] = {}
+        self._dist = dist
 
     def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
         # everything the traced step is made from: the run's flags as that mode sets them, the
         # model's config (its full text, not its identity, and the attention it builds with) and the target's kind
         key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), attention_of(config), target.type)
         if key not in self._traces:
-            self._traces[key] = trace_step(cfg, config, target, mode)
+            self._traces[key] = self._dist.from_main(lambda: trace_step(cfg, config, target, mode))
         return self._traces[key]
 
 
