@@ -208,12 +208,13 @@ def log_ends(logs: list[Path], cap: int) -> list[tuple[str, bytes]]:
 
 
 def summary_rows(parts: dict) -> list[str]:
-    """One line a part and one a run: status, peak, step time, tokens/s, MFU, the plan's error at step 2."""
+    """One line a part and one a run: status, peak, step time, tokens/s, MFU, the plan's errors at step 2
+    (allocated, reserved)."""
     def number(value, form):
         return format(value, form) if isinstance(value, (int, float)) else "-"
 
     rows = [f"{'part / run':<34} {'status':>9} {'s':>6} {'peak MiB':>9} {'s/step':>7} {'tokens/s':>9} "
-            f"{'MFU':>5} {'plan':>7}"]
+            f"{'MFU':>5} {'plan':>7} {'resv':>7}"]
     for name, part in parts.items():
         rows.append(f"{name:<34} {part['status']:>9} {number(part.get('seconds'), '.0f'):>6}")
         for run in part.get("runs", []):
@@ -222,7 +223,8 @@ def summary_rows(parts: dict) -> list[str]:
                         f"{number(run.get('seconds'), '.0f'):>6} {number(run.get('max_peak_allocated_mib'), ',.0f'):>9} "
                         f"{number(run.get('median_step_time_s'), '.3f'):>7} "
                         f"{number(run.get('median_tokens_per_s'), ',.0f'):>9} {number(run.get('median_mfu'), '.0%'):>5} "
-                        f"{number(run.get('plan_error_at_step_2'), '+.1%'):>7}")
+                        f"{number(run.get('plan_error_at_step_2'), '+.1%'):>7} "
+                        f"{number(run.get('reserved_plan_error_at_step_2'), '+.1%'):>7}")
     return rows
 
 

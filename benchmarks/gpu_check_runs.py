@@ -130,12 +130,16 @@ def read_run(out_dir: Path) -> dict:
         summary = metrics["summary"]
         figures.update({key: summary.get(key) for key in (
             "steps", "first_loss", "last_loss", "median_step_time_s", "median_tokens_per_s",
-            "median_wall_tokens_per_s", "median_mfu", "median_hfu", "predicted_peak_mib", "timed_steps")})
+            "median_wall_tokens_per_s", "median_mfu", "median_hfu", "predicted_peak_mib", "predicted_reserved_mib",
+            "timed_steps")})
         figures["batch_size"] = metrics["config"].get("batch_size_training")
         figures["checkpointing_mode"] = metrics["config"].get("activation_checkpointing_mode")
         step_two = next((s for s in metrics["train_steps"] if s["step"] == 2), None)
         if step_two and step_two.get("peak_allocated_mib") and summary.get("predicted_peak_mib"):
             figures["plan_error_at_step_2"] = summary["predicted_peak_mib"] / step_two["peak_allocated_mib"] - 1
+        if step_two and step_two.get("peak_reserved_mib") and summary.get("predicted_reserved_mib"):
+            figures["reserved_plan_error_at_step_2"] = (summary["predicted_reserved_mib"] / step_two["peak_reserved_mib"]
+                                                        - 1)
     memory_path = out_dir / "memory.jsonl"
     if memory_path.is_file():
         rows = [json.loads(line) for line in memory_path.read_text().splitlines() if line.strip()]

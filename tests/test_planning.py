@@ -400,6 +400,8 @@ def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
 
     line = _plan_check_line({"peak_allocated_mib": 1000.0}, predicted_bytes=1050 * 2**20)
     assert line == "memory check: step 2 peak allocated 1,000.0 MiB, plan predicted 1,050.0 MiB (+5.0%)"
+    line = _plan_check_line({"peak_allocated_mib": 1000.0, "peak_reserved_mib": 1200.0}, 1050 * 2**20, 1140 * 2**20)
+    assert line.endswith("(+5.0%); peak reserved 1,200.0 MiB, plan predicted 1,140.0 MiB (-5.0%)")
 
 
 def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
@@ -462,8 +464,9 @@ def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
         if extra:
             offload = "--fsdp_cpu_offload" in extra
             expected = per_rank(whole, world, sharding_shapes(cfg, config, CUDA, world, offload), offload)
-        predicted = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, world_size=world)
+        predicted, reserved = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, world_size=world)
         assert predicted == expected.traced_peak_bytes + expected.cublas_workspace_bytes
+        assert reserved == predicted + expected.fragmentation_bytes
         assert (predicted < whole.traced_peak_bytes) == bool(extra)
 
 

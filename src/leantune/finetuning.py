@@ -92,13 +92,14 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if cfg.training.compile:  # after the checks, which run once and need no compiling
         log(compile_decoder_layers(model))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
-    predicted = predicted_peak(memory, facts.config, device, log, traces, dist.world_size)
+    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, dist.world_size) or (None, None)
     peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
                           scheduler=build_scheduler(cfg.training, step.optimizer),
                           state_store=TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log),
                           loggers=loggers, token_flops=token_flops(cfg, facts.config, device, peak_tflops, log, traces),
-                          peak_tflops=peak_tflops, predicted_peak_bytes=predicted)
+                          peak_tflops=peak_tflops, predicted_peak_bytes=predicted,
+                          predicted_reserved_bytes=reserved)
     trainer = Trainer(cfg, parts, log=log, dist=dist, stop=stop)
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces

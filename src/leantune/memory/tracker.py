@@ -18,7 +18,8 @@ the totals current at no cost per op; but that object can outlive the storage (m
 is taken the tracker also asks each storage it counts whether it is still alive, which is exact.
 A step of an 80-layer model stays a matter of seconds.
 ``round_to`` rounds every storage up (512 B: what the CUDA caching allocator hands out), so a
-prediction for a GPU counts what its allocator would.
+prediction for a GPU counts what its allocator would; ``allocator`` (an ``AllocatorModel``) is told
+of every storage counted and freed, and so models what that allocator would reserve.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.custom_ops import replay_of
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
@@ -47,10 +49,12 @@ class StorageTracker(TorchDispatchMode):
     ``only_on``: register only tensors on that device (an index-less device matches any index).
     """
 
-    def __init__(self, round_to: int = 1, only_on: Optional[torch.device] = None):
+    def __init__(self, round_to: int = 1, only_on: Optional[torch.device] = None,
+                 allocator: Optional[AllocatorModel] = None):
         super().__init__()
         self.round_to = max(1, round_to)
         self.only_on = only_on
+        self.allocator = allocator  # told of each storage counted and freed: what a caching allocator reserves
         self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
@@ -121,6 +125,8 @@ class StorageTracker(TorchDispatchMode):
         ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
         self._live[key] = [ref, nbytes, category, StorageWeakRef(storage)]
         self.totals[category] += nbytes
+        if self.allocator is not None:
+            self.allocator.allocate(key, nbytes)
 
     def rounded(self, nbytes: int) -> int:
         """``nbytes`` as counted: rounded up to ``round_to``."""
@@ -130,6 +136,8 @@ class StorageTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.totals[entry[2]] -= entry[1]
+            if self.allocator is not None:
+                self.allocator.free(key)
 
     def _update_peak(self) -> None:
         total = sum(self.totals.values())

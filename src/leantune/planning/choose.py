@@ -193,8 +193,9 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
 
 
 def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None, world_size: int = 1) -> Optional[int]:
-    """What the allocator should count at the step's peak, from the plan; only on a GPU, which can measure it.
+                   traces: Optional[StepTraces] = None, world_size: int = 1) -> Optional[tuple[int, int]]:
+    """What the allocator should count at the step's peak, and what it should reserve, from the plan;
+    only on a GPU, which can measure both.
 
     Under FSDP, one rank's (``per_rank``, from the one-process trace), which is what each rank measures.
     """
@@ -210,6 +211,7 @@ def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
         shapes = sharding_shapes(memory.cfg, config, device, world_size, dc.fsdp_cpu_offload)
         plan = per_rank(plan, world_size, shapes, dc.fsdp_cpu_offload)
     predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
-    log(f"plan: predicted peak {format_bytes(predicted)} allocated per step ({format_bytes(plan.peak_bytes)} with "
-        "context and fragmentation), compared with step 2's measured peak")
-    return predicted
+    reserved = predicted + plan.fragmentation_bytes  # the workspace is the allocator's too; context and NCCL are not
+    log(f"plan: predicted peak {format_bytes(predicted)} allocated per step, {format_bytes(reserved)} reserved "
+        f"({format_bytes(plan.peak_bytes)} with the context), compared with step 2's measured peaks")
+    return predicted, reserved

@@ -35,6 +35,7 @@ from leantune.config import RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import sampled_chunks
+from leantune.memory.allocator_model import AllocatorModel, expandable_segments_on
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
@@ -60,6 +61,7 @@ class StepTrace:
     stage_breakdowns: dict = dataclasses.field(default_factory=dict)  # bytes per category at each stage's peak
     tokens: int = 0  # in the traced window: batches x rows x context
     paged_state_bytes: int = 0  # of the optimizer state: what a paged optimizer keeps in unified memory
+    reserved_peak_bytes: int = 0  # a GPU target: what the caching allocator would reserve (``AllocatorModel``)
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -250,7 +252,9 @@ def traced(traces: Optional[StepTraces], cfg: RunConfig, config, target: torch.d
 
 def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     model, optimizer, loss_model = step.model, step.optimizer, step.train_step.loss_model
-    tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if target.type == "cuda" else 1)
+    on_gpu = target.type == "cuda"
+    tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if on_gpu else 1,
+                                  allocator=AllocatorModel(expandable_segments_on()) if on_gpu else None)
     loss_model.loss_fn = _StagedLoss(loss_model.loss_fn, tracker)
     layer_input = []
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
@@ -275,7 +279,8 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
                      dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
                      sum(batch["input_ids"].numel() for batch in step.window),
-                     sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged))
+                     sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
+                     tracker.allocator.reserved if tracker.allocator is not None else 0)
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:
@@ -292,8 +297,8 @@ class FlopCountingTracker(StorageTracker):
     garbage collector runs, and so changes the very peak being measured.
     """
 
-    def __init__(self, round_to: int = 1):
-        super().__init__(round_to)
+    def __init__(self, round_to: int = 1, allocator: Optional[AllocatorModel] = None):
+        super().__init__(round_to, allocator=allocator)
         self.flops = 0
         aten = torch.ops.aten
         # torch's table lacks the in-place forms; the chunked loss accumulates the LM head's weight

@@ -46,8 +46,10 @@ EXTRA_SOURCES = {
                               "changes it), allocated through the caching allocator",
     "nccl_buffer_bytes": "NCCL buffers: 512 MiB assumed per rank when FSDP has more than one (not measured; "
                          "NCCL_BUFFSIZE and NCCL_NVLS_ENABLE change it); outside torch.cuda.max_memory_reserved",
-    "fragmentation_bytes": "allocator fragmentation: 10% of the step's activations, loss and temporaries (assumed; "
-                           "allocations are already rounded to the allocator's 512-byte blocks in the trace)",
+    "fragmentation_bytes": "allocator segments beyond the allocations: the caching allocator's 2 MiB / 20 MiB segments "
+                           "(or expandable segments' pages, as PYTORCH_CUDA_ALLOC_CONF sets) replayed over the traced "
+                           "step's allocations and frees; under FSDP 10% of the step's activations, loss and temporaries "
+                           "(assumed)",
 }
 
 
@@ -105,7 +107,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
-        plan.fragmentation_bytes = int(FRAGMENTATION_SHARE * sum(b[k] for k in TRANSIENT_KINDS))
+        plan.fragmentation_bytes = allocator_overhead(trace)
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
     if trace.paged_state_bytes and target.type == "cuda":
@@ -118,6 +120,15 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
         plan.peak_bytes -= plan.paged_state_bytes
         plan.optimizer_step_peak_bytes -= plan.paged_state_bytes
     return plan
+
+
+def allocator_overhead(trace: StepTrace) -> int:
+    """What a GPU's caching allocator reserves beyond the trace's peak: its segments, modelled from the
+    step's allocations and frees (``memory.allocator_model``); a trace without that model (made
+    elsewhere) gets the old assumption, a share of the step's transient bytes."""
+    if trace.reserved_peak_bytes:
+        return max(0, trace.reserved_peak_bytes - trace.peak_bytes)
+    return int(FRAGMENTATION_SHARE * sum(trace.breakdown[k] for k in TRANSIENT_KINDS))
 
 
 _ALL_INPUTS_ALIVE = ("forward", "loss")  # the stages at whose peak every layer's saved input is alive
@@ -146,7 +157,11 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     breakdowns = {stage: dict(held, activation=held["activation"] - shed.get(stage, 0))
                   for stage, held in full.stage_breakdowns.items()}
     peak_stage = max(stages, key=stages.get, default=None)
-    return dataclasses.replace(full, peak_bytes=stages[peak_stage] if peak_stage else full.peak_bytes,
+    peak = stages[peak_stage] if peak_stage else full.peak_bytes
+    # the allocator's segments beyond the peak are taken to be full's: the inputs moved are of one size,
+    # their blocks reused by the copies back
+    reserved = full.reserved_peak_bytes - (full.peak_bytes - peak) if full.reserved_peak_bytes else 0
+    return dataclasses.replace(full, peak_bytes=peak, reserved_peak_bytes=reserved,
                                breakdown=breakdowns.get(peak_stage, full.breakdown), stage_peaks=stages,
                                stage_breakdowns=breakdowns,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "

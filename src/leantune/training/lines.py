@@ -5,11 +5,18 @@ from __future__ import annotations
 import math
 
 
-def plan_check_line(record: dict, predicted_bytes: int) -> str:
-    """Step 2 (the first with optimizer state, as planned) measured against the plan."""
-    predicted, measured = predicted_bytes / 2**20, record["peak_allocated_mib"]
-    return (f"memory check: step 2 peak allocated {measured:,.1f} MiB, plan predicted {predicted:,.1f} MiB "
-            f"({(predicted / measured - 1) * 100:+.1f}%)")
+def plan_check_line(record: dict, predicted_bytes: int, predicted_reserved_bytes: int | None = None) -> str:
+    """Step 2 (the first with optimizer state, as planned) measured against the plan: the allocations'
+    peak and, where both exist, the allocator's reservation."""
+    line = "memory check: step 2 " + _against("peak allocated", record["peak_allocated_mib"], predicted_bytes)
+    if predicted_reserved_bytes and record.get("peak_reserved_mib"):
+        line += "; " + _against("peak reserved", record["peak_reserved_mib"], predicted_reserved_bytes)
+    return line
+
+
+def _against(what: str, measured_mib: float, predicted_bytes: int) -> str:
+    predicted = predicted_bytes / 2**20
+    return f"{what} {measured_mib:,.1f} MiB, plan predicted {predicted:,.1f} MiB ({(predicted / measured_mib - 1) * 100:+.1f}%)"
 
 
 def describe_sources(sources: list, shown: int = 24) -> str:

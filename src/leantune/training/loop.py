@@ -61,6 +61,7 @@ class TrainingParts:
     token_flops: Optional[TokenFlops] = None  # with peak_tflops: MFU and HFU per step
     peak_tflops: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None  # the plan's, printed next to step 2's measured peak
+    predicted_reserved_bytes: Optional[int] = None  # the plan's reservation (its allocator model), beside it
 
 
 class Trainer:
@@ -280,14 +281,14 @@ class Trainer:
         if step == self._steps_at_start + 1 and self.cfg.training.compile:  # this process's first step compiled
             self.log(compile_line(step, result.step_time_s))
         if step == 2 and parts.predicted_peak_bytes and record.get("peak_allocated_mib"):
-            self.log(lines.plan_check_line(record, parts.predicted_peak_bytes))
+            self.log(lines.plan_check_line(record, parts.predicted_peak_bytes, parts.predicted_reserved_bytes))
         return record
 
     # -------------------------------------------------------------- outputs
     def results(self) -> dict:
         """The run's summary (``leantune.training.outputs.summarise``)."""
         return summarise(self.steps, self.epochs, self.progress.nonfinite_skipped, self.parts.predicted_peak_bytes,
-                         self.resumed_from, warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
+                         self.resumed_from, predicted_reserved_bytes=self.parts.predicted_reserved_bytes, warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.parts.tokenizer, self.optimizer,

@@ -25,7 +25,8 @@ SNAPSHOT_STEPS = 3  # --memory_snapshot: the first steps, optimizer state's crea
 
 
 def summarise(steps: list[dict], epochs: list[dict], nonfinite_skipped: int, predicted_peak_bytes: Optional[int],
-              resumed_from: Optional[str], warm_up_steps: tuple[int, ...] = (1,)) -> dict:
+              resumed_from: Optional[str], warm_up_steps: tuple[int, ...] = (1,),
+              predicted_reserved_bytes: Optional[int] = None) -> dict:
     """The run's summary.
 
     ``median_step_time_s`` and ``median_tokens_per_s`` are medians over the same steps, of the
@@ -46,6 +47,7 @@ def summarise(steps: list[dict], epochs: list[dict], nonfinite_skipped: int, pre
             "median_mfu": _median(s.get("mfu") for s in timed),
             "median_hfu": _median(s.get("hfu") for s in timed),
             "predicted_peak_mib": predicted_peak_bytes / 2**20 if predicted_peak_bytes else None,
+            "predicted_reserved_mib": predicted_reserved_bytes / 2**20 if predicted_reserved_bytes else None,
             "resumed_from": resumed_from,
             "skipped_nonfinite_steps": nonfinite_skipped}
 
