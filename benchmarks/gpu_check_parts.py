@@ -122,11 +122,13 @@ def part_cuda_tests(check: Check) -> dict:
 
 def part_full_finetuning(check: Check) -> dict:
     """Full fine-tuning of the 1B shape, 4 x 2048: the chunked loss against the plain one (time and peak),
-    each with the plan checked at step 2."""
+    each with the plan checked at step 2; then chunks four times as long (fewer passes over the float32
+    head gradient, more memory: whether a chunk sized from the memory budget would pay)."""
     s = check.sizes
     batch = ["--batch_size_training", str(s.full_batch)]
     return {"runs": [check.leantune("full_chunked_loss", batch, s.steps),
-                     check.leantune("full_plain_loss", batch + ["--loss_chunk_size", "0"], s.steps)]}
+                     check.leantune("full_plain_loss", batch + ["--loss_chunk_size", "0"], s.steps),
+                     check.leantune("full_chunked_loss_2048", batch + ["--loss_chunk_size", "2048"], s.steps)]}
 
 
 def part_lean(check: Check) -> dict:

@@ -351,7 +351,8 @@ def test_the_activation_meter_counts_only_the_models_device():
 
 
 def test_the_derived_offload_plan_lowers_a_stage_by_no_more_than_its_activations():
-    """Backward's peak, with no layer input left in it, stays; forward's drops by the inputs moved."""
+    """Backward's peak, with no layer input left in it, stays; forward's drops by the inputs moved; with the
+    inputs alive at each peak counted by the trace, each stage drops by those (less the two copied back)."""
     from leantune.planning.fake_step import StepTrace
     from leantune.planning.plan import offload_trace
 
@@ -372,6 +373,34 @@ def test_the_derived_offload_plan_lowers_a_stage_by_no_more_than_its_activations
     assert offload_trace(late, max_pinned_bytes=1 << 40).stage_peaks["backward"] == 120 * MiB
     bare = dataclasses.replace(full, stage_breakdowns={})  # no per-stage data: nothing is taken off
     assert offload_trace(bare, max_pinned_bytes=1 << 40).peak_bytes == 120 * MiB
+    # the trace counted 5 of the 6 inputs alive at backward's peak: 3 leave the device, within its activations
+    counted = dataclasses.replace(late, layer_inputs_alive={"forward": 6, "backward": 5, "optimizer": 0})
+    assert offload_trace(counted, max_pinned_bytes=1 << 40).stage_peaks == {
+        "forward": 78 * MiB, "backward": 96 * MiB, "optimizer": 90 * MiB}
+    # no more than the pool holds: two 8 MiB buffers
+    assert offload_trace(counted, max_pinned_bytes=16 * MiB).stage_peaks["backward"] == 104 * MiB
+
+
+def test_the_trace_counts_the_layer_inputs_alive_at_each_stage_s_peak():
+    """Full checkpointing keeps every layer's input to the end of the forward; none is left when the optimizer
+    steps. For LoRA the backward peaks at its start, every input still alive, and offload's plan lowers it."""
+    from leantune.cli_args import parse_run_config
+    from leantune.models.presets import model_config
+    from leantune.planning.fake_step import trace_step
+    from leantune.planning.plan import offload_trace
+
+    cfg = parse_run_config(["--model_name", "small", "--use_peft", "--batch_size_training", "2", "--context_length",
+                            "512", "--enable_activation_checkpointing"])
+    config = model_config("small")
+    full = trace_step(cfg, config, torch.device("cpu"), "full")
+    layers = config.num_hidden_layers
+    assert full.layer_inputs_alive["forward"] == layers and full.layer_inputs_alive["optimizer"] == 0
+    assert 2 < full.layer_inputs_alive["backward"] <= layers
+    derived = offload_trace(full, max_pinned_bytes=1 << 40)
+    moved = (full.layer_inputs_alive["backward"] - 2) * full.layer_input_bytes
+    backward_activations = full.stage_breakdowns["backward"]["activation"]
+    assert derived.stage_peaks["backward"] == full.stage_peaks["backward"] - min(moved, backward_activations) > 0
+    assert derived.stage_peaks["backward"] < full.stage_peaks["backward"]
 
 
 def test_an_in_place_write_through_the_base_of_a_saved_view_is_refused_too():

@@ -25,7 +25,7 @@ of every storage counted and freed, and so models what that allocator would rese
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,6 +55,7 @@ class StorageTracker(TorchDispatchMode):
         self.round_to = max(1, round_to)
         self.only_on = only_on
         self.allocator = allocator  # told of each storage counted and freed: what a caching allocator reserves
+        self.on_stage_peak: Optional[Callable[[str], None]] = None  # called with the stage at each new peak of it
         self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
@@ -149,6 +150,8 @@ class StorageTracker(TorchDispatchMode):
         if total > self.stage_peaks.get(self.stage, -1):
             self.stage_peaks[self.stage] = total
             self.stage_breakdowns[self.stage] = dict(self.totals)
+            if self.on_stage_peak is not None:
+                self.on_stage_peak(self.stage)
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_breakdown = dict(self.totals)

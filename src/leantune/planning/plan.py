@@ -139,20 +139,27 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
 
     Offload keeps on the device only the layers being recomputed (the current one and the one
     prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved, and no more
-    than the pinned pool's cap holds (in its power-of-two buffers). Only the forward's and the loss's
-    peaks drop, by at most the activations held there; backward's and the optimizer step's stay. Derived, not traced: offload's copies need CUDA streams, which
-    fake CPU tensors do not have.
+    than the pinned pool's cap holds (in its power-of-two buffers). Each stage's peak drops by the
+    layer inputs the trace found alive at it, less those two (the forward's and the loss's: every
+    layer's; backward's: those of the layers it has not reached; the optimizer step's: none), and
+    by no more than the activations it holds. Derived, not traced: offload's copies need CUDA
+    streams, which fake CPU tensors do not have.
     """
-    moved = 0
+    fit_in_pool = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
         fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
-        moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
-    # Only where every layer input is alive (the end of the forward, the loss) is it sure that the moved
-    # ones are gone from the peak; backward frees them layer by layer and peaks where an unknown number
-    # is left, so its peak stays as traced (too high rather than too low). A stage sheds no more than
-    # the activations it holds at its peak.
-    shed = {stage: min(moved, full.stage_breakdowns.get(stage, {}).get("activation", 0)) if stage in _ALL_INPUTS_ALIVE
-            else 0 for stage in full.stage_peaks}
+    moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
+
+    def shed_at(stage: str) -> int:
+        """Of the layer inputs alive at the stage's peak (traced), all but the two copied back leave the
+        device, as many as the pool holds; never more than the activations the stage holds."""
+        alive = full.layer_inputs_alive.get(stage)
+        if alive is None:  # a trace that did not count them: only where every input is sure to be alive
+            alive = full.num_layers if stage in _ALL_INPUTS_ALIVE else 0
+        count = min(max(0, alive - 2), fit_in_pool)
+        return min(count * full.layer_input_bytes, full.stage_breakdowns.get(stage, {}).get("activation", 0))
+
+    shed = {stage: shed_at(stage) for stage in full.stage_peaks}
     stages = {stage: peak - shed[stage] for stage, peak in full.stage_peaks.items()}
     breakdowns = {stage: dict(held, activation=held["activation"] - shed.get(stage, 0))
                   for stage, held in full.stage_breakdowns.items()}
