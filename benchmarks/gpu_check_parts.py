@@ -149,20 +149,27 @@ def part_lean(check: Check) -> dict:
 
 def part_fsdp(check: Check) -> dict:
     """FSDP2 on one rank under torchrun (NCCL on a GPU): full fine-tuning with CPU offload, the model saved
-    from its shards and read back."""
+    from its shards and read back. Where the host has several GPUs (two gloo ranks in the dry run), the
+    same run over all of them, not offloaded: each rank's peak while loading and sharding (the whole
+    model would show in it), and the device's memory beyond the allocator, NCCL's buffers included."""
     s = check.sizes
     flags = ["--enable_fsdp", "--batch_size_training", str(s.small_batch), "--save_model", "true",
              *check.gpu_only("--fsdp_cpu_offload")]
     saved, run = check.runs / "fsdp_one_rank", None
     try:
-        run = check.leantune("fsdp_one_rank", flags, s.short_steps, torchrun=True)
+        run = check.leantune("fsdp_one_rank", flags, s.short_steps, processes=1)
         run["saved_files"] = sorted(p.name for p in saved.glob("*.safetensors")) if saved.is_dir() else []
         if run["rc"] == 0:
             run["saved_config_reads"] = AutoConfig.from_pretrained(saved).model_type
     finally:
         for weights in saved.glob("*.safetensors"):  # 5 GB of random weights, read back: not kept
             weights.unlink()
-    return {"runs": [run]}
+    ranks = 2 if check.dry_run else torch.cuda.device_count()
+    if ranks < 2:
+        return {"runs": [run], "skipped": "one GPU: FSDP over several ranks (NCCL's buffers, per-rank peaks) not run"}
+    spread = check.leantune(f"fsdp_{ranks}_ranks", ["--enable_fsdp", "--batch_size_training", str(s.small_batch)],
+                            s.short_steps, processes=ranks)
+    return {"runs": [run, spread]}
 
 
 def part_fp16(check: Check) -> dict:

@@ -90,11 +90,12 @@ class Check:
         self.model = path
         return path
 
-    def leantune(self, name: str, flags: list[str], steps: int, torchrun: bool = False) -> dict:
-        """One training run, read back (``rc`` 0 when it finished)."""
+    def leantune(self, name: str, flags: list[str], steps: int, processes: int = 0) -> dict:
+        """One training run, read back (``rc`` 0 when it finished); under torchrun with ``processes`` ranks
+        when given."""
         out_dir, log = self.runs / name, self.logs / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"] if torchrun
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)] if processes
                     else [sys.executable])
         argv = ["--model_name", str(self.model), "--context_length", str(self.sizes.context), "--num_epochs", "8",
                 "--max_train_step", str(steps), "--num_workers_dataloader", "1", "--run_validation", "false",
@@ -146,6 +147,9 @@ def read_run(out_dir: Path) -> dict:
         for key in ("peak_allocated_mib", "peak_reserved_mib", "device_used_mib", "cpu_rss_peak_mib"):
             values = [row[key] for row in rows if row.get(key) is not None]
             figures[f"max_{key}"] = max(values) if values else None
+        if figures.get("max_device_used_mib") and figures.get("max_peak_reserved_mib"):
+            # the device's memory beyond PyTorch's allocator: the CUDA context, and NCCL's buffers over several GPUs
+            figures["outside_allocator_mib"] = figures["max_device_used_mib"] - figures["max_peak_reserved_mib"]
     return figures
 
 

@@ -44,7 +44,7 @@ def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     runs = [run for part in check["parts"].values() for run in part.get("runs", [])]
     trained = [run for run in runs if not run["run"].startswith("pytest")]
     with_bnb = check["bitsandbytes"] == "bitsandbytes: installed"
-    assert len(trained) == 12 + 2 * with_bnb and all(run["rc"] == 0 for run in runs)
+    assert len(trained) == 13 + 2 * with_bnb and all(run["rc"] == 0 for run in runs)
     for run in trained:  # each read back from its own metrics.json and memory.jsonl
         assert run["median_step_time_s"] > 0 and run["steps"] >= 3 and run["max_cpu_rss_peak_mib"] > 100, run
         assert any(line.startswith("precision:") for line in run["told"]), run
