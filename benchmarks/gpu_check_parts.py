@@ -180,5 +180,5 @@ def part_fp16(check: Check) -> dict:
 
 # name -> (part, seconds it may take on one H200)
 PARTS = {"device": (part_device, 90), "reference": (part_reference, 330), "cuda_tests": (part_cuda_tests, 120),
-         "full_finetuning": (part_full_finetuning, 150), "lean": (part_lean, 200), "fsdp": (part_fsdp, 150),
+         "full_finetuning": (part_full_finetuning, 210), "lean": (part_lean, 200), "fsdp": (part_fsdp, 210),
          "fp16": (part_fp16, 60)}

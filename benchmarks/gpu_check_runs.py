@@ -147,9 +147,11 @@ def read_run(out_dir: Path) -> dict:
         for key in ("peak_allocated_mib", "peak_reserved_mib", "device_used_mib", "cpu_rss_peak_mib"):
             values = [row[key] for row in rows if row.get(key) is not None]
             figures[f"max_{key}"] = max(values) if values else None
-        if figures.get("max_device_used_mib") and figures.get("max_peak_reserved_mib"):
-            # the device's memory beyond PyTorch's allocator: the CUDA context, and NCCL's buffers over several GPUs
-            figures["outside_allocator_mib"] = figures["max_device_used_mib"] - figures["max_peak_reserved_mib"]
+        # the device's memory beyond PyTorch's allocator, step by step: the CUDA context, and NCCL's buffers
+        # over several GPUs
+        beyond = [row["device_used_mib"] - row["peak_reserved_mib"] for row in rows
+                  if row.get("device_used_mib") is not None and row.get("peak_reserved_mib") is not None]
+        figures["outside_allocator_mib"] = max(beyond) if beyond else None
     return figures
 
 

@@ -42,8 +42,10 @@ def test_small_requests_share_a_segment_and_the_pools_do_not_share():
 
 
 def test_a_freed_block_is_reused_and_merges_with_its_free_neighbours():
-    # two 30 MiB blocks freed side by side in one 60 MiB segment hold a 60 MiB request: nothing new reserved
+    # two 30 MiB blocks freed side by side in one 60 MiB segment hold a 60 MiB request: nothing new reserved,
+    # whichever is freed first (the second merges with the block before it, or the block after it)
     assert reserved([60 * MIB, ("free", 0), 30 * MIB, 30 * MIB, ("free", 2), ("free", 3), 60 * MIB]) == 60 * MIB
+    assert reserved([60 * MIB, ("free", 0), 30 * MIB, 30 * MIB, ("free", 3), ("free", 2), 60 * MIB]) == 60 * MIB
     # not merged across segments: two freed 30 MiB segments cannot hold 60 MiB
     assert reserved([30 * MIB, 30 * MIB, ("free", 0), ("free", 1), 60 * MIB]) == 120 * MIB
     # a large block keeps a remainder of 1 MiB or less unsplit: 19.5 MiB + 0.75 MiB free is not split off
@@ -65,6 +67,11 @@ def test_expandable_segments_grow_in_pages_of_2_and_20_mib():
     steps = [30 * MIB, 30 * MIB, ("free", 1), 50 * MIB]
     assert reserved(steps, expandable=True) == 80 * MIB
     assert reserved(steps) == 110 * MIB
+    # a large block is split down to 512 bytes: the 0.5 MiB left of a reused 10 MiB block joins its neighbour
+    steps = [10 * MIB, 10 * MIB, ("free", 0), int(9.5 * MIB), ("free", 1), int(10.25 * MIB)]
+    assert reserved(steps, expandable=True) == 20 * MIB
+    # the last page's room beyond a request is a free block, which best fit can choose
+    assert reserved([10 * MIB, 6 * MIB, ("free", 0), 3 * MIB, 9 * MIB], expandable=True) == 20 * MIB
 
 
 def test_saved_activations_freed_by_backward_while_its_temporaries_come_and_go_reserve_no_more():
@@ -89,11 +96,36 @@ def test_the_allocator_settings_are_read_from_either_variable():
 def test_the_tracker_tells_the_model_of_each_storage_made_and_freed():
     model = AllocatorModel()
     with StorageTracker(round_to=512, allocator=model) as tracker:
-        a = torch.empty(3 * MIB, dtype=torch.uint8)
+        a = torch.empty(12 * MIB, dtype=torch.uint8)  # a segment of its own, 12 MiB
         b = a.view(-1, 2)  # a view: the same storage, not a second allocation
         del a, b
-        c = torch.empty(3 * MIB, dtype=torch.uint8)  # reuses the freed block
+        c = torch.empty(12 * MIB, dtype=torch.uint8)  # the freed segment again: nothing new reserved
         d = torch.empty(100, dtype=torch.uint8)
-    assert tracker.live_bytes() == 3 * MIB + 512
-    assert model.reserved == 20 * MIB + 2 * MIB
-    del c, d
+        e = torch.empty(0)  # an empty storage takes no block
+    assert tracker.live_bytes() == 12 * MIB + 512
+    assert model.reserved == 12 * MIB + 2 * MIB
+    del c, d, e
+
+
+def test_a_key_allocated_twice_without_a_free_is_a_bug_said_at_once():
+    model = AllocatorModel()
+    model.allocate(1, MIB)
+    with pytest.raises(ValueError, match="allocated twice"):
+        model.allocate(1, MIB)
+
+
+def test_a_gpu_plan_s_fragmentation_is_the_modelled_reservation_beyond_the_traced_peak():
+    from leantune.cli_args import parse_run_config
+    from leantune.models.presets import model_config
+    from leantune.planning.fake_step import trace_step
+    from leantune.planning.plan import plan_from_trace
+
+    cfg = parse_run_config(["--model_name", "tiny", "--use_peft", "--batch_size_training", "2", "--context_length",
+                            "256", "--enable_activation_checkpointing", "--device", "cuda"])
+    trace = trace_step(cfg, model_config("tiny"), torch.device("cuda"), "full")
+    # the tiny model's hundreds of small tensors share 2 MiB segments, its large ones take 20 MiB ones
+    assert trace.peak_bytes < trace.reserved_peak_bytes
+    assert trace.reserved_peak_bytes % (2 * MIB) == 0
+    plan = plan_from_trace("full", trace, cfg, torch.device("cuda"))
+    assert plan.fragmentation_bytes == trace.reserved_peak_bytes - trace.peak_bytes
+    assert trace_step(cfg, model_config("tiny"), torch.device("cpu"), "full").reserved_peak_bytes == 0  # no allocator

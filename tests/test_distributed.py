@@ -166,6 +166,37 @@ def test_rank_0_traces_the_step_and_the_other_ranks_receive_its_trace(tiny_model
     assert (tmp_path / "failed.txt").read_text().splitlines() == ["rank 0"]
 
 
+def test_a_result_from_rank_0_reaches_every_rank_with_its_error_and_a_different_request_is_stopped(tmp_path):
+    """``DistContext.from_main`` over two gloo ranks: rank 1 never computes; rank 0's error is raised on both;
+    a rank that asks for something else than rank 0 computed gets an error naming both, not rank 0's value."""
+    script = tmp_path / "from_main.py"
+    script.write_text(
+        "import os, torch.distributed as dist\n"
+        "from leantune.distributed.context import DistContext\n"
+        "dist.init_process_group('gloo')\n"
+        "ctx = DistContext(dist.get_rank(), dist.get_world_size())\n"
+        "def outcome(compute, what):\n"
+        "    try:\n"
+        "        return repr(ctx.from_main(compute, what))\n"
+        "    except Exception as err:\n"
+        "        return f'{type(err).__name__}: {err}'\n"
+        "def rank_0_only():\n"
+        "    assert ctx.rank == 0, 'computed on rank 1'\n"
+        "    return [1, 2]\n"
+        "def failing():\n"
+        "    raise ValueError('no trace')\n"
+        "results = [outcome(rank_0_only, 'a'), outcome(failing, 'b'), outcome(rank_0_only, f'rank {ctx.rank}')]\n"
+        "print(f'rank {ctx.rank}:', ' | '.join(results), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                             str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: [1, 2] | ValueError: no trace | [1, 2]" in result.stdout
+    assert ("rank 1: [1, 2] | ValueError: no trace | RuntimeError: rank 1 asked for 'rank 1' where rank 0 computed "
+            "'rank 0': the ranks took different paths at start-up") in result.stdout
+
+
 def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, tmp_path):
     """Rank 1 raises at its second step while rank 0 waits in a collective: the run must end, not hang."""
     inject = tmp_path / "inject"

@@ -93,7 +93,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         log(compile_decoder_layers(model))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
     predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, dist.world_size) or (None, None)
-    peak_tflops = device_peak_tflops(device, cfg.output.peak_tflops)
+    # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
+    peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
                           scheduler=build_scheduler(cfg.training, step.optimizer),
                           state_store=TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log),

@@ -71,11 +71,13 @@ class DistContext:
         dist.gather_object(obj, gathered, dst=0)
         return gathered or []
 
-    def from_main(self, compute):
+    def from_main(self, compute, what: str = ""):
         """``compute()`` run on rank 0 alone, its result given to every rank; its error too, raised on
         every rank, so none waits for a result that will not come (``compute()`` itself for one process).
 
-        The other ranks must call this at the same point: it is a collective.
+        A collective: every rank calls it at the same point. ``what`` names the result; a rank that
+        asked for another than rank 0 computed is stopped with both names, rather than handed the
+        wrong result.
         """
         if not self.distributed:
             return compute()
@@ -84,11 +86,15 @@ class DistContext:
         outcome = [None]
         if self.is_main:
             try:
-                outcome = [(True, compute())]
+                outcome = [(what, True, compute())]
+                pickle.dumps(outcome)  # what cannot be sent is an error to send
             except Exception as err:
-                outcome = [(False, _picklable(err))]
+                outcome = [(what, False, _picklable(err))]
         dist.broadcast_object_list(outcome, src=0)
-        succeeded, value = outcome[0]
+        sent, succeeded, value = outcome[0]
+        if sent != what:
+            raise RuntimeError(f"rank {self.rank} asked for {what!r} where rank 0 computed {sent!r}: the ranks "
+                               "took different paths at start-up")
         if not succeeded:
             raise value
         return value

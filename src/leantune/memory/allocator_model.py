@@ -6,19 +6,20 @@ them. Replaying the traced step's allocations and frees through this model of it
 the reserved peak (``torch.cuda.max_memory_reserved``) without a GPU.
 
 The rules modelled (``c10/cuda/CUDACachingAllocator.cpp``, default settings; the constants are
-``c10/core/AllocatorConfig.h``'s):
+``c10/core/AllocatorConfig.h``'s, and the allocator's own 20 MiB ``kLargeBuffer``):
 
 * Requests of up to 1 MiB come from the small pool, larger ones from the large pool; neither pool
   uses the other's memory. Sizes are rounded up to 512 bytes.
 * A request takes the smallest free block of its pool that holds it (the lowest address among
-  equals), split when what is left is at least 512 bytes (small pool) or more than 1 MiB (large).
+  equals), split when what is left is at least 512 bytes (small pool, and any pool with expandable
+  segments) or more than 1 MiB (large). An empty request takes no block.
 * Without one, a new segment is reserved: 2 MiB for a small request, 20 MiB for a large one under
   10 MiB, otherwise the request rounded up to 2 MiB.
 * With ``expandable_segments:True`` each pool is one segment that grows at its end in pages of
   2 MiB (small) or 20 MiB (large); a request no free block holds goes at the end, over the free
-  block there if there is one.
+  block there if there is one, and what its last page holds beyond it is a free block.
 * A freed block merges with its free neighbours in its segment; reserved memory is never given
-  back (nothing calls ``empty_cache``).
+  back (the model has no ``empty_cache``: a step's replay does not call it).
 
 Not modelled: a second stream's pools (offload's copies), the retry after a failed ``cudaMalloc``
 that releases cached segments (under memory pressure the real reservation is lower: the model
@@ -93,7 +94,7 @@ class _Pool:
             found = self._grow(size)
         self._take(found)
         left = found.size - size
-        if left > (BLOCK_BYTES - 1 if self.small else SMALL_REQUEST_BYTES):  # what is left is worth a block
+        if (left >= BLOCK_BYTES) if self.small or self.expandable else (left > SMALL_REQUEST_BYTES):
             rest = _Block(found.address + size, left, found.segment, prev=found, next=found.next)
             if found.next is not None:
                 found.next.prev = rest
@@ -136,15 +137,15 @@ class _Pool:
         end = self._end
         if end is not None and end.free:  # the free block at the end grows into the new pages
             self._take(end)
-            end.size = max(end.size, size)
             block = end
         else:
-            start = end.address + end.size if end is not None else 0
-            block = _Block(start, size, 0, prev=end)
+            block = _Block(end.address + end.size if end is not None else 0, 0, 0, prev=end)
             if end is not None:
                 end.next = block
             self._end = block
-        self.reserved = max(self.reserved, _round_up(block.address + block.size, self.page))
+        # whole pages are mapped: what the last one holds beyond the request stays a free block (split off)
+        block.size = _round_up(block.address + size, self.page) - block.address
+        self.reserved = max(self.reserved, block.address + block.size)
         self._give(block)
         return block
 
@@ -163,8 +164,9 @@ class _Pool:
 class AllocatorModel:
     """The caching allocator's reservation over ``allocate(key, nbytes)`` and ``free(key)`` calls.
 
-    ``reserved``: bytes reserved now (never lower than before); ``peak_reserved`` equals it, kept
-    for the reader's sake. Keys are the caller's (the tracker's storage ids).
+    ``reserved``: bytes reserved now, which is also the most reserved so far (nothing is given
+    back). Keys are the caller's (the tracker's storage ids); freeing a key not allocated (an
+    empty request) does nothing.
     """
 
     def __init__(self, expandable: bool = False):
@@ -173,9 +175,11 @@ class AllocatorModel:
         self._live: dict[int, tuple[_Pool, _Block]] = {}
 
     def allocate(self, key: int, nbytes: int) -> None:
-        if key in self._live:  # a key the caller reuses without having freed it: the old storage is gone
-            self.free(key)
-        size = _round_up(max(nbytes, 1), BLOCK_BYTES)
+        if key in self._live:
+            raise ValueError(f"allocator model: key {key} allocated twice without a free between")
+        if nbytes <= 0:
+            return
+        size = _round_up(nbytes, BLOCK_BYTES)
         pool = self._pools[size <= SMALL_REQUEST_BYTES]
         self._live[key] = (pool, pool.allocate(size))
 

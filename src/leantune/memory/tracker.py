@@ -25,7 +25,7 @@ of every storage counted and freed, and so models what that allocator would rese
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,7 +55,8 @@ class StorageTracker(TorchDispatchMode):
         self.round_to = max(1, round_to)
         self.only_on = only_on
         self.allocator = allocator  # told of each storage counted and freed: what a caching allocator reserves
-        self.on_stage_peak: Optional[Callable[[str], None]] = None  # called with the stage at each new peak of it
+        self._followed: Optional[set[int]] = None  # keys of the storages ``follow`` was given, alive (None: none yet)
+        self.moments: dict[tuple[str, int], dict] = {}  # (stage, followed storages alive) -> totals at its largest
         self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
@@ -97,6 +98,16 @@ class StorageTracker(TorchDispatchMode):
         self.register(model.buffers(), "buffer")
         self.register((p.grad for p in model.parameters() if p.grad is not None), "gradient")
 
+    def follow(self, tensor: torch.Tensor) -> None:
+        """Count how many of the storages given here are alive: from the first one on, ``moments`` keeps,
+        for each stage and each such count, the totals at the largest moment seen with it (the planner
+        follows the decoder layers' inputs, which offload moves off the device)."""
+        key = id(tensor.untyped_storage())
+        if self._followed is None:
+            self._followed = set()
+        if key in self._live:
+            self._followed.add(key)
+
     # ------------------------------------------------------------- counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         replay = replay_of(func)
@@ -122,11 +133,13 @@ class StorageTracker(TorchDispatchMode):
                 self.totals[category] += entry[1]
                 entry[2] = category
             return
+        if entry is not None:  # an earlier storage of this id, dead though its callback has not run: gone first
+            self._forget(key)
         nbytes = self.rounded(storage.nbytes())
         ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
         self._live[key] = [ref, nbytes, category, StorageWeakRef(storage)]
         self.totals[category] += nbytes
-        if self.allocator is not None:
+        if self.allocator is not None and nbytes:  # an empty storage takes no block
             self.allocator.allocate(key, nbytes)
 
     def rounded(self, nbytes: int) -> int:
@@ -139,9 +152,23 @@ class StorageTracker(TorchDispatchMode):
             self.totals[entry[2]] -= entry[1]
             if self.allocator is not None:
                 self.allocator.free(key)
+            if self._followed:
+                self._followed.discard(key)
+
+    def _note_moment(self, total: int) -> None:
+        """The largest total at this stage with this many followed storages alive (checked, not assumed: a
+        storage counted alive that is not would make offload's plan shed bytes that are already gone)."""
+        for key in [key for key in self._followed if self._live[key][3].expired()]:
+            self._forget(key)
+            total = sum(self.totals.values())
+        moment = (self.stage, len(self._followed))
+        if total > sum(self.moments.get(moment, {}).values()):
+            self.moments[moment] = dict(self.totals)
 
     def _update_peak(self) -> None:
         total = sum(self.totals.values())
+        if self._followed is not None:
+            self._note_moment(total)
         if total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
             return
         for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
@@ -150,8 +177,6 @@ class StorageTracker(TorchDispatchMode):
         if total > self.stage_peaks.get(self.stage, -1):
             self.stage_peaks[self.stage] = total
             self.stage_breakdowns[self.stage] = dict(self.totals)
-            if self.on_stage_peak is not None:
-                self.on_stage_peak(self.stage)
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_breakdown = dict(self.totals)

@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from leantune.builders.model import prepare_model
@@ -63,7 +62,8 @@ class StepTrace:
     tokens: int = 0  # in the traced window: batches x rows x context
     paged_state_bytes: int = 0  # of the optimizer state: what a paged optimizer keeps in unified memory
     reserved_peak_bytes: int = 0  # a GPU target: what the caching allocator would reserve (``AllocatorModel``)
-    layer_inputs_alive: dict = dataclasses.field(default_factory=dict)  # decoder layers' inputs alive at each stage's peak
+    # per stage: the bytes by category at its largest moment with N decoder-layer inputs alive, for each N seen
+    stage_moments: dict = dataclasses.field(default_factory=dict)
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -243,7 +243,7 @@ class StepTraces:
         # model's config (its full text, not its identity, and the attention it builds with) and the target's kind
         key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), attention_of(config), target.type)
         if key not in self._traces:
-            self._traces[key] = self._dist.from_main(lambda: trace_step(cfg, config, target, mode))
+            self._traces[key] = self._dist.from_main(lambda: trace_step(cfg, config, target, mode), what=repr(key))
         return self._traces[key]
 
 
@@ -259,12 +259,13 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                                   allocator=AllocatorModel(expandable_segments_on()) if on_gpu else None)
     loss_model.loss_fn = _StagedLoss(loss_model.loss_fn, tracker)
     layer_input = []
-    inputs, alive = _count_layer_inputs(tracker)
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
              optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
              decoder_layers(model)[0].register_forward_pre_hook(
                  lambda _, args: layer_input.append(args[0].untyped_storage().nbytes()) if args else None),
-             *(layer.register_forward_pre_hook(inputs) for layer in decoder_layers(model))]
+             *(layer.register_forward_pre_hook(
+                 lambda _, args: tracker.follow(args[0]) if args and isinstance(args[0], torch.Tensor) else None)
+               for layer in decoder_layers(model))]
     tracker.register_model(model)
     tracker.register_optimizer(optimizer)
     tracker.register((t for batch in step.window for t in batch.values()), "input")
@@ -284,23 +285,15 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
                      sum(batch["input_ids"].numel() for batch in step.window),
                      sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
-                     tracker.allocator.reserved if tracker.allocator is not None else 0, alive)
+                     tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments))
 
 
-def _count_layer_inputs(tracker: StorageTracker):
-    """A forward pre-hook for every decoder layer that notes its input's storage (a recompute's is the same
-    one), and the count of those still alive at each stage's peak, kept current by ``tracker``: what
-    offload's derived plan may take off the device at that moment."""
-    seen: dict[int, StorageWeakRef] = {}
-    alive: dict[str, int] = {}
-
-    def note(_module, args) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            ref = StorageWeakRef(args[0].untyped_storage())
-            seen[ref.cdata] = ref
-
-    tracker.on_stage_peak = lambda stage: alive.__setitem__(stage, sum(not ref.expired() for ref in seen.values()))
-    return note, alive
+def _by_stage(moments: dict) -> dict:
+    """``{(stage, inputs alive): bytes}`` as ``{stage: {inputs alive: bytes}}``."""
+    stages: dict = {}
+    for (stage, alive), held in moments.items():
+        stages.setdefault(stage, {})[alive] = held
+    return stages
 
 
 def _full_batch(cfg: RunConfig, vocab: int) -> dict:

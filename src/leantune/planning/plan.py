@@ -139,30 +139,30 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
 
     Offload keeps on the device only the layers being recomputed (the current one and the one
     prefetched), so at most two layer inputs stay; inputs under 1 MiB are never moved, and no more
-    than the pinned pool's cap holds (in its power-of-two buffers). Each stage's peak drops by the
-    layer inputs the trace found alive at it, less those two (the forward's and the loss's: every
-    layer's; backward's: those of the layers it has not reached; the optimizer step's: none), and
-    by no more than the activations it holds. Derived, not traced: offload's copies need CUDA
-    streams, which fake CPU tensors do not have.
+    than the pinned pool's cap holds (in its power-of-two buffers). The trace kept, for each stage,
+    its largest moment with each number of layer inputs alive (all of them through the forward and
+    the loss, fewer as backward goes down the layers, none at the optimizer step): each such moment
+    drops by those inputs less the two, and by no more than the activations it holds, and the
+    stage's peak is the highest moment after that, which need not be the one full peaked at
+    (full fine-tuning's backward is about as high at its end, with no input left, as at its start).
+    Derived, not traced: offload's copies need CUDA streams, which fake CPU tensors do not have.
     """
     fit_in_pool = 0
     if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
         fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
     moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
 
-    def shed_at(stage: str) -> int:
-        """Of the layer inputs alive at the stage's peak (traced), all but the two copied back leave the
-        device, as many as the pool holds; never more than the activations the stage holds."""
-        alive = full.layer_inputs_alive.get(stage)
-        if alive is None:  # a trace that did not count them: only where every input is sure to be alive
-            alive = full.num_layers if stage in _ALL_INPUTS_ALIVE else 0
-        count = min(max(0, alive - 2), fit_in_pool)
-        return min(count * full.layer_input_bytes, full.stage_breakdowns.get(stage, {}).get("activation", 0))
+    def lowered(alive: int, held: dict) -> dict:
+        shed = min(min(max(0, alive - 2), fit_in_pool) * full.layer_input_bytes, held.get("activation", 0))
+        return dict(held, activation=held.get("activation", 0) - shed)
 
-    shed = {stage: shed_at(stage) for stage in full.stage_peaks}
-    stages = {stage: peak - shed[stage] for stage, peak in full.stage_peaks.items()}
-    breakdowns = {stage: dict(held, activation=held["activation"] - shed.get(stage, 0))
-                  for stage, held in full.stage_breakdowns.items()}
+    breakdowns = {}
+    for stage, held in full.stage_breakdowns.items():
+        # a trace without moments (made elsewhere): only where every input is sure to be alive does it drop
+        moments = full.stage_moments.get(stage) or {full.num_layers if stage in _ALL_INPUTS_ALIVE else 0: held}
+        breakdowns[stage] = max((lowered(alive, at) for alive, at in moments.items()), key=lambda b: sum(b.values()))
+    stages = {stage: sum(breakdowns[stage].values()) if stage in breakdowns else peak
+              for stage, peak in full.stage_peaks.items()}
     peak_stage = max(stages, key=stages.get, default=None)
     peak = stages[peak_stage] if peak_stage else full.peak_bytes
     # the allocator's segments beyond the peak are taken to be full's: the inputs moved are of one size,

@@ -288,7 +288,8 @@ class Trainer:
     def results(self) -> dict:
         """The run's summary (``leantune.training.outputs.summarise``)."""
         return summarise(self.steps, self.epochs, self.progress.nonfinite_skipped, self.parts.predicted_peak_bytes,
-                         self.resumed_from, predicted_reserved_bytes=self.parts.predicted_reserved_bytes, warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
+                         self.resumed_from, predicted_reserved_bytes=self.parts.predicted_reserved_bytes,
+                         warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
 
     def state_parts(self) -> StateParts:
         return StateParts(self.model, self.cfg.peft.use_peft, self.parts.tokenizer, self.optimizer,
