@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from gpu_check_runs import Check, pytest_record
+from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.gpu_constants import measure_gpu_constants
 from leantune.precision import _bf16_supported
 from leantune.report.flops import device_peak_tflops
@@ -80,9 +81,21 @@ def part_device(check: Check) -> dict:
                      bf16_native=_bf16_supported(device), bf16_torch_default=torch.cuda.is_bf16_supported(),
                      peak_tflops=device_peak_tflops(device), constants=constants.as_dict(),
                      constants_line=constants.line())
-    facts["allocator"] = {"default": _probe_in_a_child(device, ""),
-                          "expandable_segments": _probe_in_a_child(device, "expandable_segments:True")}
+    facts["allocator"] = {"default": _with_the_model(_probe_in_a_child(device, ""), expandable=False),
+                          "expandable_segments": _with_the_model(_probe_in_a_child(device, "expandable_segments:True"),
+                                                                 expandable=True)}
     return {"facts": facts}
+
+
+def _with_the_model(rows, expandable: bool):
+    """Each probe's row with what the planner's allocator model reserves for the same request, from empty."""
+    if not isinstance(rows, list):
+        return rows
+    for row in rows:
+        model = AllocatorModel(expandable)
+        model.allocate(0, row["asked_bytes"])
+        row["modelled_bytes"] = model.reserved
+    return rows
 
 
 def part_reference(check: Check) -> dict:

@@ -53,7 +53,9 @@ def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     fsdp = check["parts"]["fsdp"]["runs"][0]
     assert fsdp["saved_files"] == ["model.safetensors"] and fsdp["saved_config_reads"] == "llama"
     assert not list((tmp_path / "work" / "runs").rglob("*.safetensors"))  # read back, then deleted
-    assert check["parts"]["device"]["facts"]["allocator"]["expandable_segments"]
+    allocator, mib = check["parts"]["device"]["facts"]["allocator"], 2**20
+    assert [row["modelled_bytes"] // mib for row in allocator["default"]] == [2, 20, 20, 12, 102]
+    assert [row["modelled_bytes"] // mib for row in allocator["expandable_segments"]] == [2, 20, 20, 20, 120]
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
         logged = {Path(name).stem for name in archive.getnames()}
     assert {run["run"] for run in runs} <= logged and "part_reference" in logged
