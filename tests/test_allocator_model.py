@@ -114,6 +114,13 @@ def test_a_key_allocated_twice_without_a_free_is_a_bug_said_at_once():
         model.allocate(1, MIB)
 
 
+def test_an_empty_request_takes_no_block():
+    model = AllocatorModel()
+    model.allocate(1, 0)
+    model.free(1)
+    assert model.reserved == 0
+
+
 def test_a_gpu_plan_s_fragmentation_is_the_modelled_reservation_beyond_the_traced_peak():
     from leantune.cli_args import parse_run_config
     from leantune.models.presets import model_config

@@ -193,7 +193,7 @@ def test_a_result_from_rank_0_reaches_every_rank_with_its_error_and_a_different_
                              str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: [1, 2] | ValueError: no trace | [1, 2]" in result.stdout
-    assert ("rank 1: [1, 2] | ValueError: no trace | RuntimeError: rank 1 asked for 'rank 1' where rank 0 computed "
+    assert ("rank 1: [1, 2] | ValueError: no trace | RanksDiverged: rank 1 asked for 'rank 1' where rank 0 computed "
             "'rank 0': the ranks took different paths at start-up") in result.stdout
 
 

@@ -382,6 +382,9 @@ def test_the_derived_offload_plan_lowers_a_stage_by_no_more_than_its_activations
         "forward": 78 * MiB, "backward": 94 * MiB, "optimizer": 90 * MiB}  # 118 - 3 x 8 at 5 alive, not 120 - 4 x 8
     # no more than the pool holds, two 8 MiB buffers: then the start is the highest
     assert offload_trace(counted, max_pinned_bytes=16 * MiB).stage_peaks["backward"] == 104 * MiB
+    # no more than the moment's activations: 20 MiB of them, though four 8 MiB inputs would move
+    capped = dataclasses.replace(counted, stage_moments={"backward": {6: held(20 * MiB, 100 * MiB)}})
+    assert offload_trace(capped, max_pinned_bytes=1 << 40).stage_peaks["backward"] == 100 * MiB
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])

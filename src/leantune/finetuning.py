@@ -25,7 +25,7 @@ from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError
-from leantune.distributed.context import SINGLE_PROCESS, DistContext, close_distributed
+from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed
 from leantune.memory.gpu_constants import measure_gpu_constants
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
@@ -139,6 +139,8 @@ def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optio
         return None
     try:
         flops = count_token_flops(cfg, config, device, traces)
+    except RanksDiverged:
+        raise
     except Exception as err:  # an aid: a model the tracer cannot follow must not stop the run
         log(f"mfu: not reported ({type(err).__name__}: {str(err).splitlines()[0]})")
         return None

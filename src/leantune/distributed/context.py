@@ -15,6 +15,11 @@ from dataclasses import dataclass
 import torch
 
 
+class RanksDiverged(RuntimeError):
+    """The ranks reached a collective asking for different things: a bug to stop at, never an aid's failure
+    to pass over."""
+
+
 @dataclass(frozen=True)
 class DistContext:
     rank: int = 0
@@ -93,8 +98,8 @@ class DistContext:
         dist.broadcast_object_list(outcome, src=0)
         sent, succeeded, value = outcome[0]
         if sent != what:
-            raise RuntimeError(f"rank {self.rank} asked for {what!r} where rank 0 computed {sent!r}: the ranks "
-                               "took different paths at start-up")
+            raise RanksDiverged(f"rank {self.rank} asked for {what!r} where rank 0 computed {sent!r}: the ranks "
+                                "took different paths at start-up")
         if not succeeded:
             raise value
         return value

@@ -55,8 +55,9 @@ class StorageTracker(TorchDispatchMode):
         self.round_to = max(1, round_to)
         self.only_on = only_on
         self.allocator = allocator  # told of each storage counted and freed: what a caching allocator reserves
-        self._followed: Optional[set[int]] = None  # keys of the storages ``follow`` was given, alive (None: none yet)
+        self._followed: Optional[set[int]] = None  # keys of the followed storages alive (None: not following)
         self.moments: dict[tuple[str, int], dict] = {}  # (stage, followed storages alive) -> totals at its largest
+        self._moment_totals: dict[tuple[str, int], int] = {}
         self.stage = "forward"
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
@@ -98,13 +99,18 @@ class StorageTracker(TorchDispatchMode):
         self.register(model.buffers(), "buffer")
         self.register((p.grad for p in model.parameters() if p.grad is not None), "gradient")
 
-    def follow(self, tensor: torch.Tensor) -> None:
-        """Count how many of the storages given here are alive: from the first one on, ``moments`` keeps,
-        for each stage and each such count, the totals at the largest moment seen with it (the planner
-        follows the decoder layers' inputs, which offload moves off the device)."""
-        key = id(tensor.untyped_storage())
+    def start_following(self) -> None:
+        """From now on ``moments`` keeps, for each stage and each count of followed storages alive (``follow``),
+        the totals at the largest moment seen with it (the planner follows the decoder layers' inputs,
+        which offload moves off the device)."""
         if self._followed is None:
             self._followed = set()
+
+    def follow(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage among the followed ones while it lives (one this tracker does not count
+        is not followed: fewer counted alive, which makes offload's plan shed less, not more)."""
+        self.start_following()
+        key = id(tensor.untyped_storage())
         if key in self._live:
             self._followed.add(key)
 
@@ -136,7 +142,7 @@ class StorageTracker(TorchDispatchMode):
         if entry is not None:  # an earlier storage of this id, dead though its callback has not run: gone first
             self._forget(key)
         nbytes = self.rounded(storage.nbytes())
-        ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
+        ref = weakref.ref(storage, lambda dead, key=key: self._forget(key, dead))
         self._live[key] = [ref, nbytes, category, StorageWeakRef(storage)]
         self.totals[category] += nbytes
         if self.allocator is not None and nbytes:  # an empty storage takes no block
@@ -146,34 +152,41 @@ class StorageTracker(TorchDispatchMode):
         """``nbytes`` as counted: rounded up to ``round_to``."""
         return -(-nbytes // self.round_to) * self.round_to
 
-    def _forget(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self.totals[entry[2]] -= entry[1]
-            if self.allocator is not None:
-                self.allocator.free(key)
-            if self._followed:
-                self._followed.discard(key)
+    def _forget(self, key: int, ref: Optional[weakref.ref] = None) -> None:
+        """Stop counting ``key``'s storage; from a weak reference's callback (``ref``), only if the entry is
+        still that storage's (not a later storage's that took the same id)."""
+        entry = self._live.get(key)
+        if entry is None or (ref is not None and entry[0] is not ref):
+            return
+        del self._live[key]
+        self.totals[entry[2]] -= entry[1]
+        if self.allocator is not None:
+            self.allocator.free(key)
+        if self._followed:
+            self._followed.discard(key)
 
-    def _note_moment(self, total: int) -> None:
-        """The largest total at this stage with this many followed storages alive (checked, not assumed: a
-        storage counted alive that is not would make offload's plan shed bytes that are already gone)."""
-        for key in [key for key in self._followed if self._live[key][3].expired()]:
+    def _forget_expired(self) -> int:
+        """Forget freed storages whose Python object lingers; the total after."""
+        for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
             self._forget(key)
-            total = sum(self.totals.values())
-        moment = (self.stage, len(self._followed))
-        if total > sum(self.moments.get(moment, {}).values()):
-            self.moments[moment] = dict(self.totals)
+        return sum(self.totals.values())
 
     def _update_peak(self) -> None:
+        """After each op: a new peak of the step or of its stage, and (when following) a new largest moment
+        for this stage and count of followed storages alive. Each is checked before it is kept: a freed
+        storage still counted would raise it, and a freed input still counted alive would make offload's
+        plan shed bytes already gone (the callbacks keep the counts current, but not always at once)."""
         total = sum(self.totals.values())
-        if self._followed is not None:
-            self._note_moment(total)
-        if total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
+        moment = (self.stage, len(self._followed)) if self._followed is not None else None
+        new_moment = moment is not None and total > self._moment_totals.get(moment, -1)
+        if not new_moment and total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
             return
-        for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
-            self._forget(key)  # freed storages whose Python object lingers
-        total = sum(self.totals.values())
+        total = self._forget_expired()
+        if moment is not None:
+            moment = (self.stage, len(self._followed))
+            if total > self._moment_totals.get(moment, -1):
+                self._moment_totals[moment] = total
+                self.moments[moment] = dict(self.totals)
         if total > self.stage_peaks.get(self.stage, -1):
             self.stage_peaks[self.stage] = total
             self.stage_breakdowns[self.stage] = dict(self.totals)

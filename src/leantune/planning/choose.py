@@ -15,6 +15,7 @@ import torch
 from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
 from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.config import ConfigError, RunConfig
+from leantune.distributed.context import RanksDiverged
 from leantune.planning.fake_step import StepTraces, run_config_for_mode
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
 from leantune.planning.per_rank import per_rank, sharding_shapes
@@ -187,6 +188,8 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
         return None
     try:
         return plan_modes(cfg, config, device, [run_mode(cfg)], traces=traces)[0]
+    except RanksDiverged:
+        raise
     except Exception as err:  # planning is an aid here; it must never stop a run that would work
         log(f"plan: no prediction for this run ({type(err).__name__}: {str(err).splitlines()[0]})")
         return None

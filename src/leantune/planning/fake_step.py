@@ -270,6 +270,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     tracker.register_optimizer(optimizer)
     tracker.register((t for batch in step.window for t in batch.values()), "input")
     tracker.watch_gradients(model.parameters())
+    tracker.start_following()  # the step's moments by layer inputs alive, from its first op
     try:
         # Sampled chunks: the same bytes and FLOPs in a time that does not grow with the batch (Llama 3's
         # vocabulary makes a 128-token chunk; a 32 x 2048 LoRA step spent 45% of its trace in 512 of them).

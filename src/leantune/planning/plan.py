@@ -144,7 +144,7 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     the loss, fewer as backward goes down the layers, none at the optimizer step): each such moment
     drops by those inputs less the two, and by no more than the activations it holds, and the
     stage's peak is the highest moment after that, which need not be the one full peaked at
-    (full fine-tuning's backward is about as high at its end, with no input left, as at its start).
+    (full fine-tuning's backward grows as its gradients are made while its inputs go).
     Derived, not traced: offload's copies need CUDA streams, which fake CPU tensors do not have.
     """
     fit_in_pool = 0
