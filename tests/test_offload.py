@@ -385,6 +385,9 @@ def test_the_derived_offload_plan_lowers_a_stage_by_no_more_than_its_activations
     # no more than the moment's activations: 20 MiB of them, though four 8 MiB inputs would move
     capped = dataclasses.replace(counted, stage_moments={"backward": {6: held(20 * MiB, 100 * MiB)}})
     assert offload_trace(capped, max_pinned_bytes=1 << 40).stage_peaks["backward"] == 100 * MiB
+    # a moment above full's checked peak of the stage (a freed storage still counted): full's stage stands
+    raised = dataclasses.replace(counted, stage_moments={"backward": {1: held(0, 130 * MiB)}})
+    assert offload_trace(raised, max_pinned_bytes=1 << 40).stage_peaks["backward"] == 120 * MiB
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])

@@ -165,28 +165,29 @@ class StorageTracker(TorchDispatchMode):
         if self._followed:
             self._followed.discard(key)
 
-    def _forget_expired(self) -> int:
-        """Forget freed storages whose Python object lingers; the total after."""
-        for key in [key for key, entry in list(self._live.items()) if entry[3].expired()]:
+    def _forget_expired(self, keys=None) -> int:
+        """Forget freed storages whose Python object lingers (of ``keys``, or all); the total after."""
+        for key in [key for key in (self._live if keys is None else keys) if self._live[key][3].expired()]:
             self._forget(key)
         return sum(self.totals.values())
 
     def _update_peak(self) -> None:
         """After each op: a new peak of the step or of its stage, and (when following) a new largest moment
-        for this stage and count of followed storages alive. Each is checked before it is kept: a freed
-        storage still counted would raise it, and a freed input still counted alive would make offload's
-        plan shed bytes already gone (the callbacks keep the counts current, but not always at once)."""
+        for this stage and count of followed storages alive. A peak is checked before it is kept (a freed
+        storage still counted would raise it), and so is a moment's count, over the followed storages
+        alone (a freed input counted alive would make offload's plan shed bytes already gone; the whole
+        check at every new moment made large traces markedly slower, and a moment a lingering storage
+        raises only errs high, which ``offload_trace`` bounds by the stage's checked peak)."""
         total = sum(self.totals.values())
-        moment = (self.stage, len(self._followed)) if self._followed is not None else None
-        new_moment = moment is not None and total > self._moment_totals.get(moment, -1)
-        if not new_moment and total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
-            return
-        total = self._forget_expired()
-        if moment is not None:
+        if self._followed is not None and total > self._moment_totals.get((self.stage, len(self._followed)), -1):
+            total = self._forget_expired(list(self._followed))
             moment = (self.stage, len(self._followed))
             if total > self._moment_totals.get(moment, -1):
                 self._moment_totals[moment] = total
                 self.moments[moment] = dict(self.totals)
+        if total <= self.stage_peaks.get(self.stage, 0) and total <= self.peak_bytes:
+            return
+        total = self._forget_expired()
         if total > self.stage_peaks.get(self.stage, -1):
             self.stage_peaks[self.stage] = total
             self.stage_breakdowns[self.stage] = dict(self.totals)

@@ -160,7 +160,9 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     for stage, held in full.stage_breakdowns.items():
         # a trace without moments (made elsewhere): only where every input is sure to be alive does it drop
         moments = full.stage_moments.get(stage) or {full.num_layers if stage in _ALL_INPUTS_ALIVE else 0: held}
-        breakdowns[stage] = max((lowered(alive, at) for alive, at in moments.items()), key=lambda b: sum(b.values()))
+        highest = max((lowered(alive, at) for alive, at in moments.items()), key=lambda b: sum(b.values()))
+        # offload only takes bytes away: never above full's own (checked) peak of the stage
+        breakdowns[stage] = highest if sum(highest.values()) <= full.stage_peaks.get(stage, 0) else held
     stages = {stage: sum(breakdowns[stage].values()) if stage in breakdowns else peak
               for stage, peak in full.stage_peaks.items()}
     peak_stage = max(stages, key=stages.get, default=None)
