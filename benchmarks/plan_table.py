@@ -6,8 +6,9 @@
 For every model (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B), LoRA and full fine-tuning, batch size
 and context length, ``leantune.planning.plan.plan_modes`` traces one training step per mode on fake
 tensors for a GPU target (``--device cuda``: bf16 autocast; bf16 frozen base for LoRA, fp32 weights
-for full fine-tuning) and adds its stated GPU extras (CUDA context, cuBLAS workspace, an assumed
-fragmentation share). Nothing is run on a GPU: every number is a prediction.
+for full fine-tuning) and adds its stated GPU extras (CUDA context, cuBLAS workspace, and the caching
+allocator's segments, modelled over the step's allocations and frees). Nothing is run on a GPU: every
+number is a prediction.
 
 The document has, at the top, the exact output of one reference ``leantune plan`` command, then
 one table per model and kind: rows are (batch, context), columns are modes, cells the predicted
@@ -185,11 +186,12 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
         "step of leantune's own training code on fake tensors (no weights, no GPU) for a GPU target "
         "(`--device cuda`: bf16 autocast; a bf16 frozen base for LoRA, fp32 weights, gradients and AdamW state "
         "for full fine-tuning; packed rows of full context length; the optimizer state already present) and adds "
-        "the GPU-only parts it states as assumptions: a 512 MiB CUDA context, a 32 MiB cuBLAS workspace and "
-        "allocator fragmentation of 10% of the step's activations, loss and temporaries. `offload` is derived "
-        "from `full`'s trace, not traced: its saved layer inputs (all but two) move to pinned host memory, at most "
-        "what the pinned pool may hold, and the optimizer step's peak stays. Until these are checked on a GPU, "
-        "treat them as estimates and keep some headroom.",
+        "the GPU-only parts: a 512 MiB CUDA context and a 32 MiB cuBLAS workspace (assumptions), and what the "
+        "caching allocator reserves beyond the step's peak, from its segment rules replayed over the traced "
+        "step's allocations and frees (modelled; docs/planning.md, \"What a GPU reserves\"). `offload` is "
+        "derived from `full`'s trace, not traced: at each moment of the step the saved layer inputs then alive "
+        "(all but two) move to pinned host memory, at most what the pinned pool may hold. Until these are "
+        "checked on a GPU, treat them as estimates and keep some headroom.",
         "",
         "## Reference command",
         "",
@@ -248,7 +250,7 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
                         f"{p['optimizer_state_bytes'] / GIB:,.2f} GiB stay through the step: with the CUDA context, "
                         f"{floor_bytes(p) / GIB:,.2f} GiB that no mode or batch size changes."
                         + (f" The optimizer step itself (every gradient, AdamW's update and its temporaries) peaks "
-                           f"at {step / GIB:,.2f} GiB whatever the batch, before the fragmentation share." if step else ""), ""]
+                           f"at {step / GIB:,.2f} GiB whatever the batch, before the allocator's segments." if step else ""), ""]
             out += ["| batch x context | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
             for b, s in rows:
                 record = by_key.get((model, kind, b, s), {"error": "skipped"})
