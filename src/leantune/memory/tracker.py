@@ -167,7 +167,9 @@ class StorageTracker(TorchDispatchMode):
 
     def _forget_expired(self, keys=None) -> int:
         """Forget freed storages whose Python object lingers (of ``keys``, or all); the total after."""
-        for key in [key for key in (self._live if keys is None else keys) if self._live[key][3].expired()]:
+        # a copy of the keys: a collection during the walk may run a storage's callback, which changes _live
+        for key in [key for key in list(self._live if keys is None else keys)
+                    if key in self._live and self._live[key][3].expired()]:
             self._forget(key)
         return sum(self.totals.values())
 
