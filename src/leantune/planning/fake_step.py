@@ -259,13 +259,16 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                                   allocator=AllocatorModel(expandable_segments_on()) if on_gpu else None)
     loss_model.loss_fn = _StagedLoss(loss_model.loss_fn, tracker)
     layer_input = []
+
+    def at_a_layer_input(_module, args) -> None:
+        """The first layer's input gives a layer input's bytes; every layer's is followed (offload's plan)."""
+        if args and isinstance(args[0], torch.Tensor):
+            layer_input.append(args[0].untyped_storage().nbytes())
+            tracker.follow(args[0])
+
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
              optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
-             decoder_layers(model)[0].register_forward_pre_hook(
-                 lambda _, args: layer_input.append(args[0].untyped_storage().nbytes()) if args else None),
-             *(layer.register_forward_pre_hook(
-                 lambda _, args: tracker.follow(args[0]) if args and isinstance(args[0], torch.Tensor) else None)
-               for layer in decoder_layers(model))]
+             *(layer.register_forward_pre_hook(at_a_layer_input) for layer in decoder_layers(model))]
     tracker.register_model(model)
     tracker.register_optimizer(optimizer)
     tracker.register((t for batch in step.window for t in batch.values()), "input")
