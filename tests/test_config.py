@@ -87,6 +87,8 @@ FLAG_VALUES = {
     "run_validation": (["--run_validation", "false"], {"run_validation": False}),
     "no_run_validation": (["--no_run_validation"], {"run_validation": False}),
     "loss_chunk_size": (["--loss_chunk_size", "0"], {"loss_chunk_size": 0}),
+    "tiled_mlp": (["--tiled_mlp", "2048"], {"tiled_mlp": "2048"}),
+    "rope_scaling_factor": (["--rope_scaling_factor", "4"], {"rope_scaling_factor": 4.0}),
     "skip_nonfinite_steps": (["--skip_nonfinite_steps", "2"], {"skip_nonfinite_steps": 2}),
     "compile": (["--compile"], {"compile": True}),
     "use_peft": (["--use_peft"], {"use_peft": True}),

@@ -152,7 +152,7 @@ def test_a_class_without_a_separate_decoder_is_refused_saying_so():
 
 def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(monkeypatch, family_dir):
     """flex_attention for a GPU: the loaded model and a --low_cpu_fsdp rank's meta model get flex_attention itself;
-    only the planner's and the check's models build SDPA in its place."""
+    only the planner's and the check's models build varlen in its place (no mask, as flex keeps none)."""
     from leantune.builders.model import build_model
     from leantune.models.facts import meta_model
     from leantune.precision import choose_precision
@@ -160,7 +160,7 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
     cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--attn_implementation", "flex_attention"])
     facts = run_model_facts(cfg.model, "cuda")
     asked = []
-    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention, *_quantized: asked.append(
+    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention, *_quantized, **_config: asked.append(
         attention) or 1 / 0)
     monkeypatch.setattr(builders_model, "meta_model", lambda _config, _dtype, cpu_stand_in=True: asked.append(
         cpu_stand_in) or 1 / 0)
@@ -168,7 +168,7 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
         with pytest.raises(ZeroDivisionError):
             build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None, facts=facts, on_meta=on_meta)
     assert asked == ["flex_attention", False]
-    assert meta_model(facts.config, torch.float32).config._attn_implementation == "sdpa"
+    assert meta_model(facts.config, torch.float32).config._attn_implementation == "varlen"
 
 
 def test_router_auxiliary_loss_is_refused_naming_the_fix():
@@ -181,12 +181,12 @@ def test_router_auxiliary_loss_is_refused_naming_the_fix():
 
 
 @pytest.mark.parametrize("attention", ["flex_attention", "flash_attention_2"])
-def test_a_gpu_plan_with_a_gpu_only_attention_traces_sdpa_in_its_place(family_dir, attention, capsys):
+def test_a_gpu_plan_with_a_gpu_only_attention_traces_varlen_in_its_place(family_dir, attention, capsys):
     argv = ["--model_name", str(family_dir("llama")), "--device", "cuda", "--use_peft", "--context_length", "64",
             "--batch_size_training", "1", "--attn_implementation", attention, "--json"]
     assert plan_cli.main(argv) == 0, capsys.readouterr().err
     planned = json.loads(capsys.readouterr().out)
-    assert plan_cli.main([*argv[:-2], "sdpa", "--json"]) == 0
+    assert plan_cli.main([*argv[:-2], "varlen", "--json"]) == 0
     assert planned == json.loads(capsys.readouterr().out)
 
 

@@ -169,20 +169,25 @@ def test_the_plan_traces_the_mask_packing_apart_builds():
     from leantune.models.presets import model_config
     from leantune.planning.fake_step import trace_step
 
-    config = model_config("tiny")
-
-    def peaks(*flags):
+    def peaks(attention, *flags):
+        config = model_config("tiny")
+        config._attn_implementation = attention
         cfg = parse_run_config(["--model_name", "tiny", "--context_length", "256", "--batch_size_training", "2",
-                                *flags])
+                                "--tiled_mlp", "off", *flags])
         fake = trace_step(cfg, config, torch.device("cpu"), "none")
         real = trace_step(cfg, config, torch.device("cpu"), "none", fake=False)
         assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown  # the plan is a real step
         return fake.peak_bytes
 
-    apart, concatenated = peaks(), peaks("--packed_examples", "concatenated")
+    apart, concatenated = peaks("sdpa"), peaks("sdpa", "--packed_examples", "concatenated")
     # SDPA turns the boolean mask into an additive one in every layer and keeps it for backward
     batch, seq = 2, 256
-    assert apart - concatenated >= config.num_hidden_layers * batch * seq * seq * 4
+    assert apart - concatenated >= model_config("tiny").num_hidden_layers * batch * seq * seq * 4
+    # varlen (auto's choice) builds no mask: apart costs only the rows' own position ids and RoPE tables
+    # (cos and sin per row instead of one shared row), nothing of seq x seq
+    head_dim = model_config("tiny").head_dim
+    extra = peaks("varlen") - peaks("varlen", "--packed_examples", "concatenated")
+    assert 0 <= extra <= batch * seq * (8 + 2 * head_dim * 4)
 
 
 def test_full_rows_batch_packs_two_examples_a_row_when_apart():
@@ -235,9 +240,9 @@ def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_di
     calls = []
     original = CausalLMLoss.forward
 
-    def recording(self, input_ids, labels, position_ids=None):
+    def recording(self, input_ids, labels, position_ids=None, segments=None):
         calls.append((torch.is_grad_enabled(), input_ids.shape[1], position_ids is not None))
-        return original(self, input_ids, labels, position_ids)
+        return original(self, input_ids, labels, position_ids, segments)
 
     monkeypatch.setattr(CausalLMLoss, "forward", recording)
     assert finetuning.main(["--model_name", str(tiny_model_dir), "--context_length", "64", "--max_train_step", "2",

@@ -55,10 +55,10 @@ _sampling: list = []
 @contextlib.contextmanager
 def sampled_chunks(counter):
     """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first and the last
-    of its chunks (and of its backward's vocabulary blocks), and adds the FLOPs of those between, each a
-    copy of the first, to ``counter.flops``. Every full chunk allocates, frees and keeps the same bytes,
+    of its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), and adds the FLOPs
+    of those between, each a copy of the first, to ``counter.flops``. Every full chunk allocates, frees and keeps the same bytes,
     so the peak and what stays are those of running them all; only the skipped chunks' values are
-    missing, which fake tensors do not have. Never for real tensors (``_pieces`` checks)."""
+    missing, which fake tensors do not have. Never for real tensors (``sampled_pieces`` checks)."""
     _sampling.append(counter)
     try:
         yield
@@ -66,7 +66,7 @@ def sampled_chunks(counter):
         _sampling.pop()
 
 
-def _pieces(length: int, step: int, of: torch.Tensor):
+def sampled_pieces(length: int, step: int, of: torch.Tensor):
     """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` (and only for
     fake tensors ``of``: a real loss always runs every chunk) the first and the last, with the FLOPs the first
     counted standing in for each one between."""
@@ -243,7 +243,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if want_weight_grad and not by_blocks else None
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_blocks else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in _pieces(hidden.shape[0], chunk_size, hidden):
+            for start in sampled_pieces(hidden.shape[0], chunk_size, hidden):
                 end = start + chunk_size
                 h = hidden[start:end].to(dtype)
                 grad_logits = _chunk_loss(h, w, targets[start:end], total, want_hidden_grad or grad_weight is not None,
@@ -297,7 +297,7 @@ def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform:
     safe_t = torch.where(valid, targets, 0)
     rows = torch.arange(len(targets), device=targets.device)
     block = max(1, chunk_size * weight.shape[0] // max(1, len(targets)))
-    for start in _pieces(weight.shape[0], block, h):
+    for start in sampled_pieces(weight.shape[0], block, h):
         end = min(start + block, weight.shape[0])
         logits = (h @ w[start:end].t()).float()
         slope = transform.apply_(logits, with_slope=True)

@@ -15,11 +15,13 @@ from leantune.checkpointing import (CheckpointingReport, apply_activation_checkp
                                     policy_from_config)
 from leantune.config import RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
-from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts
+from leantune.models.attention import describe_attention
+from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts, text_config
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
 from leantune.models.structure import unwrap_model
+from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
 
@@ -68,6 +70,10 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     else:
         place(model)
     prepare_quantized_for_training(model)
+    hidden = text_config(unwrap_model(model).config).hidden_size
+    tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
+    if tokens:  # inside the layers, so every checkpointing mode wraps the layer around it
+        tile_mlps(model, tokens)
     policy = policy_from_config(cfg.checkpointing)
     # bound to where it trains, not where its weights are now (the host under FSDP, meta on a
     # --low_cpu_fsdp rank, fake tensors in the planner)
@@ -91,15 +97,20 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     else:
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
-                            run_bnb_config(cfg.quant, precision), precision.device)
+                            run_bnb_config(cfg.quant, precision), precision.device,
+                            config=facts.config if cfg.model.rope_scaling_factor else None)
         model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
-        f"{unwrap_model(model).config._attn_implementation} attention) "
+        f"{describe_attention(unwrap_model(model).config._attn_implementation)}) "
         f"{'on the host until FSDP shards it onto ' if cfg.distributed.enable_fsdp else 'on '}{precision.device}")
     if cfg.quant.enabled:
         log(describe_quantization(cfg.quant, model))
     log(report.summary_line())
+    tokens = tiled_tokens(model)
+    if tokens:
+        log(f"tiled MLP: every decoder layer's MLP in tiles of {tokens} tokens (--tiled_mlp "
+            f"{cfg.training.tiled_mlp}): no batch x context x intermediate tensor; one more MLP forward in backward")
     return model, tokenizer
 

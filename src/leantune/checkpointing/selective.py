@@ -39,6 +39,7 @@ while it builds the graph rather than while the layer runs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -141,11 +142,27 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     Stateless by design: eager checkpointing calls it for each op as the layer runs (and again in
     the recompute), ``torch.compile`` once per op while tracing; both must decide alike.
     """
-    if op is RECOMPUTED_LINEAR:
+    if op is RECOMPUTED_LINEAR or _RECOMPUTE_ALL[0]:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if op in _ATTENTION or is_matmul(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_RECOMPUTE_ALL = [False]  # set while a module runs what it recomputes itself (``recompute_everything``)
+
+
+@contextlib.contextmanager
+def recompute_everything():
+    """Inside: every op is recomputed, none saved. A module that recomputes its own intermediates in
+    backward (the tiled MLP) runs under it, in the forward and in the layer's recompute alike, so the
+    policy still decides the same way both times and keeps none of them."""
+    before = _RECOMPUTE_ALL[0]
+    _RECOMPUTE_ALL[0] = True
+    try:
+        yield
+    finally:
+        _RECOMPUTE_ALL[0] = before
 
 
 def selective_contexts():

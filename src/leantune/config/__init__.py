@@ -37,14 +37,24 @@ class ModelConfig:
         "bfloat16 with --mixed_precision on a bf16-capable GPU (float32 under --use_fp16)."))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
-    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = field(
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"] = field(
         default="auto", metadata=_help(
-            "Attention kernel (transformers' names). auto: sdpa where the model supports it, else eager "
-            "(Gemma 2), whose batch x heads x seq x seq scores per layer the plan shows. flex_attention and "
-            "flash_attention_2 need a CUDA GPU (flash_attention_2 also the flash-attn package)."))
+            "Attention kernel (transformers' names, and leantune's varlen: causal attention within each example "
+            "of a row, no mask, memory linear in the context). auto: varlen where the model supports SDPA and "
+            "attends over the whole context, sdpa where it has a sliding window (its mask holds the window; "
+            "with examples packed apart a batch x S x S one), else eager (Gemma 2), whose batch x heads x seq x "
+            "seq scores per layer the plan shows. flex_attention and flash_attention_2 need a CUDA GPU "
+            "(flash_attention_2 also the flash-attn package)."))
+
+    rope_scaling_factor: Optional[float] = field(default=None, metadata=_help(
+        "Extend the model's positions this many times by RoPE interpolation (max_position_embeddings and the "
+        "RoPE scaling factor multiplied; a model without scaling takes linear scaling), to train a longer "
+        "context than it was made for. Default: the model's own positions."))
 
     def __post_init__(self):
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")
+        _require(self.rope_scaling_factor is None or self.rope_scaling_factor > 1, "rope_scaling_factor",
+                 f"must be more than 1 (got {self.rope_scaling_factor})")
 
 
 @dataclass
@@ -89,6 +99,11 @@ class TrainingConfig:
         "Tokens per chunk of the chunked cross-entropy (the full-vocabulary logits never exist at once); "
         "0: plain loss; default: chunked, about 64 MiB of float32 logits a chunk, or a quarter of a trained "
         "float32 head's gradient when that is more (with or without checkpointing)."))
+    tiled_mlp: str = field(default="auto", metadata=_help(
+        "Run each decoder layer's MLP over tiles of the sequence, recomputing a tile's intermediates in "
+        "backward, so no batch x context x intermediate tensor exists (long context; one more MLP forward "
+        "a step). auto: tiles of hidden_size tokens when a row holds more than two of them (contexts over "
+        "8192 for an 8B, 4096 for a 1B; never at the quickstart's); off; N: tiles of N tokens."))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer (with its activation checkpointing, any mode but offload); "
         "the first step compiles (tens of seconds), later steps run the compiled layers. Losses equal "
@@ -112,6 +127,9 @@ class TrainingConfig:
                  f"must be 0 (stop at the first) or more (got {self.skip_nonfinite_steps})")
         _require(self.loss_chunk_size is None or self.loss_chunk_size >= 0, "loss_chunk_size",
                  f"must be 0 (plain loss) or a positive number of tokens (got {self.loss_chunk_size})")
+        self.tiled_mlp = str(self.tiled_mlp).strip().lower()
+        _require(self.tiled_mlp in ("off", "auto") or (self.tiled_mlp.isdigit() and int(self.tiled_mlp) > 0),
+                 "tiled_mlp", f"must be off, auto or a positive number of tokens per tile (got {self.tiled_mlp!r})")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from leantune.labels import IGNORE_INDEX
+from leantune.models.varlen_attention import Segments
 
 Example = dict[str, list[int]]
 
@@ -196,7 +197,11 @@ def full_rows_batch(batch_size: int, context_length: int, vocab: int, apart: boo
     """A batch of full rows of random tokens, every position a target, as the planner and the batch check run it.
 
     With examples packed apart, each row holds two examples (positions restart mid-row), so the
-    attention mask the run builds is built here too; its size does not depend on how many.
+    attention mask the run builds (``sdpa``, eager) is built here too; its size does not depend on
+    how many. ``varlen`` attention is given the row as one span (``segments``): its bytes are those of
+    one example filling the row (rows of several add one transient copy of the attention output,
+    where their spans are joined), and its FLOPs those of attention over the whole row, the
+    convention MFU figures use (a row of several examples computes less).
     """
     shape = (batch_size, context_length)
     ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)).to(device)
@@ -205,4 +210,5 @@ def full_rows_batch(batch_size: int, context_length: int, vocab: int, apart: boo
         half = context_length // 2
         positions = torch.cat([torch.arange(half), torch.arange(context_length - half)])
         batch["position_ids"] = positions.expand(shape).contiguous().to(device)
+        batch["segments"] = Segments(((context_length,),) * batch_size)
     return batch

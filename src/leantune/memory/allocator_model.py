@@ -191,3 +191,25 @@ class AllocatorModel:
     @property
     def reserved(self) -> int:
         return sum(pool.reserved for pool in self._pools.values())
+
+
+class AllocatorPair(AllocatorModel):
+    """Two allocator models told of the same calls: the one the settings choose (its ``reserved``) and, beside
+    it, one with expandable segments (``reserved_expandable``), so a plan can say what turning them on gives
+    without tracing the step again."""
+
+    def __init__(self, expandable: bool = False):
+        super().__init__(expandable)
+        self.with_expandable = AllocatorModel(True)
+
+    def allocate(self, key: int, nbytes: int) -> None:
+        super().allocate(key, nbytes)
+        self.with_expandable.allocate(key, nbytes)
+
+    def free(self, key: int) -> None:
+        super().free(key)
+        self.with_expandable.free(key)
+
+    @property
+    def reserved_expandable(self) -> int:
+        return self.with_expandable.reserved

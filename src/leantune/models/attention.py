@@ -1,13 +1,17 @@
 """Which attention implementation a model is built with: ``--attn_implementation``, resolved before loading.
 
 transformers names the implementations (``sdpa``, ``eager``, ``flex_attention``,
-``flash_attention_2``) and each model class says which it supports. ``auto`` takes PyTorch's
-fused SDPA (no sequence x sequence score matrix is kept for backward) where the class supports
-it and eager attention otherwise (Gemma 2: its attention soft-capping has no SDPA path). Eager
-attention materialises every layer's scores, batch x heads x seq x seq, and keeps them for
-backward: the planner traces the implementation the run uses, so its plan shows that.
-flex_attention and flash_attention_2 have no CPU kernels: the planner and the loss self-check
-build SDPA in their place (``traceable_attention``), which keeps about what they keep.
+``flash_attention_2``) and each model class says which it supports; leantune adds ``varlen``
+(``models.varlen_attention``: each example of a row attended alone, no mask at all). ``auto``
+takes ``varlen`` where the class supports SDPA and attends over the whole context (no sliding
+window, no soft-capping), then ``sdpa`` (a sliding window: its mask holds the window), then eager
+attention (Gemma 2: its attention soft-capping has no SDPA path). With examples packed apart,
+``sdpa`` and eager build a dense batch x 1 x S x S mask; ``varlen`` builds none, so its memory is
+linear in the context. Eager attention also materialises every layer's scores, batch x heads x
+seq x seq, and keeps them for backward: the planner traces the implementation the run uses, so
+its plan shows that. flex_attention and flash_attention_2 have no CPU kernels: the planner and
+the loss self-check build ``varlen`` in their place (``traceable_attention``), which keeps what
+they keep (the output and its log-sum-exp, no mask).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from transformers import PretrainedConfig
 
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
+from leantune.models.varlen_attention import NAME as VARLEN
 
 AUTO = "auto"
-# implementation -> the model class's attribute that says it supports it
-_SUPPORT = {"sdpa": "_supports_sdpa", "eager": None, "flex_attention": "_supports_flex_attn",
-            "flash_attention_2": "_supports_flash_attn"}
+# implementation -> the model class's attribute that says it supports it (varlen runs SDPA's kernels)
+_SUPPORT = {VARLEN: "_supports_sdpa", "sdpa": "_supports_sdpa", "eager": None,
+            "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}
 CHOICES = (AUTO, *_SUPPORT)
 
 
@@ -50,7 +55,9 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     usable = supported(config)
     name = causal_lm_class(config).__name__
     if requested == AUTO:
-        return "sdpa" if "sdpa" in usable else "eager"
+        if "sdpa" not in usable:
+            return "eager"
+        return "sdpa" if whole_context_not_attended(config) else VARLEN
     if requested not in usable:
         raise ConfigError(f"--attn_implementation {requested}: {name} does not support it; it supports "
                           f"{', '.join(usable)} (or auto)")
@@ -60,17 +67,44 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     if requested == "flash_attention_2" and installed_here and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("--attn_implementation flash_attention_2: the flash-attn package is not installed "
                           "(pip install flash-attn); or use sdpa, which PyTorch runs with its own flash kernel")
+    limit = whole_context_not_attended(config)
+    if requested == VARLEN and limit:
+        raise ConfigError(f"--attn_implementation {VARLEN}: {name} {limit}, which varlen attention does not model; "
+                          "use sdpa (or auto)")
     return requested
+
+
+def whole_context_not_attended(config: PretrainedConfig) -> str | None:
+    """Why ``config``'s attention is not plain causal attention over the whole context (a sliding window,
+    soft-capped scores), or None when it is."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return "soft-caps its attention scores"
+    window = getattr(config, "sliding_window", None)
+    sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    if window and getattr(config, "use_sliding_window", True) and sliding_layers and \
+            window < (getattr(config, "max_position_embeddings", None) or window + 1):
+        return f"attends within a sliding window of {window} tokens"
+    return None
+
+
+def describe_attention(attention: str) -> str:
+    """What the model line says of ``attention`` beyond its name."""
+    if attention == VARLEN:
+        return (f"{VARLEN} attention (each example of a row alone, no S x S mask: PyTorch's varlen flash kernel on a "
+                "GPU, SDPA per example otherwise)")
+    return f"{attention} attention"
 
 
 def traceable_attention(config: PretrainedConfig, attention: str) -> str:
     """What the planner and the loss self-check build in place of ``attention``, on the CPU.
 
     flex_attention and flash_attention_2 have no CPU kernels (and no fake-tensor ones), so a model
-    is traced with SDPA in their place where its class supports SDPA, else with eager attention.
-    Like SDPA, both keep O(sequence) per head for backward, never the score matrix; under eager
-    the plan overstates them.
+    is traced with ``varlen`` in their place where its class supports SDPA, else with eager
+    attention. Like ``varlen``, both keep O(sequence) per head for backward (the output and its
+    log-sum-exp), never the score matrix, and read packed examples without a dense mask; under
+    eager the plan overstates them.
     """
-    if attention in ("sdpa", "eager"):
+    if attention in ("sdpa", "eager", VARLEN):
         return attention
-    return "sdpa" if "sdpa" in supported(config) else "eager"
+    return VARLEN if "sdpa" in supported(config) and not whole_context_not_attended(config) else (
+        "sdpa" if "sdpa" in supported(config) else "eager")

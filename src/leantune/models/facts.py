@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -86,12 +87,38 @@ def meta_model(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool 
         return model_from_config(config, dtype, cpu_stand_in)
 
 
+def position_limit(config: PretrainedConfig) -> int:
+    """The most positions the model attends over (``max_position_embeddings``; very many when it names none)."""
+    return int(getattr(text_config(config), "max_position_embeddings", None) or 1 << 30)
+
+
 def check_context_length(config: PretrainedConfig, context_length: int) -> None:
     """``--context_length`` within the model's positions (``ConfigError`` naming the flag otherwise)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and context_length > limit:
-        raise ConfigError(f"--context_length {context_length}: the model handles at most {limit} positions "
-                          f"(max_position_embeddings); use --context_length {limit} or less")
+    limit = position_limit(config)
+    if context_length > limit:
+        factor = math.ceil(context_length / limit)
+        raise ConfigError(f"--context_length {context_length}: the model handles at most {limit:,} positions "
+                          f"(max_position_embeddings, with its RoPE scaling); use --context_length {limit} or less, "
+                          f"or extend the positions with --rope_scaling_factor {factor} (RoPE position "
+                          "interpolation, which the model then needs to be trained at that length to use)")
+
+
+def extend_positions(config: PretrainedConfig, factor: float) -> PretrainedConfig:
+    """A copy of ``config`` whose RoPE is interpolated ``factor`` times further (``--rope_scaling_factor``):
+    ``max_position_embeddings`` and the scaling's ``factor`` multiplied (a model without scaling takes linear
+    scaling). Refused for scalings with per-dimension factors (longrope), which one number cannot extend."""
+    config = copy.deepcopy(config)
+    text = text_config(config)
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
+        raise ConfigError(f"--rope_scaling_factor: {type(config).__name__}'s RoPE scaling is {kind!r}, which leantune "
+                          "cannot extend by one factor; drop the flag")
+    rope["factor"] = float(rope.get("factor", 1.0) if kind != "default" else 1.0) * factor
+    rope["rope_type"] = "linear" if kind == "default" else kind
+    text.rope_parameters = rope
+    text.max_position_embeddings = int(position_limit(config) * factor)
+    return config
 
 
 class ModelFacts:
@@ -140,6 +167,8 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
+    if cfg.rope_scaling_factor:
+        config = extend_positions(config, cfg.rope_scaling_factor)
     facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))
     try:
         facts.shape  # built now: a model transformers cannot build is refused before any weight loads
@@ -153,5 +182,7 @@ def plan_model_facts(cfg: ModelConfig, device_type: str) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
     with the attention implementation a run on ``device_type`` would use."""
     config = model_config(cfg.model_name)
+    if cfg.rope_scaling_factor:
+        config = extend_positions(config, cfg.rope_scaling_factor)
     attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False)
     return ModelFacts(with_attention(config, attention))

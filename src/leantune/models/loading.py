@@ -54,12 +54,13 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
-               device: Optional[torch.device] = None):
+               device: Optional[torch.device] = None, config=None):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
     ``--attn_implementation`` by ``models.facts.run_model_facts``).
 
     ``quantized``: a ``BitsAndBytesConfig``; its Linear layers are then quantized as they load, onto
     ``device`` (where a quantized model must be loaded: bitsandbytes quantizes on the way there).
+    ``config``: the model's config as the run changed it (``--rope_scaling_factor``), else its own.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -67,6 +68,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     source = resolve_model_path(cfg.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
     placement = {} if quantized is None else {"quantization_config": quantized, "device_map": {"": str(device)}}
+    if config is not None:
+        placement["config"] = config
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention, **placement)
     except (OSError, ValueError) as err:

@@ -22,8 +22,16 @@ from leantune.models.loading import ModelLoadError
 from leantune.models.presets import ModelShapeError
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
 from leantune.planning.per_rank import per_rank, sharding_shapes
-from leantune.planning.plan import budget_bytes, modes_to_plan, plan_modes
-from leantune.planning.table import print_plan
+from leantune.planning.max_context import check_search_flags, find_max_context, with_levers
+from leantune.planning.plan import GIB, budget_bytes, modes_to_plan, plan_modes
+from leantune.planning.table import print_plan, print_search
+
+
+MAX_CONTEXT_HELP = (
+    "--max_context: the longest context (batch 1 unless --batch_size_training says) whose step fits "
+    "--memory_budget_gb, trying each combination of the levers the flags leave open (checkpointing full, "
+    "and offload on a GPU; --tiled_mlp off and auto), and naming the winner; with --json one JSON object "
+    "whose max_context field is that length, with the winning plan beside it.")
 
 
 def plan_target(cfg: RunConfig) -> torch.device:
@@ -57,13 +65,32 @@ def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None,
     return plans
 
 
+def _search(cfg: RunConfig, config, target: torch.device, budget: int | None, as_json: bool) -> int:
+    """``--max_context``: the longest context that fits, printed (or as one JSON object)."""
+    budget = check_search_flags(cfg, budget)
+    out = sys.stderr if as_json else sys.stdout
+    print(f"longest context within {budget / GIB:.2f} GiB, batch {cfg.training.batch_size_training}, each lever "
+          "combination the flags allow:", file=out)
+    search = find_max_context(cfg, config, target, budget, log=lambda line: print(line, file=out))
+    if as_json:
+        print(json.dumps(search.as_json(), indent=2))
+        return 0
+    print_search(search)
+    if search.best.plan is not None:
+        print_plan(with_levers(cfg, search.best.levers, search.max_context), config, target, [search.best.plan], budget)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
+    max_context = "--max_context" in argv
+    argv = [a for a in argv if a not in ("--json", "--max_context")]
     if "-h" in argv or "--help" in argv:
         print("usage: leantune plan [finetune flags] [--memory_budget_gb G] [--json] [--enable_fsdp --world_size N]"
-              "\n\n" + __doc__.split("\n\n")[0] + "\n\nThe finetune flags are listed by: leantune finetune --help")
+              "\n       leantune plan [finetune flags] --max_context --memory_budget_gb G [--json]"
+              "\n\n" + __doc__.split("\n\n")[0] + "\n\n" + MAX_CONTEXT_HELP +
+              "\n\nThe finetune flags are listed by: leantune finetune --help")
         return 0
     try:
         world_size, argv = _take_world_size(argv)
@@ -86,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--world_size: the processes FSDP shards over; add --enable_fsdp (without it leantune "
                               "trains on one process)")
         check_offload_device(cfg, target.type, fix="Plan it for a GPU with --device cuda")
+        if max_context:
+            if world_size:
+                raise ConfigError("--max_context: searches one process's context; drop --enable_fsdp/--world_size")
+            return _search(cfg, config, target, budget, as_json)
         plans = _plans(cfg, config, target, world_size, budget)
     except (ConfigError, ModelShapeError, CheckpointingError, ModelLoadError) as err:
         print(f"leantune: error: {err}", file=sys.stderr)

@@ -35,7 +35,7 @@ from leantune.config import RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import sampled_chunks
-from leantune.memory.allocator_model import AllocatorModel, expandable_segments_on
+from leantune.memory.allocator_model import AllocatorModel, AllocatorPair, expandable_segments_on
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
@@ -64,6 +64,7 @@ class StepTrace:
     reserved_peak_bytes: int = 0  # a GPU target: what the caching allocator would reserve (``AllocatorModel``)
     # per stage: the bytes by category at its largest moment with N decoder-layer inputs alive, for each N seen
     stage_moments: dict = dataclasses.field(default_factory=dict)
+    reserved_expandable_bytes: int = 0  # what the allocator would reserve with expandable segments on
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -197,8 +198,9 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     run_cfg = run_config_for_mode(cfg, mode)
     on_target = target_precision(run_cfg, target)
     precision = dataclasses.replace(on_target, device=CPU if fake else run_on)
+    fakes = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     if fake:
-        model, place = meta_model(config, precision.weight_dtype), fake_placer(FakeTensorMode(allow_non_fake_inputs=True))
+        model, place = meta_model(config, precision.weight_dtype), fake_placer(fakes)
     else:
         model, place = real_model(config, precision.weight_dtype), None
     quantized = run_bnb_config(run_cfg.quant, on_target)
@@ -209,7 +211,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
                                   device_type=target.type)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-    window = [_full_batch(run_cfg, vocab) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
+    window = [_full_batch(run_cfg, vocab, fakes) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
     return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
                         cuda_autocast_stand_in=target.type == "cuda" and precision.device.type == "cpu", fake=fake)
@@ -256,7 +258,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     model, optimizer, loss_model = step.model, step.optimizer, step.train_step.loss_model
     on_gpu = target.type == "cuda"
     tracker = FlopCountingTracker(round_to=CUDA_BLOCK_BYTES if on_gpu else 1,
-                                  allocator=AllocatorModel(expandable_segments_on()) if on_gpu else None)
+                                  allocator=AllocatorPair(expandable_segments_on()) if on_gpu else None)
     loss_model.loss_fn = _StagedLoss(loss_model.loss_fn, tracker)
     layer_input = []
 
@@ -289,7 +291,8 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
                      sum(batch["input_ids"].numel() for batch in step.window),
                      sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
-                     tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments))
+                     tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments),
+                     tracker.allocator.reserved_expandable if tracker.allocator is not None else 0)
 
 
 def _by_stage(moments: dict) -> dict:
@@ -300,10 +303,20 @@ def _by_stage(moments: dict) -> dict:
     return stages
 
 
-def _full_batch(cfg: RunConfig, vocab: int) -> dict:
+def _full_batch(cfg: RunConfig, vocab: int, fakes: Optional[FakeTensorMode] = None) -> dict:
     """A batch of full rows (packing; also padding's longest batch), every position a target, with the position
-    ids (and so the attention mask) of examples packed apart when the run packs them so."""
-    return full_rows_batch(cfg.training.batch_size_training, cfg.data.context_length, vocab, cfg.data.packs_apart)
+    ids (and so the attention mask or the spans) of examples packed apart when the run packs them so.
+
+    For a fake step (``fakes``) the tokens and positions the model reads are fake, so whatever is made from
+    them (an S x S mask) is never allocated; the labels and the padding mask, which the step counts on the
+    host, stay real (a few bytes a token); ``varlen``'s spans come with the batch.
+    """
+    batch = full_rows_batch(cfg.training.batch_size_training, cfg.data.context_length, vocab, cfg.data.packs_apart)
+    if fakes is not None:
+        if "position_ids" in batch:
+            batch["position_ids"] = fakes.from_tensor(batch["position_ids"])
+        batch["input_ids"] = fakes.from_tensor(batch["input_ids"])
+    return batch
 
 
 class FlopCountingTracker(StorageTracker):

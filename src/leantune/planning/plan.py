@@ -97,7 +97,10 @@ class ModePlan:
         return dataclasses.asdict(self)
 
 
-def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.device) -> ModePlan:
+def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.device,
+                    expandable: bool = False) -> ModePlan:
+    """The plan of ``trace``; ``expandable``: with the allocator's expandable segments on whatever the
+    settings say (``--max_context`` tries them)."""
     b = trace.breakdown
     plan = ModePlan(mode, trace.checkpointing, target.type, cfg.training.batch_size_training, cfg.data.context_length,
                     trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
@@ -107,7 +110,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     if target.type == "cuda":
         plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
-        plan.fragmentation_bytes = allocator_overhead(trace)
+        plan.fragmentation_bytes = allocator_overhead(trace, expandable)
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
     if trace.paged_state_bytes and target.type == "cuda":
@@ -122,10 +125,12 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
     return plan
 
 
-def allocator_overhead(trace: StepTrace) -> int:
+def allocator_overhead(trace: StepTrace, expandable: bool = False) -> int:
     """What a GPU's caching allocator reserves beyond the trace's peak: its segments, modelled from the
     step's allocations and frees (``memory.allocator_model``); a trace without that model (made
     elsewhere) gets the old assumption, a share of the step's transient bytes."""
+    if expandable and trace.reserved_expandable_bytes:
+        return max(0, trace.reserved_expandable_bytes - trace.peak_bytes)
     if trace.reserved_peak_bytes:
         return max(0, trace.reserved_peak_bytes - trace.peak_bytes)
     return int(FRAGMENTATION_SHARE * sum(trace.breakdown[k] for k in TRANSIENT_KINDS))
@@ -147,9 +152,7 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     (full fine-tuning's backward grows as its gradients are made while its inputs go).
     Derived, not traced: offload's copies need CUDA streams, which fake CPU tensors do not have.
     """
-    fit_in_pool = 0
-    if full.layer_input_bytes >= MIN_OFFLOAD_BYTES:
-        fit_in_pool = max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
+    fit_in_pool = _inputs_in_pool(full, max_pinned_bytes)
     moved = min(max(0, full.num_layers - 2), fit_in_pool) * full.layer_input_bytes
 
     def lowered(alive: int, held: dict) -> dict:
@@ -169,12 +172,35 @@ def offload_trace(full: StepTrace, max_pinned_bytes: int) -> StepTrace:
     peak = stages[peak_stage] if peak_stage else full.peak_bytes
     # the allocator's segments beyond the peak are taken to be full's: the inputs moved are of one size,
     # their blocks reused by the copies back
-    reserved = full.reserved_peak_bytes - (full.peak_bytes - peak) if full.reserved_peak_bytes else 0
+    lowered_by = full.peak_bytes - peak
+    reserved = full.reserved_peak_bytes - lowered_by if full.reserved_peak_bytes else 0
+    expandable = full.reserved_expandable_bytes - lowered_by if full.reserved_expandable_bytes else 0
     return dataclasses.replace(full, peak_bytes=peak, reserved_peak_bytes=reserved,
+                               reserved_expandable_bytes=expandable,
                                breakdown=breakdowns.get(peak_stage, full.breakdown), stage_peaks=stages,
                                stage_breakdowns=breakdowns,
                                checkpointing=f"offload (derived from full: {moved / MIB:,.0f} MiB of layer inputs "
-                                             f"in pinned host memory, whose pool may hold {format_bytes(max_pinned_bytes)})")
+                                             f"in pinned host memory, {_pool_size(max_pinned_bytes)})")
+
+
+def _pool_size(max_pinned_bytes: int) -> str:
+    if max_pinned_bytes >= 1 << 50:  # --max_context's search: sized by what it holds
+        return "its pool sized for every layer input"
+    return f"whose pool may hold {format_bytes(max_pinned_bytes)}"
+
+
+def _inputs_in_pool(full: StepTrace, max_pinned_bytes: int) -> int:
+    """How many layer inputs the pinned pool may hold (none under 1 MiB: those never move)."""
+    if full.layer_input_bytes < MIN_OFFLOAD_BYTES:
+        return 0
+    return max_pinned_bytes // PinnedBufferPool.size_class(full.layer_input_bytes)
+
+
+def offload_pinned_bytes(full: StepTrace, max_pinned_bytes: int) -> int:
+    """The pinned host memory offload's pool holds at its fullest: every layer input it moves, each in its
+    power-of-two buffer (all layers' inputs are in it at the end of the forward)."""
+    moved = min(full.num_layers, _inputs_in_pool(full, max_pinned_bytes))
+    return moved * PinnedBufferPool.size_class(full.layer_input_bytes) if moved else 0
 
 
 def offload_cap_bytes(cfg: RunConfig) -> int:
@@ -191,10 +217,12 @@ def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> No
 
 
 def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str],
-               budget_bytes: Optional[int] = None, traces: Optional[StepTraces] = None) -> list[ModePlan]:
+               budget_bytes: Optional[int] = None, traces: Optional[StepTraces] = None,
+               expandable: bool = False) -> list[ModePlan]:
     """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given.
 
     ``traces``: the run's traced steps, shared with its other callers (each step is traced once).
+    ``expandable``: the allocator's segments as with ``expandable_segments:True``, whatever the settings say.
     """
     check_plan_inputs(cfg, config, budget_bytes)
     if OFFLOAD in modes and target.type != "cuda":
@@ -205,10 +233,14 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
         if mode != OFFLOAD:
             found[mode] = traced(traces, cfg, config, target, mode)
             _check_budget_above_parameters(plan_from_trace(mode, found[mode], cfg, target), budget_bytes)
+    pinned = 0
     if OFFLOAD in modes:
-        found[OFFLOAD] = offload_trace(found.get("full") or traced(traces, cfg, config, target, "full"),
-                                       offload_cap_bytes(cfg))
-    plans = {mode: plan_from_trace(mode, trace, cfg, target) for mode, trace in found.items()}
+        full = found.get("full") or traced(traces, cfg, config, target, "full")
+        found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg))
+        pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg))
+    plans = {mode: plan_from_trace(mode, trace, cfg, target, expandable) for mode, trace in found.items()}
+    if pinned:
+        plans[OFFLOAD].host_bytes = plans[OFFLOAD].pinned_host_bytes = pinned
     baseline = plans[NONE].flops if NONE in plans else None
     ordered = [plans[m] for m in modes if m in plans]
     for plan in ordered:

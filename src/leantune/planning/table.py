@@ -9,6 +9,7 @@ import torch
 from leantune.checkpointing.modes import NONE
 from leantune.config import RunConfig
 from leantune.planning.fake_step import assumes_bf16, target_precision
+from leantune.planning.max_context import describe_levers
 from leantune.planning.plan import EXTRA_SOURCES, GIB, MIB, ModePlan, run_mode
 
 _ROWS = (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
@@ -96,3 +97,20 @@ def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePla
         log("(planned for this machine's CPU in float32; add --device cuda to plan for a GPU)")
 
 
+
+
+def print_search(search, log=print) -> None:
+    """``--max_context``'s answer: the winning levers, and how far memory alone would go past the model's positions."""
+    best = search.best
+    if best.plan is None:
+        log(f"no context fits {search.budget_bytes / GIB:.2f} GiB with these flags (the shortest tried does not)")
+        return
+    levers = describe_levers(best.levers)
+    log(f"max context: {search.max_context:,} tokens with {levers} ({best.plan.peak_bytes / GIB:.2f} GiB planned; "
+        f"search {search.seconds:.0f} s)")
+    if best.plan.pinned_host_bytes:
+        log(f"  offload's pinned pool holds {best.plan.pinned_host_bytes / GIB:.2f} GiB of layer inputs there: the "
+            "host needs that much pinnable memory (--activation_offload_max_pinned_gb caps it)")
+    if search.max_context >= search.position_limit - 1024 < best.memory_allows:
+        log(f"  the model's positions end at {search.position_limit:,}; memory alone would allow about "
+            f"{best.memory_allows:,} (extrapolated): --rope_scaling_factor extends the positions")

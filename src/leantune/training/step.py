@@ -21,6 +21,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.labels import count_targets
 from leantune.loss import causal_lm_loss_sum
 from leantune.models.structure import unwrap_model
+from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS, Segments, segments_of
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
 from leantune.training.lines import describe_sources
@@ -41,24 +42,30 @@ class StepResult:
         return self.input_tokens / self.step_time_s if self.step_time_s > 0 else 0.0
 
 
-def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor,
-                   position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                   segments: Optional[Segments] = None) -> torch.Tensor:
     """Final hidden states of the decoder, without the LM head (the loss applies it).
 
     No attention mask is passed. Rows of one example are right-padded and attention is causal, so
     real tokens never see the padding, and padded positions carry no loss; skipping the mask keeps
     SDPA on its fused causal path. Rows of examples packed apart come with ``position_ids`` that
-    restart at each example: from those, transformers builds the mask that keeps each example to
-    itself. Its flash-attention path reads them as variable-length sequences of one flat row only,
-    so for it the batch is passed as one row (the positions still restart at each row's start).
+    restart at each example. ``varlen`` attention gets the rows' spans (``segments``, found from the
+    positions when not given) and attends within each; from the positions alone, transformers'
+    ``sdpa`` and eager paths build a dense mask that keeps each example to itself. Its
+    flash-attention path reads them as variable-length sequences of one flat row only, so for it
+    the batch is passed as one row (the positions still restart at each row's start).
     """
     decoder = unwrap_model(model).get_decoder()
+    attention = getattr(getattr(decoder, "config", None), "_attn_implementation", None)  # a stand-in has none
+    spans = {}
+    if attention == VARLEN:
+        spans[SEGMENTS] = segments if segments is not None else segments_of(position_ids, *input_ids.shape)
     if position_ids is None:
-        return decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        return decoder(input_ids=input_ids, use_cache=False, **spans).last_hidden_state
     rows = input_ids.shape
-    if decoder.config._attn_implementation == "flash_attention_2":
+    if attention == "flash_attention_2":
         input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **spans).last_hidden_state
     return hidden.reshape(*rows, hidden.shape[-1])
 
 
@@ -75,26 +82,27 @@ class CausalLMLoss(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden = forward_hidden(self.model, input_ids, position_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                segments: Optional[Segments] = None) -> torch.Tensor:
+        hidden = forward_hidden(self.model, input_ids, position_ids, segments)
         return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
 
 
 def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                       precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
                       after_forward: Optional[Callable[[], None]] = None,
-                      position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      position_ids: Optional[torch.Tensor] = None, segments: Optional[Segments] = None
+                      ) -> torch.Tensor:
     """The training step's forward and backward of one batch; returns its summed loss, detached.
 
     Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
     is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
     is called once the loss exists and before backward, when what is alive is exactly what
     backward will need: the benchmark and the example read their activation meter there.
-    ``position_ids``: the rows' own, when examples are packed apart.
+    ``position_ids``: the rows' own, when examples are packed apart (``segments``: their spans).
     """
     with precision.autocast():
-        loss_sum = loss_model(input_ids, labels, position_ids)  # its activations are referenced by the graph alone
+        loss_sum = loss_model(input_ids, labels, position_ids, segments)  # its activations are referenced by the graph alone
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -112,11 +120,16 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
                              after_forward)
 
 
-def model_inputs(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``."""
+def model_inputs(batch: dict, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Segments]]:
+    """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``, and the
+    rows' spans (``batch["segments"]``, else read from the host's position ids, so a GPU is not waited for)."""
     positions = batch.get("position_ids")
+    segments = batch.get("segments")
+    if segments is None and positions is not None:
+        segments = segments_of(positions, *batch["input_ids"].shape)
     return (batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True),
-            None if positions is None else positions.to(device, non_blocking=True))
+            None if positions is None else positions.to(device, non_blocking=True), segments)
 
 
 def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
@@ -231,9 +244,9 @@ class TrainStep:
 
     def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
-        input_ids, labels, positions = model_inputs(batch, self.device)
+        input_ids, labels, positions, segments = model_inputs(batch, self.device)
         return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
-                                 normaliser=normaliser, position_ids=positions)
+                                 normaliser=normaliser, position_ids=positions, segments=segments)
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
         """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.

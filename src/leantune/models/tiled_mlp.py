@@ -1,0 +1,178 @@
+"""A sequence-tiled MLP (``--tiled_mlp``): no (batch x sequence x intermediate) tensor ever exists.
+
+A decoder layer's MLP is pointwise along the sequence, so it can run over tiles of tokens. Here
+the forward runs each tile without autograd and keeps only the MLP's input; backward runs each
+tile again with autograd, takes the gradients of the tile's input and of the MLP's trainable
+weights, and moves on. At most one tile's intermediates (gate, up, their product: tile x
+intermediate each) exist at a time, in the forward and in backward; the price is one more forward
+of the MLP in backward.
+
+Why not a library's: Liger-Kernel's ``LigerTiledSwiGLUMLP`` is plain autograd, but importing
+anything under ``liger_kernel.ops`` needs Triton, which PyTorch's CPU build lacks (measured); and
+it, like DeepSpeed's ``TiledMLP``, accumulates weight gradients into ``.grad`` tile by tile from
+inside backward, which fires a weight's post-accumulate hook once per tile (``--optimizer_in_backward``
+would step it once per tile) and bypasses autograd's accumulation that FSDP2 relies on. Here the
+trainable weights are inputs of the autograd function, and their gradients, summed over the tiles,
+are returned once, like any other layer's.
+
+The MLP module keeps its class, its weights and their names (its ``forward`` is replaced on the
+instance), so LoRA layers and 4-bit weights inside it run unchanged, checkpoints keep their keys,
+and every checkpointing mode wraps the layer around it as before. What the tiles draw from the
+random generator (LoRA dropout) is replayed in backward from the state the forward began with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from leantune.checkpointing.selective import recompute_everything
+from leantune.loss import sampled_pieces
+from leantune.models.structure import decoder_layers
+
+_ORIGINAL = "_leantune_untiled_forward"
+
+
+def tile_tokens(setting: str, context_length: int, hidden_size: int) -> Optional[int]:
+    """Tokens per tile for ``--tiled_mlp setting`` at ``context_length`` (None: not tiled).
+
+    ``auto``: tiles of ``hidden_size`` tokens (then a tile's intermediates are no larger than the
+    layer's hidden states for hidden_size rows), when a row holds more than two of them.
+    """
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return hidden_size if context_length > 2 * hidden_size else None
+    tokens = int(setting)
+    return tokens if tokens < context_length else None
+
+
+def mlp_of(layer: torch.nn.Module) -> torch.nn.Module:
+    """A decoder layer's MLP (transformers calls it ``mlp`` in every family leantune trains)."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, torch.nn.Module):
+        raise TypeError(f"{type(layer).__name__} has no mlp module to tile; use --tiled_mlp off")
+    return mlp
+
+
+def tiled_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """What of a decoder layer runs in tiles: its MLP and its own norms (each pointwise along the sequence, and
+    each keeping float32 copies of its input for backward when whole); not the attention's per-head norms."""
+    norms = [child for child in layer.children()
+             if isinstance(child, torch.nn.LayerNorm) or type(child).__name__.endswith("RMSNorm")]
+    return [mlp_of(layer), *norms]
+
+
+def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
+    """Make every decoder layer's MLP and norms run in tiles of ``tokens`` along the sequence; returns the
+    layers tiled. Applied once: a module tiled already is re-tiled with the new size, never wrapped twice."""
+    count = 0
+    for layer in decoder_layers(model):
+        for module in tiled_modules(layer):
+            untiled = getattr(module, _ORIGINAL, None) or module.forward
+            setattr(module, _ORIGINAL, untiled)
+            module.forward = _tiled_forward(module, untiled, tokens)
+        count += 1
+    return count
+
+
+def untile_mlps(model: torch.nn.Module) -> None:
+    """Undo ``tile_mlps``."""
+    for layer in decoder_layers(model):
+        for module in tiled_modules(layer):
+            if hasattr(module, _ORIGINAL):
+                del module.forward
+                delattr(module, _ORIGINAL)
+
+
+def tiled_tokens(model: torch.nn.Module) -> Optional[int]:
+    """The tile size ``tile_mlps`` gave ``model``'s MLPs, or None when they are whole."""
+    for layer in decoder_layers(model):
+        forward = getattr(mlp_of(layer), "forward", None)
+        return getattr(forward, "tile_tokens", None)
+    return None
+
+
+def _tiled_forward(mlp: torch.nn.Module, untiled: Callable, tokens: int) -> Callable:
+    @torch._dynamo.disable  # compiled layers run it as it is: autograd inside backward cannot be traced
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-2] <= tokens:
+            return untiled(x)
+        weights = [p for p in mlp.parameters() if p.requires_grad]
+        return _TiledMLPFunction.apply(untiled, tokens, x, *weights)
+
+    forward.tile_tokens = tokens
+    return forward
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """``untiled`` over tiles of the sequence (dimension -2), its intermediates recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, untiled: Callable, tokens: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.untiled, ctx.tokens, ctx.weight_count = untiled, tokens, len(weights)
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.rng = _rng_state(x.device)
+        ctx.save_for_backward(x, *weights)
+        out = None
+        with recompute_everything():  # selective checkpointing must not keep a tile's intermediates
+            for start, part in _tiles(x, tokens):
+                y = untiled(part)
+                if out is None:
+                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+                out.narrow(-2, start, part.shape[-2]).copy_(y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        summed: list[Optional[torch.Tensor]] = [None] * len(weights)
+        with _replayed_rng(x.device, ctx.rng), torch.autocast(**ctx.autocast), torch.enable_grad():
+            for start, part in _tiles(x, ctx.tokens):
+                summed = _tile_backward(ctx.untiled, part, grad_out.narrow(-2, start, part.shape[-2]), weights,
+                                        None if grad_x is None else grad_x.narrow(-2, start, part.shape[-2]), summed)
+        return (None, None, grad_x, *summed)
+
+
+def _tile_backward(untiled: Callable, part: torch.Tensor, grad_part: torch.Tensor, weights: list,
+                   grad_x_part: Optional[torch.Tensor], summed: list) -> list:
+    """One tile again with autograd: its input's gradient written in place, the weights' added to ``summed``.
+    A function of its own so that the tile's output and gradients are gone when it returns, before the next
+    tile makes its own (a loop's variables would keep the last tile's until they are reassigned)."""
+    part = part.detach().requires_grad_(grad_x_part is not None)
+    wanted = ([part] if grad_x_part is not None else []) + list(weights)
+    grads = list(torch.autograd.grad(untiled(part), wanted, grad_part, allow_unused=True))
+    if grad_x_part is not None:
+        grad_x_part.copy_(grads.pop(0))
+    return [g if s is None else (s if g is None else s.add_(g)) for s, g in zip(summed, grads)]
+
+
+def _tiles(x: torch.Tensor, tokens: int):
+    """Each tile's start and tokens (a planner's fake step runs the first and last: ``loss.sampled_chunks``)."""
+    length = x.shape[-2]
+    for start in sampled_pieces(length, tokens, x):
+        yield start, x.narrow(-2, start, min(tokens, length - start))
+
+
+def _autocast_state(device_type: str) -> dict:
+    return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type))
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replayed_rng(device: torch.device, state):
+    """The random generators as the forward found them, and as they were again afterwards."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

@@ -1,0 +1,175 @@
+"""``varlen`` attention: causal attention within each example of a row, with no mask at all.
+
+Rows of examples packed apart carry position ids that restart at each example. Given those,
+transformers' SDPA and eager paths build a dense batch x 1 x S x S mask (SDPA then keeps a copy
+of it and repeats the grouped key/value heads, and a GPU leaves its flash kernel for a masked
+one): at 32k tokens about 3 GiB, growing with S². This implementation instead reads where each
+example starts (``Segments``, found once per batch on the host from the position ids) and runs
+causal attention over each example alone:
+
+* on CUDA, with bfloat16 or float16 inputs and no dropout, PyTorch's variable-length flash kernel
+  (``torch.nn.attention.varlen.varlen_attn``) over the whole batch in one call;
+* otherwise (the CPU; float32; dropout) PyTorch's SDPA with ``is_causal`` on each example's slice
+  of the row, its grouped key/value heads shared, not repeated (``enable_gqa``).
+
+Both keep O(S) per head for backward (the output and its log-sum-exp), never a score matrix. A row
+of one example is one SDPA call, the very call the ``sdpa`` path makes without a mask. The name
+is registered with transformers' ``AttentionInterface``; transformers builds no mask for a name
+its mask builders do not know, which is what is wanted here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+SEGMENTS = "leantune_segments"  # the keyword the decoder passes down to every attention call
+
+
+class VarlenAttentionError(RuntimeError):
+    """The attention was called in a way it cannot honour exactly (so it refuses rather than guess)."""
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each row's examples start: per row, the lengths of its spans (examples, and padding as one)."""
+
+    lengths: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        return max(max(row) for row in self.lengths)
+
+    def one_span_per_row(self) -> bool:
+        return all(len(row) == 1 for row in self.lengths)
+
+    def cumulative(self, device: torch.device) -> torch.Tensor:
+        """Start offsets of every span in the flattened batch, and its end: varlen kernels' ``cu_seqlens``."""
+        flat = [0]
+        for row in self.lengths:
+            for length in row:
+                flat.append(flat[-1] + length)
+        return torch.tensor(flat, dtype=torch.int32, device=device)
+
+
+def segments_of(position_ids: Optional[torch.Tensor], rows: int, length: int) -> Segments:
+    """The spans of a batch: a new one wherever a position does not follow the one before it (transformers'
+    rule for packed rows), so positions restarting at 0 start an example. No position ids: one span a row."""
+    if position_ids is None:
+        return Segments(((length,),) * rows)
+    host = position_ids.detach().to("cpu", torch.long).expand(rows, length)
+    starts = torch.ones_like(host, dtype=torch.bool)
+    starts[:, 1:] = host[:, 1:] != host[:, :-1] + 1
+    spans = []
+    for row in starts:
+        at = torch.nonzero(row).flatten().tolist() + [length]
+        spans.append(tuple(b - a for a, b in zip(at, at[1:])))
+    return Segments(tuple(spans))
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                             scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface call: query (B, H, S, D), key and value (B, H_kv, S, D) in, the output
+    as (B, S, H, D) out. The spans come as the ``leantune_segments`` keyword (``Segments``); without it (the
+    model's own forward) they are read from the position ids, and a call with a cache is SDPA's."""
+    segments = kwargs.get(SEGMENTS)
+    if segments is None:  # called by transformers' own forward (its loss, generation), not leantune's
+        if key.shape[2] != query.shape[2]:  # a cache: the new tokens see every earlier one
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        segments = segments_of(kwargs.get("position_ids"), query.shape[0], query.shape[2])
+    _refuse_what_cannot_be_exact(module, query, attention_mask, segments, kwargs)
+    if _flash_varlen_usable(query, dropout):
+        return _flash_varlen(query, key, value, segments, scaling), None
+    return _per_span_sdpa(query, key, value, segments, dropout, scaling), None
+
+
+def _refuse_what_cannot_be_exact(module, query, attention_mask, segments, kwargs) -> None:
+    rows, length = query.shape[0], query.shape[2]
+    if segments.rows != rows or any(sum(row) != length for row in segments.lengths):
+        raise VarlenAttentionError(f"varlen attention: spans {segments.lengths} do not cover a batch of {rows} rows of "
+                                   f"{length} tokens (a cache or a sliced sequence is not supported)")
+    if attention_mask is not None:
+        raise VarlenAttentionError("varlen attention takes no attention mask (padding is right-aligned and causal)")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise VarlenAttentionError(f"varlen attention: {type(module).__name__} soft-caps its scores or adds sink "
+                                   "logits, which SDPA cannot; use --attn_implementation eager")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < segments.longest:
+        raise VarlenAttentionError(
+            f"varlen attention: {type(module).__name__} attends within a sliding window of {window} tokens and an "
+            f"example here is {segments.longest} long; use --attn_implementation sdpa (whose mask has the window)")
+
+
+def _gqa(query: torch.Tensor, key: torch.Tensor) -> bool:
+    return query.shape[1] != key.shape[1]
+
+
+def _per_span_sdpa(query, key, value, segments: Segments, dropout: float, scaling) -> torch.Tensor:
+    """SDPA with ``is_causal`` over each span; one call when every row is one span."""
+    gqa = _gqa(query, key)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                              **({"enable_gqa": True} if gqa else {}))
+
+    if segments.one_span_per_row():
+        out = attend(query, key, value)
+    else:
+        rows = []
+        for index, spans in enumerate(segments.lengths):
+            # one split per row: its backward is one concatenation, not a zero-filled row per span
+            parts = zip(*(t[index:index + 1].split(list(spans), dim=2) for t in (query, key, value)))
+            rows.append(torch.cat([attend(q, k, v) for q, k, v in parts], dim=2))
+        out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+    return out.transpose(1, 2).contiguous()
+
+
+def _varlen_kernel():
+    """PyTorch's variable-length flash attention, or None where this PyTorch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
+    return (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and _varlen_kernel() is not None)
+
+
+def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tensor:
+    """One varlen flash call over the flattened batch (total tokens, heads, head dim)."""
+    kernel = _varlen_kernel()
+    batch, heads, length, dim = query.shape
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
+    cumulative = segments.cumulative(query.device)
+    accepts = inspect.signature(kernel).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+    gqa = {"enable_gqa": True} if _gqa(query, key) and "enable_gqa" in accepts else {}
+    if _gqa(query, key) and not gqa:  # an older kernel without grouped heads: share them by repeating
+        repeat = heads // key.shape[1]
+        flat[1], flat[2] = (t.repeat_interleave(repeat, dim=1) for t in flat[1:])
+    out = kernel(*flat, cumulative, cumulative, segments.longest, segments.longest, scale=scaling, **causal, **gqa)
+    return out.reshape(batch, length, heads, dim)
+
+
+def register() -> None:
+    """Make ``varlen`` a name transformers' models accept for ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+
+
+register()

@@ -1,0 +1,278 @@
+"""Long context: varlen attention (no mask), the sequence-tiled MLP, a planner with nothing S x S, --max_context."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.models.attention import resolve_attention, traceable_attention
+from leantune.models.facts import check_context_length, extend_positions, position_limit
+from leantune.models.presets import model_config
+from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens, untile_mlps
+from leantune.models.varlen_attention import SEGMENTS, Segments, segments_of
+from leantune.planning import cli as plan_cli
+from leantune.planning.fake_step import prepare_step
+from leantune.planning.max_context import CONTEXT_STEP, find_max_context, with_levers
+from leantune.planning.plan import plan_modes
+
+SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=101, max_position_embeddings=4096)
+CPU = torch.device("cpu")
+
+
+def twin_models(attentions=("sdpa", "varlen"), seed=0):
+    """The same random float32 weights built with each attention."""
+    models = []
+    for attention in attentions:
+        torch.manual_seed(seed)
+        models.append(AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation=attention,
+                                                       dtype=torch.float32).train())
+    return models
+
+
+def packed_positions(lengths, rows=2):
+    return torch.cat([torch.arange(n) for n in lengths]).expand(rows, sum(lengths)).contiguous()
+
+
+def hidden_and_grads(model, ids, positions=None, segments=None):
+    kwargs = {SEGMENTS: segments} if segments is not None else {}
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **kwargs).last_hidden_state
+    hidden.pow(2).mean().backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_segments_start_where_positions_restart():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
+    assert segments_of(positions, 2, 8).lengths == ((3, 2, 3), (6, 2))
+    assert segments_of(None, 3, 5) == Segments(((5,), (5,), (5,)))
+    assert segments_of(positions, 2, 8).cumulative(CPU).tolist() == [0, 3, 5, 8, 14, 16]
+
+
+def test_varlen_gives_the_masked_sdpa_results_without_a_mask():
+    sdpa, varlen = twin_models()
+    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(1))
+    positions = packed_positions([10, 9, 5])
+    dense, dense_grads = hidden_and_grads(sdpa, ids, positions)
+    ours, our_grads = hidden_and_grads(varlen, ids, positions, segments_of(positions, 2, 24))
+    torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-6)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_varlen_keeps_each_example_to_itself_exactly():
+    (model,) = twin_models(("varlen",))
+    generator = torch.Generator().manual_seed(2)
+    first, later = torch.randint(0, 101, (1, 10), generator=generator), torch.randint(0, 101, (1, 9), generator=generator)
+    other = torch.randint(0, 101, (1, 10), generator=generator)
+    positions = packed_positions([10, 9], rows=1)
+    with torch.no_grad():
+        packed = model.model(input_ids=torch.cat([first, later], 1), position_ids=positions).last_hidden_state
+        moved = model.model(input_ids=torch.cat([other, later], 1), position_ids=positions).last_hidden_state
+        alone = model.model(input_ids=later).last_hidden_state
+    assert torch.equal(packed[:, 10:], moved[:, 10:])  # the example before it does not matter at all
+    torch.testing.assert_close(packed[:, 10:], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_refuses_what_it_cannot_do_exactly():
+    (model,) = twin_models(("varlen",))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="do not cover a batch"):
+        model.model(input_ids=ids, **{SEGMENTS: Segments(((8,), (7,)))})
+
+
+def test_auto_takes_varlen_and_sdpa_where_a_sliding_window_needs_a_mask():
+    config = LlamaConfig(**SHAPE)
+    assert resolve_attention(config, "auto", "cpu") == "varlen"
+    windowed = copy.deepcopy(config)
+    windowed.sliding_window = 512
+    assert resolve_attention(windowed, "auto", "cpu") == "sdpa"
+    with pytest.raises(ConfigError, match="sliding window of 512"):
+        resolve_attention(windowed, "varlen", "cpu")
+    # flash and flex keep the output and its log-sum-exp, no mask: planned as varlen, not as SDPA with a mask
+    assert traceable_attention(config, "flash_attention_2") == "varlen"
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's output has, and the most bytes any real (not fake) output has."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.real_bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+                if not is_fake(t) and t.device.type != "meta":
+                    self.real_bytes = max(self.real_bytes, t.untyped_storage().nbytes())
+        return out
+
+
+def traced_largest(flags: list[str], context: int) -> LargestTensor:
+    cfg = parse_run_config(["--model_name", "tiny", "--context_length", str(context), "--batch_size_training", "1",
+                            "--loss_chunk_size", "1024", *flags])
+    config = model_config("tiny")
+    config.max_position_embeddings = context
+    config._attn_implementation = resolve_attention(config, cfg.model.attn_implementation, "cpu")
+    step = prepare_step(cfg, config, CPU, cfg.checkpointing.mode or "none")
+    with LargestTensor() as largest:
+        step.run()
+    return largest
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable_activation_checkpointing"],
+                                   ["--enable_activation_checkpointing", "--tiled_mlp", "2048"],
+                                   ["--batching_strategy", "padding"], ["--packed_examples", "concatenated"]],
+                         ids=["apart", "checkpointed", "tiled", "padding", "concatenated"])
+def test_no_s_by_s_tensor_in_a_traced_step_on_the_paths_leantune_chooses(flags):
+    context = 16384
+    largest = traced_largest(flags, context)
+    assert largest.numel < context * context // 8  # the largest here: the loss's chunk of logits (1024 x 2048)
+    assert largest.real_bytes <= 8 * context  # nothing real beyond the batch's own token ids
+
+
+def test_sdpa_asked_for_with_packing_apart_keeps_its_mask_and_the_test_above_would_see_it():
+    context = 4096
+    largest = traced_largest(["--attn_implementation", "sdpa"], context)
+    assert largest.numel >= context * context
+    assert largest.real_bytes <= 8 * context  # the mask is made on fake tensors: planned, never allocated
+
+
+def test_tile_tokens_follow_the_flag():
+    assert tile_tokens("off", 100_000, 4096) is None
+    assert tile_tokens("auto", 8192, 4096) is None and tile_tokens("auto", 8193, 4096) == 4096
+    assert tile_tokens("512", 4096, 64) == 512 and tile_tokens("512", 512, 64) is None
+
+
+def with_mlp_lora(model, dropout=0.0):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "down_proj"],
+                                             lora_dropout=dropout))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tiled_mlp_gives_the_untiled_float32_gradients(lora):
+    plain, tiled = twin_models(("varlen", "varlen"))
+    if lora:
+        plain, tiled = with_mlp_lora(plain), with_mlp_lora(tiled)
+        tiled.load_state_dict(plain.state_dict())  # the same adapters (peft draws lora_A from the global generator)
+    assert tile_mlps(tiled, 7) == 2 and tiled_tokens(tiled) == 7
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(4))
+    hidden, grads = hidden_and_grads(plain, ids)
+    tiled_hidden, tiled_grads = hidden_and_grads(tiled, ids)
+    torch.testing.assert_close(tiled_hidden, hidden, rtol=1e-6, atol=1e-7)  # a tile's matmuls may block otherwise
+    assert grads.keys() == tiled_grads.keys()
+    for name, grad in grads.items():  # weight gradients summed tile by tile: float32 rounding apart
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7)
+    untile_mlps(tiled)
+    assert tiled_tokens(tiled) is None
+
+
+def test_tiled_mlp_replays_lora_dropout_in_backward():
+    (model,) = twin_models(("varlen",))
+    model = with_mlp_lora(model, dropout=0.3)
+    mlp = model.get_decoder().layers[0].mlp
+    whole = mlp.forward
+    tile_mlps(model, 7)
+    x = torch.randn(2, 40, 64, requires_grad=True, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(9)
+    mlp(x).pow(2).sum().backward()
+    tiled_grad = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(9)  # the same tiles, drawn in the same order, with autograd kept (nothing recomputed)
+    torch.cat([whole(x[:, start:start + 7]) for start in range(0, 40, 7)], 1).pow(2).sum().backward()
+    assert torch.equal(tiled_grad, x.grad)
+
+
+def test_tiled_mlp_hands_each_weight_one_gradient_a_step():
+    (model,) = twin_models(("varlen",))
+    tile_mlps(model, 5)
+    calls = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    model.model(input_ids=torch.zeros(1, 40, dtype=torch.long)).last_hidden_state.sum().backward()
+    assert set(calls.values()) == {1}  # --optimizer_in_backward steps each weight once, not once a tile
+
+
+@pytest.mark.parametrize("mode", ["full", "selective_ops", "every_n"])
+def test_tiled_mlp_composes_with_checkpointing(mode):
+    from leantune.checkpointing import apply_activation_checkpointing, policy_from_config
+
+    plain, tiled = twin_models(("varlen", "varlen"))
+    flags = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
+    policy = policy_from_config(parse_run_config(flags).checkpointing)
+    for model in (plain, tiled):
+        apply_activation_checkpointing(model, policy, CPU)
+    tile_mlps(tiled, 9)
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(6))
+    _, grads = hidden_and_grads(plain, ids)
+    _, tiled_grads = hidden_and_grads(tiled, ids)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_plan_sees_the_tiled_mlp_and_varlen_lower_the_peak():
+    def peak(*flags):
+        cfg = parse_run_config(["--model_name", "tiny", "--context_length", "2048", "--batch_size_training", "1",
+                                "--enable_activation_checkpointing", *flags])
+        config = model_config("tiny")
+        config._attn_implementation = resolve_attention(config, cfg.model.attn_implementation, "cpu")
+        return plan_modes(cfg, config, CPU, ["full"])[0]
+
+    masked, varlen = peak("--attn_implementation", "sdpa", "--tiled_mlp", "off"), peak("--tiled_mlp", "off")
+    tiled = peak("--tiled_mlp", "256")
+    assert varlen.peak_bytes < masked.peak_bytes  # no 2048 x 2048 mask
+    assert tiled.peak_bytes < varlen.peak_bytes and tiled.flops > varlen.flops  # one more MLP forward
+
+
+def test_a_context_beyond_the_positions_names_the_flag_that_extends_them():
+    config = model_config("Llama-3.1-8B")
+    with pytest.raises(ConfigError, match="--rope_scaling_factor 4"):
+        check_context_length(config, 500_000)
+    extended = extend_positions(config, 4)
+    assert position_limit(extended) == 4 * 131072 and position_limit(config) == 131072
+    assert extended.rope_parameters["factor"] == 32.0 and extended.rope_parameters["rope_type"] == "llama3"
+    check_context_length(extended, 500_000)
+
+
+def test_max_context_finds_the_longest_context_that_fits():
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--rope_scaling_factor", "16"])
+    config = extend_positions(model_config("tiny"), 16)
+    config._attn_implementation = "varlen"
+    budget = 160 * 2**20
+    search = find_max_context(cfg, config, CPU, budget)
+    best = search.best
+    assert best.plan.fits and best.plan.context_length == search.max_context > 2048
+    assert best.levers["activation_checkpointing_mode"] == "full"
+    beyond = plan_modes(with_levers(cfg, best.levers, search.max_context + CONTEXT_STEP), config, CPU, ["full"], budget)[0]
+    assert not beyond.fits  # the next context searched (a multiple of 1024 here) does not fit
+
+
+def test_plan_max_context_prints_one_json_object(capsys):
+    code = plan_cli.main(["--model_name", "tiny", "--batch_size_training", "1", "--max_context",
+                          "--memory_budget_gb", "0.2", "--json"])
+    assert code == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["max_context"] == 2048 == found["position_limit"]  # tiny's positions end before its memory
+    assert found["plan"]["context_length"] == 2048 and found["memory_allows"] > 2048
+    assert found["flags"].startswith("--activation_checkpointing_mode full")
+
+
+def test_plan_max_context_needs_a_budget(capsys):
+    assert plan_cli.main(["--model_name", "tiny", "--max_context"]) == 2
+    assert "--memory_budget_gb" in capsys.readouterr().err
