@@ -130,7 +130,7 @@ def test_a_run_logs_the_check_and_its_first_loss_is_the_models_own(family_dir, f
     finetuning.run(parse_run_config(argv), log=lines.append)
     assert any(line.startswith(f"loss check: {type(unwrap_model(_loaded(path))).__name__}'s own loss reproduced")
                for line in lines)
-    assert any(f"{ATTENTION.get(family, "varlen")} attention" in line for line in lines if line.startswith("model:"))
+    assert any(f"{ATTENTION.get(family, 'varlen')} attention" in line for line in lines if line.startswith("model:"))
     step_1 = json.loads((tmp_path / "out" / "metrics.json").read_text())["train_steps"][0]["loss"]
     assert step_1 == pytest.approx(_own_first_batch_loss(path, parse_run_config(argv)), rel=1e-5)
 

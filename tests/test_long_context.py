@@ -240,6 +240,24 @@ def test_the_plan_sees_the_tiled_mlp_and_varlen_lower_the_peak():
     assert tiled.peak_bytes < varlen.peak_bytes and tiled.flops > varlen.flops  # one more MLP forward
 
 
+@pytest.mark.parametrize("flags, mode", [([], "none"), (["--tiled_mlp", "off"], "full"), (["--tiled_mlp", "300"], "full"),
+                                         (["--use_peft", "--tiled_mlp", "512"], "full"),
+                                         (["--use_peft", "--tiled_mlp", "512"], "selective_ops")],
+                         ids=["varlen", "checkpointed", "tiled", "lora-tiled", "lora-tiled-selective"])
+def test_each_lever_is_planned_as_the_same_step_measures(flags, mode):
+    """The fake trace (its tiles sampled: first and last) against the same step on real tensors, all tiles run."""
+    from leantune.planning.fake_step import trace_step
+
+    checkpointing = [] if mode == "none" else ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
+    cfg = parse_run_config(["--model_name", "tiny", "--context_length", "2048", "--batch_size_training", "1",
+                            *flags, *checkpointing])
+    config = model_config("tiny")
+    config._attn_implementation = "varlen"
+    planned, measured = (trace_step(cfg, config, CPU, mode, fake=fake) for fake in (True, False))
+    assert planned.peak_bytes == measured.peak_bytes and planned.breakdown == measured.breakdown
+    assert planned.flops == measured.flops
+
+
 def test_a_context_beyond_the_positions_names_the_flag_that_extends_them():
     config = model_config("Llama-3.1-8B")
     with pytest.raises(ConfigError, match="--rope_scaling_factor 4"):
@@ -276,3 +294,35 @@ def test_plan_max_context_prints_one_json_object(capsys):
 def test_plan_max_context_needs_a_budget(capsys):
     assert plan_cli.main(["--model_name", "tiny", "--max_context"]) == 2
     assert "--memory_budget_gb" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="needs a CUDA device of compute capability 8.0 or more")
+def test_on_a_gpu_the_varlen_kernel_gives_sdpa_per_example():
+    """bf16 on CUDA takes PyTorch's varlen flash kernel; its output and input gradients match SDPA run on each
+    example alone (the CPU path's computation) within bf16 rounding."""
+    from leantune.models import varlen_attention
+
+    assert varlen_attention._varlen_kernel() is not None, "this PyTorch has no torch.nn.attention.varlen"
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 96, 64, device="cuda", dtype=torch.bfloat16, generator=generator,
+                           requires_grad=True) for heads in (8, 2, 2))
+    segments = Segments(((40, 50, 6), (96,)))
+    outputs = []
+    for path in (varlen_attention._flash_varlen, varlen_attention._per_span_sdpa):
+        args = (q, k, v, segments, 0.125) if path is varlen_attention._flash_varlen else (q, k, v, segments, 0.0, 0.125)
+        out = path(*args)
+        grads = torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+        outputs.append((out.float(), [g.float() for g in grads]))
+    (out, grads), (reference, reference_grads) = outputs
+    torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected, rtol=5e-2, atol=5e-2)
+    assert varlen_attention._flash_varlen_usable(q, 0.0) and not varlen_attention._flash_varlen_usable(q.float(), 0.0)
+
+
+def test_the_cpu_and_float32_take_sdpa_per_example():
+    from leantune.models import varlen_attention
+
+    assert not varlen_attention._flash_varlen_usable(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16), 0.0)

@@ -54,11 +54,12 @@ _sampling: list = []
 
 @contextlib.contextmanager
 def sampled_chunks(counter):
-    """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first and the last
-    of its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), and adds the FLOPs
-    of those between, each a copy of the first, to ``counter.flops``. Every full chunk allocates, frees and keeps the same bytes,
-    so the peak and what stays are those of running them all; only the skipped chunks' values are
-    missing, which fake tensors do not have. Never for real tensors (``sampled_pieces`` checks)."""
+    """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first, the second and
+    the last of its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), and adds the
+    FLOPs of those between, each a copy of the second, to ``counter.flops``. Every full chunk allocates,
+    frees and keeps the same bytes, so the peak and what stays are those of running them all; only the
+    skipped chunks' values are missing, which fake tensors do not have. Never for real tensors
+    (``sampled_pieces`` checks)."""
     _sampling.append(counter)
     try:
         yield
@@ -68,16 +69,18 @@ def sampled_chunks(counter):
 
 def sampled_pieces(length: int, step: int, of: torch.Tensor):
     """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` (and only for
-    fake tensors ``of``: a real loss always runs every chunk) the first and the last, with the FLOPs the first
-    counted standing in for each one between."""
+    fake tensors ``of``: a real loss always runs every chunk) the first, the second and the last, with the
+    FLOPs the second counted standing in for each one between. The second, not the first: what a piece keeps
+    for the next (a running sum) is alive only from the second on, and the last may be shorter."""
     starts = range(0, length, step)
-    if not _sampling or not is_fake(of) or len(starts) <= 2:
+    if not _sampling or not is_fake(of) or len(starts) <= 3:
         yield from starts
         return
     counter = _sampling[-1]
-    before = counter.flops
     yield starts[0]
-    counter.flops += (counter.flops - before) * (len(starts) - 2)
+    before = counter.flops
+    yield starts[1]  # a piece after the first, as every one between is: what the first left is alive in it
+    counter.flops += (counter.flops - before) * (len(starts) - 3)
     yield starts[-1]
 
 

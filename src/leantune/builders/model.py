@@ -16,7 +16,8 @@ from leantune.checkpointing import (CheckpointingReport, apply_activation_checkp
 from leantune.config import RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
 from leantune.models.attention import describe_attention
-from leantune.models.facts import ModelFacts, logit_transform, meta_model, run_model_facts, text_config
+from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
+                                   text_config)
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
@@ -108,6 +109,9 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     if cfg.quant.enabled:
         log(describe_quantization(cfg.quant, model))
     log(report.summary_line())
+    if cfg.model.rope_scaling_factor:
+        log(f"positions: {position_limit(facts.config):,}, extended {cfg.model.rope_scaling_factor:g}x by RoPE "
+            f"interpolation (--rope_scaling_factor; {facts.config.rope_parameters.get('rope_type')} scaling)")
     tokens = tiled_tokens(model)
     if tokens:
         log(f"tiled MLP: every decoder layer's MLP in tiles of {tokens} tokens (--tiled_mlp "
