@@ -258,6 +258,22 @@ def test_each_lever_is_planned_as_the_same_step_measures(flags, mode):
     assert planned.flops == measured.flops
 
 
+def test_a_packed_rows_bytes_do_not_depend_on_how_many_examples_it_holds(monkeypatch):
+    """The planner gives each row one packed span (MFU's whole-row attention); a real row holds several (its
+    examples and its padding): both join their spans' outputs by one copy, so the plan holds for either."""
+    from leantune.planning import fake_step
+
+    cfg = parse_run_config(["--model_name", "tiny", "--context_length", "1024", "--batch_size_training", "2"])
+    config = model_config("tiny")
+    config._attn_implementation = "varlen"
+    planned = fake_step.trace_step(cfg, config, CPU, "none")
+    made = fake_step.full_rows_batch
+    spans = Segments(((300, 700, 24), (1024,)), packed=True)
+    monkeypatch.setattr(fake_step, "full_rows_batch", lambda *a, **k: {**made(*a, **k), "segments": spans})
+    measured = fake_step.trace_step(cfg, config, CPU, "none", fake=False)
+    assert planned.peak_bytes == measured.peak_bytes and planned.flops > measured.flops
+
+
 def test_a_context_beyond_the_positions_names_the_flag_that_extends_them():
     config = model_config("Llama-3.1-8B")
     with pytest.raises(ConfigError, match="--rope_scaling_factor 4"):
@@ -326,3 +342,12 @@ def test_the_cpu_and_float32_take_sdpa_per_example():
     from leantune.models import varlen_attention
 
     assert not varlen_attention._flash_varlen_usable(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16), 0.0)
+
+
+def test_a_copy_of_a_tiled_model_runs_its_own_weights():
+    (model,) = twin_models(("varlen",))
+    tile_mlps(model, 5)
+    twin = copy.deepcopy(model)
+    twin.model(input_ids=torch.zeros(1, 40, dtype=torch.long)).last_hidden_state.sum().backward()
+    assert all(p.grad is not None for layer in twin.model.layers for p in layer.mlp.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the original's weights took no part

@@ -54,12 +54,11 @@ _sampling: list = []
 
 @contextlib.contextmanager
 def sampled_chunks(counter):
-    """For a planner tracing a step on fake tensors: inside, the fused loss runs only the first, the second and
-    the last of its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), and adds the
-    FLOPs of those between, each a copy of the second, to ``counter.flops``. Every full chunk allocates,
-    frees and keeps the same bytes, so the peak and what stays are those of running them all; only the
-    skipped chunks' values are missing, which fake tensors do not have. Never for real tensors
-    (``sampled_pieces`` checks)."""
+    """For a planner tracing a step on fake tensors: the fused loss runs only the first, second and last of
+    its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), adding the FLOPs of
+    those between, each a copy of the second, to ``counter.flops``. Every full chunk allocates, frees and
+    keeps the same bytes, so the peak and what stays are those of running them all; only the skipped
+    chunks' values are missing, which fake tensors do not have. Never for real tensors."""
     _sampling.append(counter)
     try:
         yield

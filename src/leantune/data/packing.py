@@ -198,10 +198,10 @@ def full_rows_batch(batch_size: int, context_length: int, vocab: int, apart: boo
 
     With examples packed apart, each row holds two examples (positions restart mid-row), so the
     attention mask the run builds (``sdpa``, eager) is built here too; its size does not depend on
-    how many. ``varlen`` attention is given the row as one span (``segments``): its bytes are those of
-    one example filling the row (rows of several add one transient copy of the attention output,
-    where their spans are joined), and its FLOPs those of attention over the whole row, the
-    convention MFU figures use (a row of several examples computes less).
+    how many. ``varlen`` attention is given each row as one packed span (``segments``): its bytes are
+    those of a packed row however many examples it holds (``Segments.packed``), and its FLOPs those of
+    attention over the whole row, the convention MFU figures use (a row of several examples computes
+    less).
     """
     shape = (batch_size, context_length)
     ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)).to(device)
@@ -210,5 +210,5 @@ def full_rows_batch(batch_size: int, context_length: int, vocab: int, apart: boo
         half = context_length // 2
         positions = torch.cat([torch.arange(half), torch.arange(context_length - half)])
         batch["position_ids"] = positions.expand(shape).contiguous().to(device)
-        batch["segments"] = Segments(((context_length,),) * batch_size)
+        batch["segments"] = Segments(((context_length,),) * batch_size, packed=True)
     return batch

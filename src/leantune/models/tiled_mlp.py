@@ -24,6 +24,8 @@ random generator (LoRA dropout) is replayed in backward from the state the forwa
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from typing import Callable, Optional
 
 import torch
@@ -32,7 +34,7 @@ from leantune.checkpointing.selective import recompute_everything
 from leantune.loss import sampled_pieces
 from leantune.models.structure import decoder_layers
 
-_ORIGINAL = "_leantune_untiled_forward"
+_TOKENS = "_leantune_tile_tokens"  # set on a tiled module: its tile size
 
 
 def tile_tokens(setting: str, context_length: int, hidden_size: int) -> Optional[int]:
@@ -67,13 +69,20 @@ def tiled_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
 
 def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
     """Make every decoder layer's MLP and norms run in tiles of ``tokens`` along the sequence; returns the
-    layers tiled. Applied once: a module tiled already is re-tiled with the new size, never wrapped twice."""
+    layers tiled. Applied once: a module tiled already is re-tiled with the new size, never wrapped twice.
+
+    The tiled forward is a method bound to the module (``copy.deepcopy`` binds the copy's to the copy)
+    that runs the module's own class ``forward``; a module whose forward something else replaced on the
+    instance is refused rather than silently bypassed.
+    """
     count = 0
     for layer in decoder_layers(model):
         for module in tiled_modules(layer):
-            untiled = getattr(module, _ORIGINAL, None) or module.forward
-            setattr(module, _ORIGINAL, untiled)
-            module.forward = _tiled_forward(module, untiled, tokens)
+            if "forward" in vars(module) and not hasattr(module, _TOKENS):
+                raise TypeError(f"{type(module).__name__}'s forward is replaced on the instance already (by another "
+                                "library's hook); leantune will not tile over it: use --tiled_mlp off")
+            setattr(module, _TOKENS, tokens)
+            module.forward = types.MethodType(_tiled_forward, module)
         count += 1
     return count
 
@@ -82,29 +91,26 @@ def untile_mlps(model: torch.nn.Module) -> None:
     """Undo ``tile_mlps``."""
     for layer in decoder_layers(model):
         for module in tiled_modules(layer):
-            if hasattr(module, _ORIGINAL):
+            if hasattr(module, _TOKENS):
                 del module.forward
-                delattr(module, _ORIGINAL)
+                delattr(module, _TOKENS)
 
 
 def tiled_tokens(model: torch.nn.Module) -> Optional[int]:
     """The tile size ``tile_mlps`` gave ``model``'s MLPs, or None when they are whole."""
     for layer in decoder_layers(model):
-        forward = getattr(mlp_of(layer), "forward", None)
-        return getattr(forward, "tile_tokens", None)
+        return getattr(mlp_of(layer), _TOKENS, None)
     return None
 
 
-def _tiled_forward(mlp: torch.nn.Module, untiled: Callable, tokens: int) -> Callable:
-    @torch._dynamo.disable  # compiled layers run it as it is: autograd inside backward cannot be traced
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[-2] <= tokens:
-            return untiled(x)
-        weights = [p for p in mlp.parameters() if p.requires_grad]
-        return _TiledMLPFunction.apply(untiled, tokens, x, *weights)
-
-    forward.tile_tokens = tokens
-    return forward
+@torch._dynamo.disable  # compiled layers run it as it is: autograd inside backward cannot be traced
+def _tiled_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    tokens = getattr(module, _TOKENS)
+    untiled = functools.partial(type(module).forward, module)
+    if x.dim() < 2 or x.shape[-2] <= tokens:
+        return untiled(x)
+    weights = [p for p in module.parameters() if p.requires_grad]
+    return _TiledMLPFunction.apply(untiled, tokens, x, *weights)
 
 
 class _TiledMLPFunction(torch.autograd.Function):

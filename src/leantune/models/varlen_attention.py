@@ -40,6 +40,9 @@ class Segments:
     """Where each row's examples start: per row, the lengths of its spans (examples, and padding as one)."""
 
     lengths: tuple[tuple[int, ...], ...]
+    # from packed rows (position ids): however many spans a row holds, its output is joined by a copy,
+    # so that its bytes do not depend on how many examples the row holds (what was planned is what runs)
+    packed: bool = False
 
     @property
     def rows(self) -> int:
@@ -73,7 +76,7 @@ def segments_of(position_ids: Optional[torch.Tensor], rows: int, length: int) ->
     for row in starts:
         at = torch.nonzero(row).flatten().tolist() + [length]
         spans.append(tuple(b - a for a, b in zip(at, at[1:])))
-    return Segments(tuple(spans))
+    return Segments(tuple(spans), packed=True)
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -123,16 +126,18 @@ def _per_span_sdpa(query, key, value, segments: Segments, dropout: float, scalin
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                               **({"enable_gqa": True} if gqa else {}))
 
-    if segments.one_span_per_row():
-        out = attend(query, key, value)
-    else:
-        rows = []
-        for index, spans in enumerate(segments.lengths):
-            # one split per row: its backward is one concatenation, not a zero-filled row per span
-            parts = zip(*(t[index:index + 1].split(list(spans), dim=2) for t in (query, key, value)))
-            rows.append(torch.cat([attend(q, k, v) for q, k, v in parts], dim=2))
-        out = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
-    return out.transpose(1, 2).contiguous()
+    if segments.one_span_per_row() and not segments.packed:
+        return attend(query, key, value).transpose(1, 2).contiguous()
+    # Every span's output, in the (B, S, H, D) layout the output projection reads, joined by one copy:
+    # the same bytes however many examples a packed row holds (one copy more than a single SDPA call,
+    # whose output is that layout already).
+    parts = []
+    for index, spans in enumerate(segments.lengths):
+        # one split per row: its backward is one concatenation, not a zero-filled row per span
+        for q, k, v in zip(*(t[index:index + 1].split(list(spans), dim=2) for t in (query, key, value))):
+            parts.append(attend(q, k, v).transpose(1, 2))
+    batch, heads, length, dim = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
+    return torch.cat(parts, dim=1).view(batch, length, heads, dim)
 
 
 def _varlen_kernel():

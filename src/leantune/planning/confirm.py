@@ -47,7 +47,7 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
                 rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
                 with (StepPeakMeter(device, model) if measured else contextlib.nullcontext()) as meter:
                     loss_and_backward(loss_model, rows["input_ids"], rows["labels"], precision,
-                                      position_ids=rows.get("position_ids"))
+                                      position_ids=rows.get("position_ids"), segments=rows.get("segments"))
                 return meter.budget_bytes_used if measured else 0
         finally:
             for hook in hooks:

@@ -33,7 +33,7 @@ def live_storage_bytes(step: PreparedStep, round_to: int = 1) -> int:
     tensors = [*model.parameters(), *(t for p in model.parameters() for t in carried_tensors(p)), *model.buffers(),
                *(p.grad for p in model.parameters() if p.grad is not None),
                *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)),
-               *(t for batch in step.window for t in batch.values())]
+               *(t for batch in step.window for t in batch.values() if isinstance(t, torch.Tensor))]
     storages = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
