@@ -57,7 +57,9 @@ CASES = {
     "negative accumulation": (["--gradient_accumulation_steps", "-1"], {}, 2, "--gradient_accumulation_steps: must be at least 1"),
     "context of one token": (["--context_length", "1"], {}, 2, "--context_length: must be at least 2 (got 1)"),
     "context beyond the model": (["--context_length", "4096"], {}, 2,
-                                 "--context_length 4096: the model handles at most 2048 positions"),
+                                 "--context_length 4096: the model handles at most 2,048 positions "
+                                 "(max_position_embeddings, with its RoPE scaling); use --context_length 2048 or less, "
+                                 "or extend the positions with --rope_scaling_factor 2"),
     "val fraction above one": (["--val_fraction", "1.5"], {}, 2, "--val_fraction: must be in [0, 1) (got 1.5)"),
     "zero clipping threshold": (["--gradient_clipping_threshold", "0"], {}, 2,
                                 "--gradient_clipping_threshold: must be positive"),

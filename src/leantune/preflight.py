@@ -111,7 +111,7 @@ def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> No
 def check_model_shape(cfg: RunConfig, device_type: str = "cpu") -> ModelFacts:
     """The context length, LoRA targets and checkpointable layers against the model's config, read once here
     without loading a weight."""
-    facts = run_model_facts(cfg.model, device_type)
+    facts = run_model_facts(cfg.model, device_type, compiled=cfg.training.compile)
     facts.check_context_length(cfg.data.context_length)
     if cfg.peft.use_peft and not cfg.peft.from_peft_checkpoint:
         facts.check_lora_targets(cfg.peft.lora_target_modules)

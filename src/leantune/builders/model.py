@@ -92,7 +92,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one already loaded.
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    facts = facts if facts is not None else run_model_facts(cfg.model, precision.device.type)
+    facts = facts if facts is not None else run_model_facts(cfg.model, precision.device.type,
+                                                            compiled=cfg.training.compile)
     if on_meta:
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)

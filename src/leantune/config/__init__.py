@@ -103,7 +103,8 @@ class TrainingConfig:
         "Run each decoder layer's MLP over tiles of the sequence, recomputing a tile's intermediates in "
         "backward, so no batch x context x intermediate tensor exists (long context; one more MLP forward "
         "a step). auto: tiles of hidden_size tokens when a row holds more than two of them (contexts over "
-        "8192 for an 8B, 4096 for a 1B; never at the quickstart's); off; N: tiles of N tokens."))
+        "8192 for an 8B, 4096 for a 1B; never at the quickstart's; never with --compile); off; N: tiles of N "
+        "tokens."))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer (with its activation checkpointing, any mode but offload); "
         "the first step compiles (tens of seconds), later steps run the compiled layers. Losses equal "
@@ -348,6 +349,11 @@ class RunConfig:
             raise ConfigError(f"--compile: not with --activation_checkpointing_mode {mode} (its hooks act while the "
                               "layer runs, which a compiled graph does not expose); use full or selective_ops, "
                               "or drop --compile")
+        if self.training.compile and self.training.tiled_mlp not in ("off", "auto"):
+            raise ConfigError(f"--tiled_mlp {self.training.tiled_mlp}: not with --compile yet (a compiled layer cannot "
+                              "run autograd inside its backward, so it would run eagerly); drop one")
+        if self.training.compile:
+            self.training.tiled_mlp = "off"  # auto's choice under --compile (see its help)
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")

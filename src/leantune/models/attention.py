@@ -48,16 +48,21 @@ def supported(config: PretrainedConfig) -> list[str]:
     return [name for name, flag in _SUPPORT.items() if flag is None or getattr(cls, flag, False)]
 
 
-def resolve_attention(config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True) -> str:
+def resolve_attention(config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True,
+                      compiled: bool = False) -> str:
     """The implementation a run on ``device_type`` uses for ``--attn_implementation requested`` (``ConfigError``
     naming the architecture and what it supports when it cannot). ``installed_here`` False: a plan for
-    another machine, which need not have flash-attn installed."""
+    another machine, which need not have flash-attn installed. ``compiled`` (``--compile``): ``auto`` takes
+    sdpa, since varlen's spans (Python numbers per batch) would recompile the layers at every new packing."""
     usable = supported(config)
     name = causal_lm_class(config).__name__
     if requested == AUTO:
         if "sdpa" not in usable:
             return "eager"
-        return "sdpa" if whole_context_not_attended(config) else VARLEN
+        return "sdpa" if compiled or whole_context_not_attended(config) else VARLEN
+    if requested == VARLEN and compiled:
+        raise ConfigError(f"--attn_implementation {VARLEN}: not with --compile yet (each batch's spans would recompile "
+                          "the layers); use sdpa, or drop --compile")
     if requested not in usable:
         raise ConfigError(f"--attn_implementation {requested}: {name} does not support it; it supports "
                           f"{', '.join(usable)} (or auto)")
@@ -79,6 +84,9 @@ def whole_context_not_attended(config: PretrainedConfig) -> str | None:
     soft-capped scores), or None when it is."""
     if getattr(config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores"
+    if getattr(config, "attention_chunk_size", None) or "chunked_attention" in (getattr(config, "layer_types", None)
+                                                                                or []):
+        return "attends within chunks of the context"
     window = getattr(config, "sliding_window", None)
     sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
     if window and getattr(config, "use_sliding_window", True) and sliding_layers and \
@@ -90,8 +98,8 @@ def whole_context_not_attended(config: PretrainedConfig) -> str | None:
 def describe_attention(attention: str) -> str:
     """What the model line says of ``attention`` beyond its name."""
     if attention == VARLEN:
-        return (f"{VARLEN} attention (each example of a row alone, no S x S mask: PyTorch's varlen flash kernel on a "
-                "GPU, SDPA per example otherwise)")
+        return (f"{VARLEN} attention (each example of a row alone, no S x S mask: PyTorch's varlen flash kernel for "
+                "bf16/fp16 on a GPU, SDPA per example otherwise)")
     return f"{attention} attention"
 
 

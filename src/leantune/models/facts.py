@@ -110,15 +110,21 @@ def extend_positions(config: PretrainedConfig, factor: float) -> PretrainedConfi
     config = copy.deepcopy(config)
     text = text_config(config)
     rope = dict(getattr(text, "rope_parameters", None) or {})
+    per_layer_type = rope and all(isinstance(value, dict) for value in rope.values())  # Gemma 3: one per kind
+    text.rope_parameters = ({kind: _extended_rope(dict(value), factor, config) for kind, value in rope.items()}
+                            if per_layer_type else _extended_rope(rope, factor, config))
+    text.max_position_embeddings = int(position_limit(config) * factor)
+    return config
+
+
+def _extended_rope(rope: dict, factor: float, config: PretrainedConfig) -> dict:
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
         raise ConfigError(f"--rope_scaling_factor: {type(config).__name__}'s RoPE scaling is {kind!r}, which leantune "
                           "cannot extend by one factor; drop the flag")
     rope["factor"] = float(rope.get("factor", 1.0) if kind != "default" else 1.0) * factor
     rope["rope_type"] = "linear" if kind == "default" else kind
-    text.rope_parameters = rope
-    text.max_position_embeddings = int(position_limit(config) * factor)
-    return config
+    return rope
 
 
 class ModelFacts:
@@ -159,7 +165,7 @@ class ModelFacts:
                 "checkpointing asked for. Drop the flag, or use a model whose layers transformers can checkpoint")
 
 
-def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
+def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool = False) -> ModelFacts:
     """The facts of the model a run on ``device_type`` trains: its own ``config.json`` (a directory, or a
     hub id's), with the attention implementation the run uses."""
     try:
@@ -169,7 +175,8 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
                              "directory saved with save_pretrained, or a hub id with network access") from None
     if cfg.rope_scaling_factor:
         config = extend_positions(config, cfg.rope_scaling_factor)
-    facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type)))
+    facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type,
+                                                                compiled=compiled)))
     try:
         facts.shape  # built now: a model transformers cannot build is refused before any weight loads
     except Exception as err:  # noqa: BLE001 - a missing package (timm), a config transformers cannot follow, ...
@@ -178,11 +185,11 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu") -> ModelFacts:
     return facts
 
 
-def plan_model_facts(cfg: ModelConfig, device_type: str) -> ModelFacts:
+def plan_model_facts(cfg: ModelConfig, device_type: str, compiled: bool = False) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
     with the attention implementation a run on ``device_type`` would use."""
     config = model_config(cfg.model_name)
     if cfg.rope_scaling_factor:
         config = extend_positions(config, cfg.rope_scaling_factor)
-    attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False)
+    attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False, compiled=compiled)
     return ModelFacts(with_attention(config, attention))

@@ -51,20 +51,20 @@ def tile_tokens(setting: str, context_length: int, hidden_size: int) -> Optional
     return tokens if tokens < context_length else None
 
 
-def mlp_of(layer: torch.nn.Module) -> torch.nn.Module:
-    """A decoder layer's MLP (transformers calls it ``mlp`` in every family leantune trains)."""
+def mlp_of(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A decoder layer's MLP (``mlp`` in every dense family leantune trains), or None (a mixture of experts)."""
     mlp = getattr(layer, "mlp", None)
-    if not isinstance(mlp, torch.nn.Module):
-        raise TypeError(f"{type(layer).__name__} has no mlp module to tile; use --tiled_mlp off")
-    return mlp
+    return mlp if isinstance(mlp, torch.nn.Module) else None
 
 
 def tiled_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
     """What of a decoder layer runs in tiles: its MLP and its own norms (each pointwise along the sequence, and
-    each keeping float32 copies of its input for backward when whole); not the attention's per-head norms."""
+    each keeping float32 copies of its input for backward when whole); not the attention's per-head norms, nor
+    an experts block (its router is not a plain MLP)."""
     norms = [child for child in layer.children()
              if isinstance(child, torch.nn.LayerNorm) or type(child).__name__.endswith("RMSNorm")]
-    return [mlp_of(layer), *norms]
+    mlp = mlp_of(layer)
+    return [mlp, *norms] if mlp is not None else norms
 
 
 def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
@@ -99,7 +99,7 @@ def untile_mlps(model: torch.nn.Module) -> None:
 def tiled_tokens(model: torch.nn.Module) -> Optional[int]:
     """The tile size ``tile_mlps`` gave ``model``'s MLPs, or None when they are whole."""
     for layer in decoder_layers(model):
-        return getattr(mlp_of(layer), _TOKENS, None)
+        return next((getattr(m, _TOKENS) for m in tiled_modules(layer) if hasattr(m, _TOKENS)), None)
     return None
 
 
@@ -164,8 +164,11 @@ def _tiles(x: torch.Tensor, tokens: int):
 
 
 def _autocast_state(device_type: str) -> dict:
+    """The forward's autocast, to recompute under in backward: its cast cache too (leantune runs with it off,
+    so the trainable weights' low-precision copies are not kept and the tile input's gradients from gate and
+    up are summed in float32, not through one shared cast)."""
     return dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
-                dtype=torch.get_autocast_dtype(device_type))
+                dtype=torch.get_autocast_dtype(device_type), cache_enabled=torch.is_autocast_cache_enabled())
 
 
 def _rng_state(device: torch.device):

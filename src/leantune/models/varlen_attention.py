@@ -14,8 +14,8 @@ causal attention over each example alone:
 
 Both keep O(S) per head for backward (the output and its log-sum-exp), never a score matrix. A row
 of one example is one SDPA call, the very call the ``sdpa`` path makes without a mask. The name
-is registered with transformers' ``AttentionInterface``; transformers builds no mask for a name
-its mask builders do not know, which is what is wanted here.
+is registered with transformers' ``AttentionInterface``, and its mask builder (``varlen_mask``)
+builds none: it refuses a padding mask with padding in it, which varlen would not read.
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     model's own forward) they are read from the position ids, and a call with a cache is SDPA's."""
     segments = kwargs.get(SEGMENTS)
     if segments is None:  # called by transformers' own forward (its loss, generation), not leantune's
-        if key.shape[2] != query.shape[2]:  # a cache: the new tokens see every earlier one
+        if key.shape[2] != query.shape[2]:  # a cache: one new token sees every earlier one
+            if query.shape[2] != 1:
+                raise VarlenAttentionError("varlen attention: several new tokens against a cache; load the model "
+                                           "with attn_implementation='sdpa' to generate")
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         segments = segments_of(kwargs.get("position_ids"), query.shape[0], query.shape[2])
@@ -170,11 +173,22 @@ def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tenso
     return out.reshape(batch, length, heads, dim)
 
 
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs) -> None:
+    """transformers' mask builder for ``varlen``: no mask, ever. A padding mask with padding in it (the model's own
+    forward on a left-padded batch) is refused: varlen attends causally within spans and would read the pads."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise VarlenAttentionError("varlen attention: this batch has padding in its attention mask, which varlen "
+                                   "does not read; load the model with attn_implementation='sdpa' for padded batches")
+    return None
+
+
 def register() -> None:
     """Make ``varlen`` a name transformers' models accept for ``attn_implementation`` (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(NAME, varlen_mask)
 
 
 register()

@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size, argv = _take_world_size(argv)
         cfg = parse_run_config(argv)
         target = plan_target(cfg)
-        facts = plan_model_facts(cfg.model, target.type)
+        facts = plan_model_facts(cfg.model, target.type, compiled=cfg.training.compile)
         check_own_loss(cfg, facts)  # a model leantune would refuse to train is not planned either
         config = facts.config
         budget = budget_bytes(cfg, target)

@@ -11,7 +11,10 @@ line until the longest fitting multiple of ``CONTEXT_STEP`` is bracketed. The co
 longest context wins; a tie goes to the one with the fewest FLOPs per token.
 
 A model attends to at most ``max_position_embeddings`` positions: the search stops there, and says
-how far the memory alone would go (by the line) and which flag extends the positions.
+how far the memory alone would go (by the line) and which flag extends the positions. With an
+attention that builds an S x S tensor (``sdpa`` with packing apart, eager) the peak is not a line:
+the search still ends on a traced context that fits and a next one that does not, but its
+``memory_allows`` extrapolation is then only a guess.
 """
 
 from __future__ import annotations

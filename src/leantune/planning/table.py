@@ -111,6 +111,6 @@ def print_search(search, log=print) -> None:
     if best.plan.pinned_host_bytes:
         log(f"  offload's pinned pool holds {best.plan.pinned_host_bytes / GIB:.2f} GiB of layer inputs there: the "
             "host needs that much pinnable memory (--activation_offload_max_pinned_gb caps it)")
-    if search.max_context >= search.position_limit - 1024 < best.memory_allows:
+    if search.max_context + 1024 > search.position_limit and best.memory_allows > search.max_context:
         log(f"  the model's positions end at {search.position_limit:,}; memory alone would allow about "
             f"{best.memory_allows:,} (extrapolated): --rope_scaling_factor extends the positions")
