@@ -425,7 +425,7 @@ def test_compile_takes_sdpa_and_no_tiles_and_refuses_them_asked_for():
     with pytest.raises(ConfigError, match="not with --compile"):
         resolve_attention(config, "varlen", "cpu", compiled=True)
     assert parse_run_config(["--compile"]).training.tiled_mlp == "off"
-    with pytest.raises(ConfigError, match="--tiled_mlp 512: not with --compile"):
+    with pytest.raises(ConfigError, match="--tiled_mlp: 512: not with --compile"):
         parse_run_config(["--compile", "--tiled_mlp", "512"])
 
 

@@ -33,7 +33,11 @@ def test_quickstart_flags_parse():
 def test_readme_plan_command_parses():
     from leantune.planning.cli import modes_to_plan, plan_target
 
-    (block,) = [b for b in _bash_blocks() if b.strip().startswith("leantune plan")]
+    blocks = [b for b in _bash_blocks() if b.strip().startswith("leantune plan")]
+    (block,) = [b for b in blocks if "--max_context" not in b]
+    (search,) = [b for b in blocks if "--max_context" in b]  # the long-context section's; a plan-only flag
+    searched = parse_run_config([a for a in shlex.split(search.replace("\\\n", " "))[2:] if a != "--max_context"])
+    assert searched.model.model_name == "meta-llama/Llama-3.1-8B" and searched.memory.memory_budget_gb == 23.5
     argv = shlex.split(block.replace("\\\n", " "))[2:]
     cfg = parse_run_config(argv)
     assert cfg.model.model_name == "meta-llama/Llama-3.1-8B-Instruct" and cfg.memory.memory_budget_gb == 24

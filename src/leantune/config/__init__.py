@@ -46,10 +46,8 @@ class ModelConfig:
             "seq scores per layer the plan shows. flex_attention and flash_attention_2 need a CUDA GPU "
             "(flash_attention_2 also the flash-attn package)."))
 
-    rope_scaling_factor: Optional[float] = field(default=None, metadata=_help(
-        "Extend the model's positions this many times by RoPE interpolation (max_position_embeddings and the "
-        "RoPE scaling factor multiplied; a model without scaling takes linear scaling), to train a longer "
-        "context than it was made for. Default: the model's own positions."))
+    rope_scaling_factor: Optional[float] = field(default=None, metadata=_help("Extend the model's positions this "
+        "many times by RoPE interpolation (its positions and RoPE scaling factor multiplied; linear if none)."))
 
     def __post_init__(self):
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")
@@ -100,11 +98,9 @@ class TrainingConfig:
         "0: plain loss; default: chunked, about 64 MiB of float32 logits a chunk, or a quarter of a trained "
         "float32 head's gradient when that is more (with or without checkpointing)."))
     tiled_mlp: str = field(default="auto", metadata=_help(
-        "Run each decoder layer's MLP over tiles of the sequence, recomputing a tile's intermediates in "
-        "backward, so no batch x context x intermediate tensor exists (long context; one more MLP forward "
-        "a step). auto: tiles of hidden_size tokens when a row holds more than two of them (contexts over "
-        "8192 for an 8B, 4096 for a 1B; never at the quickstart's; never with --compile); off; N: tiles of N "
-        "tokens."))
+        "Run each decoder layer's MLP and norms over sequence tiles, recomputed in backward: no batch x context x "
+        "intermediate tensor (one more MLP forward a step). auto: tiles of hidden_size tokens when a row holds "
+        "more than two (over 8192 tokens for an 8B; never with --compile); off; N: tiles of N tokens."))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer (with its activation checkpointing, any mode but offload); "
         "the first step compiles (tens of seconds), later steps run the compiled layers. Losses equal "
@@ -129,7 +125,7 @@ class TrainingConfig:
         _require(self.loss_chunk_size is None or self.loss_chunk_size >= 0, "loss_chunk_size",
                  f"must be 0 (plain loss) or a positive number of tokens (got {self.loss_chunk_size})")
         self.tiled_mlp = str(self.tiled_mlp).strip().lower()
-        _require(self.tiled_mlp in ("off", "auto") or (self.tiled_mlp.isdigit() and int(self.tiled_mlp) > 0),
+        _require(self.tiled_mlp in ("off", "auto") or self.tiled_mlp.isdigit() and int(self.tiled_mlp) > 0,
                  "tiled_mlp", f"must be off, auto or a positive number of tokens per tile (got {self.tiled_mlp!r})")
 
 
@@ -349,11 +345,10 @@ class RunConfig:
             raise ConfigError(f"--compile: not with --activation_checkpointing_mode {mode} (its hooks act while the "
                               "layer runs, which a compiled graph does not expose); use full or selective_ops, "
                               "or drop --compile")
-        if self.training.compile and self.training.tiled_mlp not in ("off", "auto"):
-            raise ConfigError(f"--tiled_mlp {self.training.tiled_mlp}: not with --compile yet (a compiled layer cannot "
-                              "run autograd inside its backward, so it would run eagerly); drop one")
-        if self.training.compile:
-            self.training.tiled_mlp = "off"  # auto's choice under --compile (see its help)
+        if self.training.compile:  # a compiled layer cannot run autograd inside its backward: auto is off
+            _require(self.training.tiled_mlp in ("off", "auto"), "tiled_mlp", f"{self.training.tiled_mlp}: not with "
+                     "--compile yet (the layers would run eagerly); drop one")
+            self.training.tiled_mlp = "off"
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")
