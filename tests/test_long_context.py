@@ -57,15 +57,19 @@ def test_segments_start_where_positions_restart():
     assert segments_of(positions, 2, 8).cumulative(CPU).tolist() == [0, 3, 5, 8, 14, 16]
 
 
-def test_varlen_gives_the_masked_sdpa_results_without_a_mask():
+def assert_varlen_matches_masked_sdpa(positions: torch.Tensor, seed: int) -> None:
+    """varlen's hidden states and float32 gradients against sdpa's with the mask those positions make."""
     sdpa, varlen = twin_models()
-    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(1))
-    positions = packed_positions([10, 9, 5])
+    ids = torch.randint(0, 101, tuple(positions.shape), generator=torch.Generator().manual_seed(seed))
     dense, dense_grads = hidden_and_grads(sdpa, ids, positions)
-    ours, our_grads = hidden_and_grads(varlen, ids, positions, segments_of(positions, 2, 24))
+    ours, our_grads = hidden_and_grads(varlen, ids, positions, segments_of(positions, *positions.shape))
     torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-6)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_varlen_gives_the_masked_sdpa_results_without_a_mask():
+    assert_varlen_matches_masked_sdpa(packed_positions([10, 9, 5]), seed=1)
 
 
 def test_varlen_keeps_each_example_to_itself_exactly():
@@ -354,16 +358,10 @@ def test_a_copy_of_a_tiled_model_runs_its_own_weights():
 
 
 def test_rows_with_different_spans_each_get_their_own():
-    sdpa, varlen = twin_models()
-    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(7))
     positions = torch.stack([torch.cat([torch.arange(10), torch.arange(9), torch.arange(5)]),
                              torch.cat([torch.arange(3), torch.arange(21)])])
     assert segments_of(positions, 2, 24).lengths == ((10, 9, 5), (3, 21))
-    dense, dense_grads = hidden_and_grads(sdpa, ids, positions)
-    ours, our_grads = hidden_and_grads(varlen, ids, positions, segments_of(positions, 2, 24))
-    torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-6)
-    for name, grad in dense_grads.items():
-        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6)
+    assert_varlen_matches_masked_sdpa(positions, seed=7)
 
 
 def test_varlen_refuses_a_binding_sliding_window_a_padded_batch_and_a_multi_token_cache_step():
