@@ -1,38 +1,33 @@
-"""The prepared check for leantune's first GPU: what one should tell us, in order of value, as JSON under OUT.
+"""The prepared check for leantune's first GPU: what one device call can tell us, most valuable first, as JSON.
 
-    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR]   # one CUDA GPU
+    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR]   # one CUDA GPU, under 8 minutes
     python benchmarks/gpu_check.py --dry_run --out /tmp/gpu_check            # the CPU: every part, tiny shapes
+    python benchmarks/gpu_check.py --list                                    # each part and its limit (s)
 
 Nothing to install on the GPU machine beyond its own CUDA PyTorch, transformers and peft: the script
 puts this checkout's ``src`` first on its own and its children's path (the image has no package
 index, so ``pip install -e .`` could not fetch its build tools). The parts (``gpu_check_parts.py``;
-docs/gpu_check.md says what each measures):
-
-1. ``device``: versions, the GPU's name and MFU peak, bf16, the measured CUDA context and cuBLAS
-   workspace against the planner's assumptions, the allocator's rounding with and without
-   expandable segments;
-2. ``reference``: the report this project answers, run by leantune (Llama-3.2-1B LoRA, context 2048):
-   batch 11 without checkpointing, with it, with offload (plus the memory snapshot), and
-   ``--auto_batch_size`` in the report's 80 GB; peak, step time, tokens/s, MFU and the plan check of each;
-3. ``cuda_tests``: the tests marked ``gpu`` and the memory tests' CUDA branches;
-4. ``full_finetuning``: the chunked against the plain loss, 4 x 2048;
-5. ``lean``: anyprecision + pure bf16, the optimizer step in backward, 8-bit AdamW and QLoRA;
-6. ``fsdp``: FSDP2 on one NCCL rank under torchrun with CPU offload, the model saved;
-7. ``fp16``: float16 with the gradient scaler.
+docs/gpu_check.md says what each measures), in order of value: ``device`` (versions, the measured
+CUDA context and cuBLAS workspace, the allocator's rounding), ``cuda_tests``, ``reference`` (the
+report's workload, batch 11 at 2048, the plan's error at step 2), ``qlora``, ``compile``,
+``lean_optimizers`` (``--optimizer auto`` choosing the step in backward), ``attention`` (packing
+apart: sdpa's mask against the reference's varlen), ``fsdp`` (one rank, host offload) and
+``resume`` (the reference's run resumed from its step 2). Their limits, the model's build and the
+40 s kept to stop a part add up to 470 s on one H200 (a guess until the first run), so each part
+gets all of its limit even when every part before it used all of its own.
 
 Each part runs in a process of its own under its own time limit (at the limit the part kills its
 runs and saves what they got to, and 20 s later whatever under it is left, torchrun's worker included,
 is killed), and no part starts once ``--budget_s`` is spent (from the process's start), so a hang or
-an out-of-memory error costs one part, not the check; a
-part's runs are saved as each ends, so one stopped at its limit keeps what finished. Not yet timed
-on a GPU. The model (the 1B shape, random weights, leantune's tiny tokenizer) is built with
-``save_pretrained`` in ``--work_dir``, where every run's directory and log stay too. OUT gets three
-files, rewritten after every part: ``gpu_check.json`` (every part's status, seconds and findings),
-``gpu_check.txt`` (the table printed at the end) and ``logs.tar.gz`` (every log, cut to its last
-lines if the archive would pass 12 MiB). bitsandbytes is not in the GPU machine's image:
-``--bitsandbytes_wheels DIR`` installs it from a wheel directory; without it those runs are skipped
-with one line. In the dry run the CUDA-only flags (offload, the snapshot, FSDP's CPU offload) are
-left out, and everything else runs.
+an out-of-memory error costs one part, not the check; a part's runs are saved as each ends, so one
+stopped at its limit keeps what finished. The model (the 1B shape, random weights, leantune's tiny
+tokenizer) is built with ``save_pretrained`` in ``--work_dir``, where every run's directory and log
+stay too. OUT gets three files, rewritten after every part: ``gpu_check.json`` (every part's
+status, seconds and findings), ``gpu_check.txt`` (the table printed at the end) and
+``logs.tar.gz`` (every log, cut to its last lines if the archive would pass 12 MiB). bitsandbytes
+is not in the GPU machine's image: ``--bitsandbytes_wheels DIR`` installs it from a wheel
+directory; without it the QLoRA run is skipped with one line. In the dry run FSDP's CPU offload
+(CUDA only) is left out, and everything else runs.
 """
 
 from __future__ import annotations
@@ -60,7 +55,7 @@ sys.path[:0] = [str(HERE), str(SRC)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(HERE), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gpu_check_parts import PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
+from gpu_check_parts import BUILD_S, PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
 from gpu_check_runs import Check, write_json  # noqa: E402
 from leantune.io import atomic_write_text  # noqa: E402
 
@@ -82,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--part_limit_s", type=float, help="every part's time limit, instead of its own")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument("--bitsandbytes_wheels", type=Path, help="a directory holding a bitsandbytes wheel")
+    parser.add_argument("--list", action="store_true", help="print each part's name and time limit (s), then stop")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: run this one part in this process
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s if args.budget_s is not None else 3600.0 if args.dry_run else 480.0
@@ -228,8 +224,16 @@ def summary_rows(parts: dict) -> list[str]:
     return rows
 
 
+def part_limits() -> list[str]:
+    """``--list``: one line a part, its name and its limit in seconds on one H200, the model's build first."""
+    return [f"build {BUILD_S}", *(f"{name} {limit}" for name, (_, limit) in PARTS.items())]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.list:
+        print("\n".join(part_limits()))
+        return 0
     args.out, args.work_dir = args.out.resolve(), args.work_dir.resolve()
     if args.part:
         return run_part_here(args)

@@ -2,7 +2,9 @@
 
 A part's runs are real leantune runs (``gpu_check_runs.Check.leantune``); the part fails when one
 of them fails. The figures are measurements to read, not thresholds: nothing here passes or fails
-on a number, except that every run must finish.
+on a number, except that every run must finish. ``PARTS`` gives each its limit in seconds on one
+H200; with the model's build (``BUILD_S``) they add up to at most 480 s, so one device call of
+the 15 minutes a session gets holds the whole check, the machine's start-up included.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ for size in (256 * 1024, 1536 * 1024, 9 * 2**20, 11 * 2**20 + 1, 101 * 2**20 + 1
     del block
 print(json.dumps(rows))
 """
-PROBE_LIMIT_S = 20
+PROBE_LIMIT_S = 12
 
 
 def _probe_in_a_child(device: torch.device, alloc_conf: str) -> list[dict] | dict:
@@ -98,77 +100,83 @@ def _with_the_model(rows, expandable: bool):
     return rows
 
 
-def part_reference(check: Check) -> dict:
-    """The report's workload: batch 11 without and with checkpointing, offload (bf16, monitoring, the memory
-    snapshot, MFU and the plan check at step 2), and the largest batch that fits, as leantune runs them."""
-    s, ac = check.sizes, ["--enable_activation_checkpointing"]
-    batch = ["--batch_size_training", str(s.batch)]
-    # The report's 80 GB card (its context aside), and at most 32 rows: the search traces each batch it tries.
-    budget = "0.08" if check.dry_run else "76"
-    auto = ["--auto_batch_size", "--memory_budget_gb", budget, "--target_global_batch_size", str(s.target_batch)]
-    runs = [check.leantune("reference_batch_none", LORA + batch, s.steps),
-            check.leantune("reference_batch_full", LORA + batch + ac, s.steps),
-            check.leantune("reference_batch_offload", LORA + batch + ac + check.gpu_only(
-                "--activation_checkpointing_mode", "offload", "--memory_snapshot"), s.steps + 3),
-            check.leantune("reference_auto_batch_full", LORA + ac + auto, s.steps),
-            check.leantune("reference_auto_batch_auto_mode", LORA + ac + auto + ["--activation_checkpointing_mode",
-                                                                                  "auto"], s.steps)]
-    offloaded = check.runs / "reference_batch_offload"
-    return {"runs": runs, "report": REFERENCE_REPORT,
-            "snapshot_bytes": (offloaded / "memory_snapshot.pickle").stat().st_size
-            if (offloaded / "memory_snapshot.pickle").is_file() else None,
-            "report_md_written": (offloaded / "report.md").is_file()}
-
-
 def part_cuda_tests(check: Check) -> dict:
-    """The tests marked ``gpu`` (skipped on a CPU) and the memory tests whose CUDA branches a CPU never takes."""
-    # Named files: collecting every test would import what the GPU machine's image lacks (datasets).
+    """The tests marked ``gpu`` (skipped on a CPU), and the memory tests whose CUDA branches a CPU never takes
+    (named files: collecting every test would import what the image lacks); every failure is reported."""
     if importlib.util.find_spec("pytest") is None:
         return {"runs": [], "skipped": "pytest is not installed here: the CUDA tests were not run"}
-    runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", "tests/test_offload.py",
-                                                       "tests/test_gpu_constants.py", "tests/test_loss.py"])]
+    gpu_marked = ["tests/test_offload.py", "tests/test_gpu_constants.py", "tests/test_loss.py",
+                  "tests/test_long_context.py"]
+    runs = [pytest_record("pytest_gpu_marked", check, ["-q", "-m", "gpu", *gpu_marked])]
     if not check.dry_run:
-        runs.append(pytest_record("pytest_memory", check, ["tests/test_memory.py", "tests/test_cuda_counters.py",
-                                                           "tests/test_step_peak.py"]))
+        runs.append(pytest_record("pytest_memory", check, ["-q", "tests/test_cuda_counters.py", "tests/test_step_peak.py",
+                                                           "tests/test_gpu_constants.py"]))
     return {"runs": runs}
 
 
-def part_full_finetuning(check: Check) -> dict:
-    """Full fine-tuning of the 1B shape, 4 x 2048: the chunked loss against the plain one (time and peak),
-    each with the plan checked at step 2; then chunks four times as long (fewer passes over the float32
-    head gradient, more memory: whether a chunk sized from the memory budget would pay)."""
+REFERENCE_FULL = "reference_batch_full"
+
+
+def _reference_flags(check: Check) -> list[str]:
+    """The report's workload with full checkpointing, as the reference part runs it (its state saved at step 2)."""
+    return LORA + ["--batch_size_training", str(check.sizes.batch), "--enable_activation_checkpointing",
+                   "--save_steps", "2"]
+
+
+def part_reference(check: Check) -> dict:
+    """The report's workload, batch 11 at 2048 (LoRA r8 q/v, bf16), without and with full checkpointing, as
+    leantune runs it by default (varlen attention): peak allocated and reserved against the plan at step 2,
+    step time, tokens/s and MFU beside the report's. The checkpointed run saves its state at step 2, which
+    the ``resume`` part resumes."""
     s = check.sizes
-    batch = ["--batch_size_training", str(s.full_batch)]
-    return {"runs": [check.leantune("full_chunked_loss", batch, s.steps),
-                     check.leantune("full_plain_loss", batch + ["--loss_chunk_size", "0"], s.steps),
-                     check.leantune("full_chunked_loss_2048", batch + ["--loss_chunk_size", "2048"], s.steps)]}
+    return {"runs": [check.leantune("reference_batch_none", LORA + ["--batch_size_training", str(s.batch)], s.steps),
+                     check.leantune(REFERENCE_FULL, _reference_flags(check), s.steps)],
+            "report": REFERENCE_REPORT}
 
 
-def part_lean(check: Check) -> dict:
-    """QLoRA and the lean optimizers on the 1B shape, each planned and checked at step 2 (bitsandbytes's
-    runs only when it is installed: ``--bitsandbytes_wheels``)."""
-    s, batch = check.sizes, ["--batch_size_training", str(check.sizes.small_batch)]
-    runs = [check.leantune("lean_anyprecision_pure_bf16", batch + ["--optimizer", "anyprecision", "--pure_bf16"],
-                           s.short_steps),
-            check.leantune("lean_optimizer_in_backward", batch + ["--optimizer_in_backward"], s.short_steps)]
-    skipped = None
-    if check.has_bitsandbytes:
-        runs += [check.leantune("lean_adamw_8bit", batch + ["--optimizer", "adamw_8bit"], s.short_steps),
-                 check.leantune("lean_qlora_4bit", batch + LORA + ["--quantization", "4bit"], s.short_steps)]
-    else:
-        skipped = "bitsandbytes is not installed: --optimizer adamw_8bit and --quantization 4bit were not run"
-    return {"runs": runs, "skipped": skipped}
+def part_qlora(check: Check) -> dict:
+    """QLoRA (a 4-bit base, bitsandbytes' CUDA kernels) with full checkpointing, planned and checked at step 2."""
+    if not check.has_bitsandbytes:
+        return {"runs": [], "skipped": "bitsandbytes is not installed: give --bitsandbytes_wheels"}
+    flags = LORA + ["--quantization", "4bit", "--enable_activation_checkpointing",
+                    "--batch_size_training", str(check.sizes.batch)]
+    return {"runs": [check.leantune("qlora_4bit_full", flags, check.sizes.short_steps)]}
+
+
+def part_compile(check: Check) -> dict:
+    """``--compile`` with selective_ops (the checkpoint inside each compiled layer): compile time, graph breaks,
+    step time and peak against the eager plan."""
+    flags = LORA + ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
+                    "--compile", "--batch_size_training", str(check.sizes.small_batch)]
+    return {"runs": [check.leantune("compile_selective_ops", flags, check.sizes.short_steps)]}
+
+
+def part_lean_optimizers(check: Check) -> dict:
+    """Full fine-tuning, batch 2, full checkpointing, ``--optimizer auto`` under 20 GB: the plans put plain
+    AdamW at 21.6 GiB and AdamW stepped in backward at 19.0 for the 1B shape, so auto picks the step in
+    backward (torch's AdamW, no bitsandbytes needed): the rung's choice, its plan at step 2 and its speed."""
+    budget = "0.5" if check.dry_run else "20"
+    flags = ["--batch_size_training", str(check.sizes.small_batch), "--enable_activation_checkpointing",
+             "--optimizer", "auto", "--memory_budget_gb", budget]
+    return {"runs": [check.leantune("lean_optimizer_auto", flags, check.sizes.short_steps)]}
+
+
+def part_attention(check: Check) -> dict:
+    """The reference's checkpointed run with ``--attn_implementation sdpa``: packing apart then makes
+    transformers build the dense mask from the restarting position ids, against varlen's flash kernel in
+    ``reference_batch_full`` (the same shape and steps)."""
+    flags = [*_reference_flags(check)[:-2], "--attn_implementation", "sdpa"]  # no state saved
+    return {"runs": [check.leantune("attention_sdpa", flags, check.sizes.steps)]}
 
 
 def part_fsdp(check: Check) -> dict:
-    """FSDP2 on one rank under torchrun (NCCL on a GPU): full fine-tuning with CPU offload, the model saved
-    from its shards and read back. Where the host has several GPUs (two gloo ranks in the dry run), the
-    same run over all of them, not offloaded: each rank's peak while loading and sharding (the whole
-    model would show in it), and the device's memory beyond the allocator, NCCL's buffers included."""
+    """FSDP2 on one rank under torchrun (NCCL on a GPU): full fine-tuning with the shards in host memory
+    (``--fsdp_cpu_offload``), the model saved from its shards and read back; its ``fsdp: sharded`` line
+    gives the rank's peak while loading and sharding."""
     s = check.sizes
     flags = ["--enable_fsdp", "--batch_size_training", str(s.small_batch), "--save_model", "true",
              *check.gpu_only("--fsdp_cpu_offload")]
-    saved, run = check.runs / "fsdp_one_rank", None
+    saved = check.runs / "fsdp_one_rank"
     try:
         run = check.leantune("fsdp_one_rank", flags, s.short_steps, processes=1)
         run["saved_files"] = sorted(p.name for p in saved.glob("*.safetensors")) if saved.is_dir() else []
@@ -177,21 +185,40 @@ def part_fsdp(check: Check) -> dict:
     finally:
         for weights in saved.glob("*.safetensors"):  # 5 GB of random weights, read back: not kept
             weights.unlink()
-    ranks = 2 if check.dry_run else torch.cuda.device_count()
-    if ranks < 2:
-        return {"runs": [run], "skipped": "one GPU: FSDP over several ranks (NCCL's buffers, per-rank peaks) not run"}
-    spread = check.leantune(f"fsdp_{ranks}_ranks", ["--enable_fsdp", "--batch_size_training", str(s.small_batch)],
-                            s.short_steps, processes=ranks)
-    return {"runs": [run, spread]}
+    return {"runs": [run]}
 
 
-def part_fp16(check: Check) -> dict:
-    """float16 autocast with the gradient scaler, through the trainer (LoRA)."""
-    batch = ["--batch_size_training", str(check.sizes.small_batch)]
-    return {"runs": [check.leantune("fp16_grad_scaler", LORA + batch + ["--use_fp16"], check.sizes.short_steps)]}
+def part_resume(check: Check) -> dict:
+    """The reference's checkpointed run resumed from its state at step 2, to its last step: the losses after
+    step 2 against the run never stopped (step 3 should be equal; later ones within what a GPU's attention
+    backward, whose sums are not ordered, leaves)."""
+    state = check.runs / REFERENCE_FULL / "checkpoint-2"
+    if not state.is_dir():
+        return {"runs": [], "skipped": f"no state at {state}: the reference part did not save one"}
+    run = check.leantune("resume_reference", _reference_flags(check) + ["--resume_from_checkpoint", str(state)],
+                         check.sizes.steps)
+    whole, resumed = (_step_losses(check.runs / name) for name in (REFERENCE_FULL, "resume_reference"))
+    common = sorted(set(whole) & set(resumed), key=int)
+    differences = {step: abs(resumed[step] - whole[step]) / max(abs(whole[step]), 1e-12) for step in common}
+    return {"runs": [run], "losses_never_stopped": whole, "losses_resumed": resumed,
+            "step_3_equal": "3" in common and resumed["3"] == whole["3"],
+            "max_relative_difference": max(differences.values()) if differences else None}
 
 
-# name -> (part, seconds it may take on one H200)
-PARTS = {"device": (part_device, 90), "reference": (part_reference, 330), "cuda_tests": (part_cuda_tests, 120),
-         "full_finetuning": (part_full_finetuning, 210), "lean": (part_lean, 200), "fsdp": (part_fsdp, 210),
-         "fp16": (part_fp16, 60)}
+def _step_losses(out_dir: Path) -> dict:
+    """Step -> loss of the steps after 2 in a run's metrics.json (empty when there is none)."""
+    metrics = out_dir / "metrics.json"
+    if not metrics.is_file():
+        return {}
+    steps = json.loads(metrics.read_text())["train_steps"]
+    return {str(row["step"]): row["loss"] for row in steps if row["step"] > 2}
+
+
+# name -> (part, seconds it may take on one H200), in order of value. A guess until the first GPU run: a
+# leantune run of the 1B shape is about 25 s before its first step (start, plan, load, checks). With the
+# model's build and the 40 s kept to stop a part at its limit they add up to 480 s: every part gets its
+# whole limit even when each before it used all of its own.
+PARTS = {"device": (part_device, 20), "cuda_tests": (part_cuda_tests, 40), "reference": (part_reference, 95),
+         "qlora": (part_qlora, 35), "compile": (part_compile, 60), "lean_optimizers": (part_lean_optimizers, 45),
+         "attention": (part_attention, 40), "fsdp": (part_fsdp, 35), "resume": (part_resume, 40)}
+BUILD_S = 20  # the model's build (random 1B weights saved), before the first part

@@ -31,7 +31,8 @@ DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 # The lines of a run's log that say what it chose and measured (their prefixes).
 TOLD = ("gpu constants:", "precision:", "loss:", "activation checkpointing:", "batch size:", "memory check:", "mfu:",
-        "fsdp:", "optimizer:", "quantization:", "memory plan:", "auto:", "saved ", "memory snapshot:", "fp16")
+        "fsdp:", "optimizer:", "quantization:", "memory plan:", "auto:", "saved ", "memory snapshot:", "fp16",
+        "model:", "compile:", "tiled MLP:", "resumed from")
 _LOG_TAIL_LINES = 40
 STOPPED = "stopped at its part's limit"  # a run's rc when the part was stopped while it ran
 
@@ -49,7 +50,7 @@ class Sizes:
     short_steps: int  # step 2 is the plan check's
 
 
-GPU_SIZES = Sizes(context=2048, batch=11, small_batch=2, full_batch=4, target_batch=32, steps=7, short_steps=4)
+GPU_SIZES = Sizes(context=2048, batch=11, small_batch=2, full_batch=4, target_batch=32, steps=5, short_steps=3)
 DRY_SIZES = Sizes(context=128, batch=2, small_batch=1, full_batch=1, target_batch=8, steps=3, short_steps=3)
 
 
@@ -100,7 +101,9 @@ class Check:
         argv = ["--model_name", str(self.model), "--context_length", str(self.sizes.context), "--num_epochs", "8",
                 "--max_train_step", str(steps), "--num_workers_dataloader", "1", "--run_validation", "false",
                 "--save_model", "false", "--save_metrics", "true", "--enable_memory_monitoring",
-                "--overwrite_output_dir", "--output_dir", str(out_dir), *flags]
+                "--output_dir", str(out_dir), *flags]
+        if "--resume_from_checkpoint" not in flags:  # an earlier check's run there is replaced (refused when resuming)
+            argv.append("--overwrite_output_dir")
         started, rc = time.perf_counter(), STOPPED
         try:
             with log.open("w") as sink:
@@ -159,10 +162,13 @@ def pytest_record(name: str, check: Check, args: list[str]) -> dict:
     """A pytest run over the repository's tests, its log under WORK/logs."""
     log = check.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as sink:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], stdout=sink,
-                             stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
-    lines = log.read_text(errors="replace").splitlines()
-    record = {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
-    check._save_progress(record)
+    rc = STOPPED
+    try:
+        with log.open("w") as sink:
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], stdout=sink,
+                                 stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    finally:  # also when the part is stopped at its limit: what pytest got to is kept
+        lines = log.read_text(errors="replace").splitlines()
+        record = {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
+        check._save_progress(record)
     return record

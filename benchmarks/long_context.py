@@ -44,6 +44,8 @@ LEANTUNE_CASES = {
     "leantune, varlen, no checkpointing": ["--tiled_mlp", "off"],
     "leantune, varlen, full checkpointing": ["--enable_activation_checkpointing", "--tiled_mlp", "off"],
     "leantune, varlen, full checkpointing, tiled MLP": ["--enable_activation_checkpointing", "--tiled_mlp", "1024"],
+    "leantune, the same, freed host memory kept (--return_host_memory off)": [
+        "--enable_activation_checkpointing", "--tiled_mlp", "1024", "--return_host_memory", "off"],
 }
 PLAN_CASES = {
     "sdpa with its mask": (["--attn_implementation", "sdpa", "--tiled_mlp", "off"], "none"),
@@ -81,9 +83,11 @@ def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> 
     from leantune.builders.model import build_model
     from leantune.builders.step import build_train_step, loss_model_for
     from leantune.cli_args import parse_run_config
+    from leantune.memory.host_allocator import return_host_memory
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(common_flags(model_dir, context) + flags)
+    return_host_memory(cfg.memory.return_host_memory, "cpu")  # as ``leantune finetune`` does at start-up
     precision = choose_precision(cfg, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None, tokenizer="no tokenizer: the row is made of ids")
     step = build_train_step(cfg, loss_model_for(model, cfg), precision, check_finite=False)
@@ -91,8 +95,13 @@ def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> 
     return _timed(lambda: step.run([row]), steps)
 
 
-def run_hf_trainer(model_dir: str, context: int, steps: int) -> dict:
-    """In this process: ``transformers.Trainer`` with gradient checkpointing and LoRA r8 on q/v, on the row."""
+def run_hf_trainer(model_dir: str, context: int, steps: int, map_large: bool = False) -> dict:
+    """In this process: ``transformers.Trainer`` with gradient checkpointing and LoRA r8 on q/v, on the row
+    (``map_large``: with the host allocator setting leantune's CPU runs make, to show what it alone is worth)."""
+    if map_large:
+        from leantune.memory.host_allocator import map_large_allocations
+
+        map_large_allocations()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -144,7 +153,9 @@ def measure_processes(context: int, steps: int) -> list[dict]:
     records = []
     with tempfile.TemporaryDirectory() as directory:
         model_dir = make_model(Path(directory) / "small", "small")
-        cases = [("Hugging Face Trainer, gradient checkpointing", ["hf", model_dir, str(context), str(steps)])]
+        cases = [("Hugging Face Trainer, gradient checkpointing", ["hf", model_dir, str(context), str(steps)]),
+                 ("Hugging Face Trainer, the same, large allocations mapped (as --return_host_memory on)",
+                  ["hf-mapped", model_dir, str(context), str(steps)])]
         cases += [(name, ["leantune", model_dir, str(context), str(steps), *flags])
                   for name, flags in LEANTUNE_CASES.items()]
         for name, args in cases:
@@ -181,14 +192,17 @@ def measure_plans(context: int) -> list[dict]:
 
 def print_tables(processes: list[dict], plans: list[dict]) -> None:
     trainer = next((r for r in processes if r["case"].startswith("Hugging") and "peak_rss_mib" in r), None)
-    print(f"\n{'case':<52} {'peak RSS MiB':>13} {'x Trainer':>10} {'step s':>8}")
+    mapped = next((r for r in processes if r["case"].startswith("Hugging Face Trainer, the same")
+                   and "peak_rss_mib" in r), None)
+    print(f"\n{'case':<80} {'peak RSS MiB':>13} {'x Trainer':>10} {'x mapped':>9} {'step s':>8}")
     for r in processes:
         if "peak_rss_mib" not in r:
-            print(f"{r['case']:<52} {'failed: ' + str(r.get('error')):>30}")
+            print(f"{r['case']:<80} {'failed: ' + str(r.get('error')):>30}")
             continue
-        ratio = r["peak_rss_mib"] / trainer["peak_rss_mib"] if trainer else float("nan")
-        r["ratio_to_trainer"] = ratio
-        print(f"{r['case']:<52} {r['peak_rss_mib']:>13,.0f} {ratio:>10.2f} {r['step_s']:>8.2f}")
+        r["ratio_to_trainer"] = r["peak_rss_mib"] / trainer["peak_rss_mib"] if trainer else float("nan")
+        r["ratio_to_trainer_mapped"] = r["peak_rss_mib"] / mapped["peak_rss_mib"] if mapped else float("nan")
+        print(f"{r['case']:<80} {r['peak_rss_mib']:>13,.0f} {r['ratio_to_trainer']:>10.2f} "
+              f"{r['ratio_to_trainer_mapped']:>9.2f} {r['step_s']:>8.2f}")
     print(f"\n{'lever (plan vs the same step measured)':<44} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}")
     for r in plans:
         print(f"{r['case']:<44} {r['predicted_mib']:>14,.1f} {r['measured_mib']:>13,.1f} {r['error']:>+8.2%}")
@@ -197,8 +211,8 @@ def print_tables(processes: list[dict], plans: list[dict]) -> None:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
         kind, model_dir, context, steps, *flags = sys.argv[2:]
-        if kind == "hf":
-            result = run_hf_trainer(model_dir, int(context), int(steps))
+        if kind.startswith("hf"):
+            result = run_hf_trainer(model_dir, int(context), int(steps), map_large=kind == "hf-mapped")
         else:
             result = run_leantune(model_dir, int(context), flags, int(steps))
         print(json.dumps(result))
@@ -215,8 +229,10 @@ def main() -> int:
     print_tables(processes, plans)
     leanest = min((r for r in processes if r["case"].startswith("leantune") and "peak_rss_mib" in r),
                   key=lambda r: r["peak_rss_mib"], default=None)
-    verdict = leanest is not None and leanest.get("ratio_to_trainer", 1) <= TARGET_RATIO
-    print(f"\ntarget: leantune's leanest at most {TARGET_RATIO} x the Trainer's peak: "
+    # met only against both Trainers: its default, and with the host allocator setting leantune's CPU runs make
+    verdict = leanest is not None and max(leanest.get("ratio_to_trainer", 1),
+                                          leanest.get("ratio_to_trainer_mapped", 1)) <= TARGET_RATIO
+    print(f"\ntarget: leantune's leanest at most {TARGET_RATIO} x the Trainer's peak, either way: "
           f"{'met' if verdict else 'NOT met'} ({leanest['case'] if leanest else 'none'})")
     if args.json:
         from leantune.io import atomic_write_json

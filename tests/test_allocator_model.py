@@ -50,6 +50,11 @@ def test_a_freed_block_is_reused_and_merges_with_its_free_neighbours():
     assert reserved([30 * MIB, 30 * MIB, ("free", 0), ("free", 1), 60 * MIB]) == 120 * MIB
     # a large block keeps a remainder of 1 MiB or less unsplit: 19.5 MiB + 0.75 MiB free is not split off
     assert reserved([int(19.5 * MIB) - 512 * 1024, 2 * MIB]) == 40 * MIB
+    # exactly 1 MiB left is not split either (more than 1 MiB is the rule), and it shows: in a 40 MiB segment
+    # [20 free][20 D], 19 MiB takes the free 20 whole; D freed is 20 MiB alone, too small for 20.5 MiB (a new
+    # 22 MiB segment). Split, the 1 MiB left would merge with D into 21 MiB and hold it.
+    assert reserved([40 * MIB, ("free", 0), 20 * MIB, 20 * MIB, ("free", 2), 19 * MIB, ("free", 3),
+                     int(20.5 * MIB)]) == 62 * MIB
 
 
 def test_the_smallest_free_block_that_holds_a_request_is_taken():

@@ -136,3 +136,27 @@ def test_a_template_that_renders_no_assistant_token_is_refused_by_record(tokeniz
                   "{% endif %}{% endfor %}")
     with pytest.raises(DatasetError, match="chat.jsonl:3: the chat template leaves the assistant no token to learn"):
         encode_chats([CHAT], tokenizer, "chat.jsonl", template=users_only)
+
+
+# Qwen3's habit: an assistant turn's reasoning (up to </think>) is dropped once a later turn follows it
+STRIPS_EARLIER_REASONING = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_once_a_later_one_follows_is_refused(tokenizer):
+    """Labelled from the prefixes, the first answer's reasoning would be absent from the row and the labels
+    would land on other tokens (a user turn's among them): refused, with the fix. The last turn alone is exact."""
+    chat = {"messages": [{"role": "user", "content": "Reverse cat."},
+                         {"role": "assistant", "content": "<think>c-a-t backwards</think>tac"},
+                         {"role": "user", "content": "And dog?"},
+                         {"role": "assistant", "content": "god"}], "_line": 7}
+    tokenizer = _with_template(tokenizer, "chatml")
+    with pytest.raises(DatasetError, match="chat.jsonl:7: the chat template renders the turns before assistant turn 1 "
+                                           "differently once it follows.*--chat_template"):
+        encode_chats([chat], tokenizer, "chat.jsonl", template=STRIPS_EARLIER_REASONING)
+    last = encode_chat(conversation(chat, "chat.jsonl:7"), tokenizer, "chat.jsonl:7", STRIPS_EARLIER_REASONING,
+                       last_only=True)
+    assert tokenizer.decode([t for t in last["labels"] if t != IGNORE_INDEX]).startswith("god")

@@ -58,9 +58,9 @@ def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(t
     line = compiling.compile_decoder_layers(model)
     assert line.startswith("compile: torch.compile on each of the 2 decoder layers")
     assert [name for name, _ in model.named_parameters()] == names  # compiled in place: no wrapper, no new prefix
-    layer = model.get_base_model().model.layers[0]
-    assert layer._compiled_call_impl is not None
-    assert type(layer.self_attn.q_proj.lora_B["default"]) is RecomputedLinear
+    layers = model.get_base_model().model.layers
+    assert [layer._compiled_call_impl is not None for layer in layers] == [True] * len(layers)  # every one, the last too
+    assert type(layers[0].self_attn.q_proj.lora_B["default"]) is RecomputedLinear
 
 
 def test_compile_without_a_cpp_compiler_is_refused_before_anything_loads(monkeypatch):
@@ -111,3 +111,58 @@ def test_the_out_of_memory_advice_does_not_offer_offload_to_a_compiled_run():
     flags = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"]
     offered = [memory_fixes(parse_run_config([*flags, *extra]), torch.device("cuda")) for extra in ([], ["--compile"])]
     assert [any("--activation_checkpointing_mode offload" in fix for fix in fixes) for fixes in offered] == [True, False]
+
+
+def test_a_checkpointed_layers_compiled_call_holds_its_checkpoint(tiny_model_dir, monkeypatch):
+    """What ``nn.Module.compile`` compiles (the layer's ``_call_impl``), traced by dynamo: the checkpoint with its
+    selective policy is one op of the graph, not an eager wrapper around it."""
+    from leantune.builders.model import build_model
+    from leantune.models.structure import decoder_layers
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"],
+                            "--attn_implementation", "sdpa", "--tiled_mlp", "off"])
+    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lambda _: None)
+    layer = decoder_layers(model)[0]
+    compiling.check_checkpoint_inside(decoder_layers(model))  # this transformers checkpoints the forward
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda _m, args, kwargs: seen.update(args=args, kwargs=kwargs),
+                                             with_kwargs=True)
+    model.train()
+    model(input_ids=torch.randint(0, 100, (1, 16)))
+    handle.remove()
+    graphs = []
+
+    def record(graph_module, _inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)  # as compiling
+    torch._dynamo.reset()  # ``Module._call_impl`` is one code object: the earlier tests' graphs fill its cache
+    torch.compile(layer._call_impl, backend=record)(*seen["args"], **seen["kwargs"])
+    targets = {node.target for graph in graphs for node in graph.graph.nodes}
+    assert torch.ops.higher_order.tag_activation_checkpoint in targets
+    torch._dynamo.reset()
+
+
+def test_a_layer_checkpointed_around_its_call_is_refused_with_compile():
+    """Older transformers checkpointed around ``__call__``: nn.Module.compile would leave the checkpoint out."""
+    class CheckpointedAroundItsCall(torch.nn.Linear):
+        gradient_checkpointing = True
+
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"CheckpointedAroundItsCall \(transformers .*\) checkpoints around its "
+                                          r"__call__, outside what torch.compile compiles.*Upgrade transformers"):
+        compiling.check_checkpoint_inside([CheckpointedAroundItsCall(2, 2)])
+    unchecked = CheckpointedAroundItsCall(2, 2)
+    unchecked.gradient_checkpointing = False
+    compiling.check_checkpoint_inside([unchecked, torch.nn.Linear(2, 2)])  # nothing checkpointed there: compiled
+    # and compiling a model's layers asks it first, before compiling any
+    layer = CheckpointedAroundItsCall(2, 2)
+    with pytest.raises(ConfigError, match="checkpoints around its __call__"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(compiling, "decoder_layers", lambda model: [layer])
+            compiling.compile_decoder_layers(torch.nn.Module())
+    assert layer._compiled_call_impl is None

@@ -128,6 +128,7 @@ FLAG_VALUES = {
     "auto_batch_size": (["--auto_batch_size"], {"auto_batch_size": True}),
     "target_global_batch_size": (["--target_global_batch_size", "8"],  # 8 rows / the default batch of 4
                                  {"target_global_batch_size": 8, "gradient_accumulation_steps": 2}),
+    "return_host_memory": (["--return_host_memory", "off"], {"return_host_memory": "off"}),
     "enable_fsdp": (FSDP, {"enable_fsdp": True}),
     "fsdp_cpu_offload": ([*FSDP, "--fsdp_cpu_offload"], {"fsdp_cpu_offload": True}),
     "low_cpu_fsdp": ([*FSDP, "--low_cpu_fsdp"], {"low_cpu_fsdp": True}),

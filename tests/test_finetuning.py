@@ -29,6 +29,9 @@ def test_cookbook_command_trains_with_checkpointing_and_monitoring(tiny_model_di
     results = _run(argv, lines)
     assert results["steps"] == 6
     assert "activation checkpointing: on, 2/2 decoder layers, non-reentrant, policy full" in lines
+    # training on the CPU, freed host tensors go back to the system (--return_host_memory auto)
+    assert ("host memory: allocations of 1 MiB or more mapped on their own, so freed tensors return to the system "
+            "(--return_host_memory auto)") in lines
     rows = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7))  # setup + 6 steps
     assert [r["phase"] for r in rows] == ["setup"] + ["train"] * 6
@@ -177,11 +180,29 @@ def test_validation_reports_loss_and_perplexity(tiny_model_dir, tmp_path):
 
 
 def test_padding_strategy_and_custom_dataset(tiny_model_dir, tmp_path, write_jsonl):
+    from transformers import AutoTokenizer
+
+    from leantune.builders.loaders import RunData
+    from leantune.labels import IGNORE_INDEX
+
     data = write_jsonl([{"prompt": f"Say {i}:", "completion": f" {i}"} for i in range(40)] + [{"text": "hello"}] * 4)
-    results = _run(["--model_name", str(tiny_model_dir), "--dataset", "custom_dataset", "--data_path", str(data),
-                    "--batching_strategy", "padding", "--max_train_step", "3", "--save_model", "false",
-                    "--output_dir", str(tmp_path), *FAST])
+    argv = ["--model_name", str(tiny_model_dir), "--dataset", "custom_dataset", "--data_path", str(data),
+            "--batching_strategy", "padding", "--max_train_step", "3", "--save_model", "false",
+            "--output_dir", str(tmp_path), *FAST]
+    results = _run(argv)
     assert results["steps"] == 3
+    # what the run trained on: each row one example, padded at its end to the batch's longest and no further
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    loader, _ = RunData(parse_run_config(argv), tokenizer, log=lambda _line: None).loaders(parse_run_config(argv))
+    texts = {f"Say {i}: {i}" for i in range(40)} | {"hello"}
+    for batch in list(loader)[:3]:
+        mask, ids, labels = batch["attention_mask"], batch["input_ids"], batch["labels"]
+        lengths = mask.sum(dim=1)
+        assert lengths.max() == ids.shape[1]  # the batch is as long as its longest row
+        for row, length in enumerate(lengths.tolist()):
+            assert mask[row, :length].all() and not mask[row, length:].any()  # padding only at the end
+            assert (ids[row, length:] == tokenizer.pad_token_id).all() and (labels[row, length:] == IGNORE_INDEX).all()
+            assert tokenizer.decode(ids[row, :length], skip_special_tokens=True).strip() in texts
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path, capsys):

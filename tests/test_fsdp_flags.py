@@ -212,3 +212,22 @@ def test_on_a_gpu_a_sharded_rank_says_what_it_holds_and_its_peak_while_loading(m
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 700 * 2**20)
     assert sharded_memory_line(torch.device("cuda", 0)) == (
         "fsdp: sharded; 310 MiB allocated on cuda:0, peak 700 MiB while loading and sharding")
+    # the memory monitor resets the counters between loading and sharding: loading's peak, read before, counts
+    assert sharded_memory_line(torch.device("cuda", 0), peak_before=4900 * 2**20).endswith(
+        "peak 4,900 MiB while loading and sharding")
+
+
+def test_the_loading_peak_is_read_before_the_memory_monitor_resets_it(tiny_model_dir, tmp_path, monkeypatch):
+    """The order that matters for the sharding line: the device's peak read, then the monitor built (it resets
+    the peak counters), then the model sharded with the peak read before."""
+    from leantune import finetuning
+
+    events = []
+    build_monitor, shard = finetuning.build_monitor, finetuning.shard
+    monkeypatch.setattr(finetuning, "device_peak_bytes", lambda device: (events.append("peak read"), 123)[1])
+    monkeypatch.setattr(finetuning, "build_monitor", lambda *a, **k: (events.append("monitor"), build_monitor(*a, **k))[1])
+    monkeypatch.setattr(finetuning, "shard", lambda *a, **k: (events.append(("shard", k["peak_before"])),
+                                                                shard(*a, **k))[1])
+    run(parse_run_config(["--model_name", str(tiny_model_dir), *QUICK, "--enable_fsdp", "--enable_memory_monitoring",
+                          "--output_dir", str(tmp_path)]), log=lambda _: None)
+    assert events == ["peak read", "monitor", ("shard", 123)]

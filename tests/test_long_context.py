@@ -348,6 +348,19 @@ def test_the_cpu_and_float32_take_sdpa_per_example():
     assert not varlen_attention._flash_varlen_usable(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16), 0.0)
 
 
+def test_a_gpu_below_ampere_takes_sdpa_per_example(monkeypatch):
+    """The flash kernel needs compute capability 8.0: a T4 (7.5) with float16 takes SDPA per example."""
+    import types
+
+    from leantune.models import varlen_attention
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: object())
+    for capability, usable in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert varlen_attention._flash_varlen_usable(on_gpu, 0.0) is usable
+
+
 def test_a_copy_of_a_tiled_model_runs_its_own_weights():
     (model,) = twin_models(("varlen",))
     tile_mlps(model, 5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import re
 import threading
 import time
@@ -227,3 +229,36 @@ def test_monitor_writes_one_line_per_step_and_summarises(tmp_path):
 def test_sampler_rejects_a_zero_interval():
     with pytest.raises(ValueError, match="positive"):
         RssSampler(interval=0)
+
+
+HEAP_SCRIPT = """
+import sys, torch
+from leantune.memory.host_allocator import map_large_allocations
+if sys.argv[1] == "on":
+    assert map_large_allocations()
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
+warm = torch.ones(2 * 2**20); del warm  # a freed 8 MiB mapping raises glibc's threshold above 4 MiB
+tensors = [torch.ones(2**20) for _ in range(32)]  # 32 x 4 MiB
+keep = torch.ones(2**20)  # above them: the heap cannot shrink from its top
+before = rss(); del tensors; after = rss()
+print((before - after) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_return_host_memory_gives_freed_tensors_back_to_the_system(tmp_path):
+    """32 freed 4 MiB tensors: kept in the heap by glibc's default, returned (128 MiB) with the setting."""
+    script = tmp_path / "heap.py"
+    script.write_text(HEAP_SCRIPT)
+    returned = {setting: float(subprocess.run([sys.executable, str(script), setting], capture_output=True, text=True,
+                                              check=True).stdout.split()[-1]) for setting in ("off", "on")}
+    assert returned["off"] < 16 and returned["on"] >= 127, returned
+
+
+def test_return_host_memory_is_on_for_cpu_training_only_unless_asked():
+    from leantune.memory.host_allocator import return_host_memory, wanted
+
+    assert wanted("auto", "cpu") and not wanted("auto", "cuda")
+    assert wanted("on", "cuda") and not wanted("off", "cpu")
+    assert return_host_memory("off", "cpu") is None
+    assert "--return_host_memory auto" in return_host_memory("auto", "cpu")

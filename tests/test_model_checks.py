@@ -22,6 +22,7 @@ import leantune.builders.model as builders_model
 import leantune.models.facts as facts_module
 from leantune import finetuning
 from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
 from leantune.planning import cli as plan_cli
 from leantune.planning.fake_step import trace_step
 from leantune.models.facts import run_model_facts
@@ -80,6 +81,7 @@ FORWARDS = {  # name: (how the logits are made, config fields): each differs fro
     "doubled_gradient": (lambda m, ids: (lambda z: z + (z - z.detach()))(m.lm_head(_hidden(m, ids))), {}),
     "hidden_gradient": (lambda m, ids: m.lm_head((lambda h: h + (h - h.detach()))(_hidden(m, ids))), {}),
     "clamped": (lambda m, ids: m.lm_head(_hidden(m, ids)).clamp(-20, 20), {}),  # bends only logits beyond 20
+    "rescaled_slightly": (lambda m, ids: m.lm_head(_hidden(m, ids)) * 1.01, {}),  # near the 1e-4 tolerance
     "dropped": (lambda m, ids: torch.nn.functional.dropout(m.lm_head(_hidden(m, ids)), 0.1, m.training), {}),
     "tied_scaled": (lambda m, ids: m.lm_head(_hidden(m, ids) * (0.5 if m.config.tie_word_embeddings else 1.0)),
                     dict(tie_word_embeddings=True)),
@@ -318,3 +320,16 @@ def test_two_ranks_give_the_losses_of_one_process_on_other_families(family_dir, 
     assert len(one) == len(two) == 3
     # these strong heads give losses of 20-30: float32 rounding of the sharded sums is 1e-7 of that
     assert two == pytest.approx(one, rel=1e-6, abs=DIST_LOSS_TOL)
+
+
+def test_flash_attention_2_is_refused_below_ampere(monkeypatch):
+    from leantune.models import attention
+
+    config = AutoConfig.for_model("llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
+    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention.torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    with pytest.raises(ConfigError, match=r"FlashAttention 2 runs on compute capability 8.0 \(Ampere\) or newer, "
+                                          r"and this GPU is 7.5; use sdpa"):
+        attention.resolve_attention(config, "flash_attention_2", "cuda")
+    assert attention.resolve_attention(config, "flash_attention_2", "cuda", installed_here=False) == \
+        "flash_attention_2"  # a plan for another machine does not ask this one's GPU

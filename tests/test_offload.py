@@ -311,6 +311,19 @@ def test_a_saved_tensor_changed_in_place_after_it_was_offloaded_is_refused_at_ba
         y.sum().backward()
 
 
+def test_a_saved_tensor_changed_in_place_and_then_freed_is_refused_too():
+    """The check must not need the tensor alive: changed in place, then its last reference dropped."""
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    x = torch.randn(64, 64, requires_grad=True)
+    with offloader.group(0):
+        y = x.exp()  # exp saves its output
+    loss = y.sum()  # sum keeps no reference to y
+    y.add_(1)
+    del y  # only exp's saved (offloaded) copy is left
+    with pytest.raises(RuntimeError, match="was modified in place after it was saved"):
+        loss.backward()
+
+
 def test_a_buffer_handed_out_again_waits_on_the_device_not_the_host():
     """The next copy into a buffer is queued behind the last copy out of it; the host never blocks."""
 

@@ -181,4 +181,10 @@ def test_pure_bf16_with_anyprecision_trains_under_bf16_autocast(tiny_model_dir, 
     finetuning.run(parse_run_config(argv), log=lines.append)
     losses = [s["loss"] for s in json.loads((tmp_path / "metrics.json").read_text())["train_steps"]]
     assert "precision: CPU stand-in: bf16 GPU, --pure_bf16" in lines
-    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    # the same run on float32 weights: compensated bfloat16 follows it step by step (measured: within 0.03%)
+    monkeypatch.undo()
+    float32 = [a for a in argv if a != "--pure_bf16"]
+    float32[float32.index("--output_dir") + 1] = str(tmp_path / "float32")
+    finetuning.run(parse_run_config(float32), log=lambda _line: None)
+    reference = [s["loss"] for s in json.loads((tmp_path / "float32" / "metrics.json").read_text())["train_steps"]]
+    assert len(losses) == 8 and losses == pytest.approx(reference, rel=2e-3)

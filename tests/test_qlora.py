@@ -58,23 +58,27 @@ def _held(model) -> list:
     return held
 
 
-@pytest.mark.parametrize("precision", [[], ["--model_dtype", "bfloat16"]], ids=["float32", "bf16"])
-def test_the_planner_traces_the_storages_a_run_loads(tiny_model_dir, precision):
+@pytest.mark.parametrize("precision, kind, nested", [([], "nf4", True), (["--model_dtype", "bfloat16"], "nf4", True),
+                                                    (["--quant_type", "fp4"], "fp4", True),
+                                                    (["--no_use_double_quant"], "nf4", False)],
+                         ids=["float32", "bf16", "fp4", "single-quantization"])
+def test_the_planner_traces_the_storages_a_run_loads(tiny_model_dir, precision, kind, nested):
     """transformers' loading and the planner's fake quantization give the same layers, LoRA classes,
-    compute dtypes and tensors."""
+    compute dtypes and tensors, with the 4-bit type and double quantization asked for."""
     loaded = _loaded(tiny_model_dir, *precision)
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QLORA, *precision])
     planned = prepare_step(cfg, loaded.config, CPU, None).model
     assert _held(planned) == _held(loaded)
     q_proj = loaded.base_model.model.model.layers[0].self_attn.q_proj
     assert type(q_proj).__module__ == "peft.tuners.lora.bnb"
-    assert q_proj.base_layer.compute_dtype is (torch.bfloat16 if precision else torch.float32)
+    bf16 = "bfloat16" in precision
+    assert q_proj.base_layer.compute_dtype is (torch.bfloat16 if bf16 else torch.float32)
     four_bit = [name for name, module in loaded.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
     assert len(four_bit) == 7 * loaded.config.num_hidden_layers  # every projection, nothing else
     assert type(loaded.get_output_embeddings()) is torch.nn.Linear  # the LM head stays unquantized
     state = loaded.base_model.model.model.layers[0].mlp.up_proj.weight.quant_state
-    dtype = torch.bfloat16 if precision else torch.float32  # the weights' dtype, which dequantizing gives back
-    assert (state.quant_type, state.blocksize, state.nested, state.dtype) == ("nf4", 64, True, dtype)
+    dtype = torch.bfloat16 if bf16 else torch.float32  # the weights' dtype, which dequantizing gives back
+    assert (state.quant_type, state.blocksize, state.nested, state.dtype) == (kind, 64, nested, dtype)
     assert (state.dtype, state.absmax.dtype) == next(
         (s.dtype, s.absmax.dtype) for s in (getattr(p, "quant_state", None) for p in planned.parameters()) if s)
 
@@ -267,9 +271,30 @@ def test_an_8bit_base_trains_but_is_not_planned(tiny_model_dir, tmp_path):
 
 
 def test_auto_mode_and_batch_plan_a_quantized_base(tiny_model_dir, tmp_path):
+    """What auto decides with a 4-bit base: a mode and the largest batch whose plan fits 0.05 GiB, traced on the
+    quantized layers (the batch one larger does not fit)."""
+    budget = 0.05
     losses = _run(tiny_model_dir, tmp_path / "auto", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
-                  "auto", "--auto_batch_size", "--memory_budget_gb", "0.05", steps=2)
-    assert len(losses) == 2
+                  "auto", "--auto_batch_size", "--memory_budget_gb", str(budget), steps=2)
+    metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
+    config = metrics["config"]
+    mode = config["activation_checkpointing_mode"] if config["enable_activation_checkpointing"] else "none"
+    batch = config["batch_size_training"]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    assert mode in ("none", "full", "every_n", "selective_ops") and batch >= 1
+    assert _fits(tiny_model_dir, mode, batch, budget) and not _fits(tiny_model_dir, mode, batch + 1, budget)
+
+
+def _fits(tiny_model_dir, mode: str, batch: int, budget_gb: float) -> bool:
+    """Whether the plan of the 4-bit run at ``batch`` with ``mode`` fits ``budget_gb``."""
+    from transformers import AutoConfig
+
+    from leantune.planning.plan import plan_modes
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QLORA, "--context_length", "64",
+                            "--batch_size_training", str(batch)])
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    return plan_modes(cfg, config, CPU, [mode], int(budget_gb * 2**30))[0].fits
 
 
 def test_compute_dtype_refuses_a_dtype_the_rest_of_the_step_does_not_compute_in():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from leantune.cli_args import parse_run_config
 from leantune.memory.step_peak import StepPeakMeter
 
 MIB = 2**20
@@ -35,16 +36,27 @@ def test_another_models_tensors_are_not_counted():
     assert out.untyped_storage().nbytes() == batch.untyped_storage().nbytes()
 
 
-def test_on_a_gpu_the_allocator_is_read_and_the_budget_counts_reserved_plus_the_context(monkeypatch):
-    from leantune.memory.stats import CUDA_CONTEXT_BYTES
-
+def test_on_a_gpu_the_allocator_is_read_and_the_budget_counts_reserved_plus_the_measured_context(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * MIB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * MIB)
+    from leantune.memory import gpu_constants
+
+    # the context this run measured at start-up (other processes on the GPU included): 898 MiB
+    monkeypatch.setattr(gpu_constants, "_MEASURED_CONTEXT", {})
+    gpu_constants.remember_context(torch.device("cuda", 0), gpu_constants.GpuConstants(898 * MIB, 0, 80_000 * MIB))
     with StepPeakMeter(torch.device("cuda"), torch.nn.Linear(2, 2)) as meter:
         calls.append("step")
     assert calls == ["sync", "reset", "step", "sync"]  # the step's queued work is waited for on both sides
     assert meter.peak_bytes == 3 * MIB and meter.reserved_bytes == 4 * MIB
-    assert meter.budget_bytes_used == 4 * MIB + CUDA_CONTEXT_BYTES
+    assert meter.budget_bytes_used == 4 * MIB + 898 * MIB  # measured, not the planner's assumed 512 MiB
+    # the default budget and a plan count the same context: what the batch check compares is like for like
+    from leantune.planning.plan import budget_bytes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * MIB, 80_000 * MIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * MIB)
+    assert budget_bytes(parse_run_config([]), torch.device("cuda", 0)) == int(1000 * MIB * 0.95) + 898 * MIB + 2 * MIB
+    assert gpu_constants.context_bytes(torch.device("cuda", 1)) == 512 * MIB  # not measured there: the assumption

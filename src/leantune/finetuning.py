@@ -19,14 +19,15 @@ import torch
 from leantune.builders.loaders import RunData
 from leantune.builders.model import build_model, describe_loss
 from leantune.builders.monitor import build_monitor
-from leantune.builders.sharding import shard, start_distributed
+from leantune.builders.sharding import device_peak_bytes, shard, start_distributed
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed
-from leantune.memory.gpu_constants import measure_gpu_constants
+from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
+from leantune.memory.host_allocator import return_host_memory
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
@@ -40,6 +41,7 @@ from leantune.precision import Precision, choose_device, choose_precision
 from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
 from leantune.report.loggers import MetricLoggers
+from leantune.training.checkpoint_files import unpickler_warning
 from leantune.training.loop import Trainer, TrainingParts
 from leantune.training.optim import build_scheduler
 from leantune.training.packing_check import check_examples_kept_apart
@@ -63,7 +65,12 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
+    if resume is not None and (warning := unpickler_warning()) is not None:
+        log(warning)
+    if (host_line := return_host_memory(cfg.memory.return_host_memory, device.type)) is not None:
+        log(host_line)
     if (constants := measure_gpu_constants(device)) is not None:  # before anything of ours is on the GPU
+        remember_context(device, constants)  # what the default budget and the batch check count as the context
         log(constants.line())
     if cfg.training.compile:
         check_can_compile(device.type)
@@ -81,12 +88,13 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     precision = choose_precision(memory.cfg, device)
     memory, model, tokenizer, loaders = _load(memory, facts, (resume, saved), precision, dist, log, traces)
     cfg = memory.cfg
+    loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
     monitor = build_monitor(cfg, device, dist, stack, log)
     log(f"precision: {precision.note}")
     loss_model = loss_model_for(model, cfg)
     log(describe_loss(loss_model.loss_fn))
     if dist.sharded:
-        shard(loss_model, cfg, dist, device, precision, log)
+        shard(loss_model, cfg, dist, device, precision, log, peak_before=loaded_peak)
     if cfg.data.packs_apart:
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
     if cfg.training.compile:  # after the checks, which run once and need no compiling

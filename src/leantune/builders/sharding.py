@@ -34,8 +34,9 @@ def check_offload_device(cfg: RunConfig, device_type: str, fix: str = "Drop the 
 
 
 def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,
-          log=print) -> None:
+          log=print, peak_before: int = 0) -> None:
     """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards.
+    ``peak_before``: the device's peak while loading (see ``sharded_memory_line``).
 
     The model arrives on the host (``builders.model`` leaves it there under FSDP): ``fully_shard``
     moves one unit at a time to the device, so no rank ever holds the whole model there, and
@@ -49,14 +50,21 @@ def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: t
         del rank0_state
     log(describe_sharding(cfg, dist))
     if device.type == "cuda":
-        log(sharded_memory_line(device))
+        log(sharded_memory_line(device, peak_before))
 
 
-def sharded_memory_line(device: torch.device) -> str:
+def device_peak_bytes(device: torch.device) -> int:
+    """The device's allocation peak so far (0 off CUDA): read before anything resets it."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def sharded_memory_line(device: torch.device, peak_before: int = 0) -> str:
     """What this rank holds on its GPU once sharded, and its peak so far (loading and sharding included: the
-    model waited on the host, so a rank that had held the whole model would show it here)."""
+    model waited on the host, so a rank that had held the whole model would show it here). ``peak_before``:
+    the peak of loading, read before the memory monitor reset the counters that sharding's peak is read from."""
+    peak = max(peak_before, torch.cuda.max_memory_allocated(device))
     return (f"fsdp: sharded; {torch.cuda.memory_allocated(device) / 2**20:,.0f} MiB allocated on {device}, "
-            f"peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB while loading and sharding")
+            f"peak {peak / 2**20:,.0f} MiB while loading and sharding")
 
 
 def describe_sharding(cfg: RunConfig, dist: DistContext) -> str:

@@ -98,23 +98,37 @@ class _HostCopy:
 class _Saved:
     """What autograd holds instead of a device tensor: its host copy and its place in it."""
 
-    __slots__ = ("copy", "group", "dtype", "shape", "stride", "offset", "source", "version")
+    __slots__ = ("copy", "group", "dtype", "shape", "stride", "offset", "counter", "version")
 
     def __init__(self, copy: _HostCopy, tensor: torch.Tensor, group: int, offset: int):
         self.copy, self.group, self.offset = copy, group, offset
         self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
-        # Saved-tensor hooks skip autograd's check for in-place changes since saving: made here instead
-        # the base when it is a view: the base outlives the view and shares its version counter
-        self.source, self.version = weakref.ref(tensor if tensor._base is None else tensor._base), tensor._version
+        # Saved-tensor hooks skip autograd's check for in-place changes since saving: made here instead,
+        # on a counter that outlives the tensor (changed in place and then freed is still caught)
+        self.counter, self.version = version_counter(tensor), tensor._version
 
     def check_unchanged(self) -> None:
-        tensor = self.source()
-        if tensor is not None and tensor._version != self.version:
+        counter = self.counter() if isinstance(self.counter, weakref.ref) else self.counter
+        if counter is not None and counter._version != self.version:
             raise RuntimeError(
                 f"activation offload: a tensor saved for backward ({list(self.shape)}, {self.dtype}) was modified "
-                f"in place after it was saved (version {self.version}, now {tensor._version}); its host copy "
+                f"in place after it was saved (version {self.version}, now {counter._version}); its host copy "
                 "may hold either value, so the gradients would be wrong. Make the in-place operation out of "
                 "place, or use --activation_checkpointing_mode full")
+
+
+def version_counter(tensor: torch.Tensor) -> torch.Tensor | weakref.ref:
+    """An empty tensor sharing ``tensor``'s version counter (and so its views' and its base's), holding none
+    of its memory: ``detach`` shares the counter, ``set_()`` drops the storage, and the bump that ``set_``
+    makes is undone so the tensor's own version (which autograd checks elsewhere) is unchanged. A tensor
+    subclass that has no ``set_`` (a DTensor) is watched through a weak reference to its base instead,
+    which sees a change in place only while the tensor lives."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return weakref.ref(tensor if tensor._base is None else tensor._base)
+    alias = tensor.detach()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(alias):
+        alias.set_()
+    return alias
 
 
 class ActivationOffloader:

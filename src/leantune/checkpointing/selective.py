@@ -50,14 +50,16 @@ from leantune.models.structure import decoder_layers, unwrap_model
 
 aten = torch.ops.aten
 
-MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
-_ATTENTION = {
-    getattr(aten, name).default
+# Named by op, whatever the overload: eager runs call ``aten.mm.default``, but a compiled graph may
+# reach the policy with another overload of the same op (``aten.mm.out``), which must be saved alike.
+MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
+_ATTENTION = frozenset(
+    getattr(aten, name)
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "_flash_attention_forward", "_efficient_attention_forward")
     if hasattr(aten, name)
-}
+)
 
 # A quantized base layer's matmul (``--quantization``) is one bitsandbytes operator, known by name so that
 # bitsandbytes need not be installed: 4-bit's dequantize-and-multiply, 8-bit's int8 product and rescale.
@@ -66,8 +68,18 @@ QUANTIZED_MATMULS = frozenset({"bitsandbytes::gemm_4bit", "bitsandbytes::int8_sc
 
 
 def is_matmul(op) -> bool:
-    """A matmul of a projection: aten's, or a quantized base layer's."""
-    return op in MATMULS or (op.namespace == "bitsandbytes" and op.name() in QUANTIZED_MATMULS)
+    """A matmul of a projection: aten's (any overload), or a quantized base layer's."""
+    return _packet(op) in MATMULS or (op.namespace == "bitsandbytes" and op.name() in QUANTIZED_MATMULS)
+
+
+def is_attention(op) -> bool:
+    """One of SDPA's kernels (any overload): its output and statistics are saved, never recomputed."""
+    return _packet(op) in _ATTENTION
+
+
+def _packet(op):
+    """The op an overload belongs to (``aten.mm`` for ``aten.mm.out``); the op itself for anything else."""
+    return getattr(op, "overloadpacket", op)
 
 
 
@@ -144,7 +156,7 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """
     if op is RECOMPUTED_LINEAR or _RECOMPUTE_ALL[0]:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if op in _ATTENTION or is_matmul(op):
+    if is_attention(op) or is_matmul(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -68,3 +68,19 @@ def measure_gpu_constants(device: torch.device, cuda=torch.cuda,
     free, total = cuda.mem_get_info(device)
     context = max(0, (total - free) - cuda.memory_reserved(device))
     return GpuConstants(context, workspace, total)
+
+
+# device index -> the context measured at this run's start-up (``remember_context``); the assumption elsewhere
+_MEASURED_CONTEXT: dict[int, int] = {}
+
+
+def remember_context(device: torch.device, constants: GpuConstants) -> None:
+    """Keep the start-up measurement for ``context_bytes``: the run measures once, before anything of its own."""
+    _MEASURED_CONTEXT[device.index or 0] = constants.context_bytes
+
+
+def context_bytes(device: torch.device) -> int:
+    """What a budget counts for the CUDA context on ``device``: measured at start-up (with whatever other
+    processes held then, which this run cannot use either), or the planner's assumption where not measured.
+    The default budget and the batch check both count it, so they count the same bytes."""
+    return _MEASURED_CONTEXT.get(device.index or 0, CUDA_CONTEXT_BYTES)

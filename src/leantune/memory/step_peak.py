@@ -15,7 +15,8 @@ It only needs the model and its optimizer, not the trainer that owns them, so le
 and another trainer's (the Hugging Face Trainer's, in ``benchmarks/memory_budget.py``) are
 measured by the same meter. ``budget_bytes_used`` is what a memory budget is compared with: the
 peak on the CPU; on a GPU the reserved peak plus the CUDA context, the terms the planner's
-budget is made of (``leantune.planning.plan.budget_bytes``).
+budget is made of (``leantune.planning.plan.budget_bytes``), the context as the run measured it at
+start-up (``memory.gpu_constants.context_bytes``), not the planner's assumption.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from leantune.memory.stats import CUDA_CONTEXT_BYTES
+from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.tracker import StorageTracker
 
 DOESNT_FIT = 2**62  # bytes "needed" by a step that ran out of memory: more than any budget
@@ -68,10 +69,11 @@ class StepPeakMeter:
 
     @property
     def budget_bytes_used(self) -> int:
-        """What counts against a memory budget: the peak (CPU), or reserved plus the CUDA context (GPU)."""
+        """What counts against a memory budget: the peak (CPU), or reserved plus the CUDA context measured at
+        start-up (GPU)."""
         if self.reserved_bytes is None:
             return self.peak_bytes
-        return self.reserved_bytes + CUDA_CONTEXT_BYTES
+        return self.reserved_bytes + context_bytes(self.device)
 
     def __enter__(self) -> "StepPeakMeter":
         self.start()

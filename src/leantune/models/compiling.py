@@ -2,8 +2,10 @@
 
 Each layer gets ``nn.Module.compile``, which compiles the layer's own call in place: no wrapper
 module, so parameter names, saved states, PEFT and FSDP2 see the model they saw before. Hugging
-Face checkpoints a layer's ``forward`` inside that call, so the compiled graph holds the
-checkpoint too: full and every-N recompute inside it, and selective_ops' policy is traced (its
+Face (transformers 5.25, as tested) checkpoints a layer's ``forward`` inside that call, so the compiled graph
+holds the checkpoint too (older releases checkpointed around ``__call__``, outside what
+``nn.Module.compile`` compiles: the recompute would run eagerly around an opaque compiled layer,
+so such a layer is refused with checkpointing on, ``check_checkpoint_inside``): full and every-N recompute inside it, and selective_ops' policy is traced (its
 decisions read the op alone, ``leantune.checkpointing.selective``). The layers share their code,
 so one graph serves every layer alike (a checkpointed and an uncheckpointed layer, or training
 and validation, make one each).
@@ -53,10 +55,27 @@ def compile_decoder_layers(model: torch.nn.Module) -> str:
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.9
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = decoder_layers(model)
+    check_checkpoint_inside(layers)
     for layer in layers:
         layer.compile(options={"fallback_random": True})  # inductor's setting for these graphs only
-    return (f"compile: torch.compile on each of the {len(layers)} decoder layers (checkpointing inside the graph); "
+    compiled = sum(layer._compiled_call_impl is not None for layer in layers)  # counted, not assumed
+    return (f"compile: torch.compile on each of the {compiled} decoder layers (checkpointing inside the graph); "
             "they compile during the first step")
+
+
+def check_checkpoint_inside(layers: list[torch.nn.Module]) -> None:
+    """Refuse checkpointed layers whose class checkpoints around its own ``__call__``: ``nn.Module.compile``
+    compiles what ``Module.__call__`` runs, so that checkpoint would stay outside the compiled graph."""
+    import transformers
+
+    outside = sorted({type(layer).__name__ for layer in layers if getattr(layer, "gradient_checkpointing", False)
+                      and type(layer).__call__ is not torch.nn.Module.__call__})
+    if outside:
+        raise ConfigError(f"--compile with activation checkpointing: {', '.join(outside)} (transformers "
+                          f"{transformers.__version__}) checkpoints around its __call__, outside what torch.compile "
+                          "compiles, so the recompute would run eagerly around the compiled layer. Upgrade "
+                          "transformers to a release whose layers checkpoint their forward (5.25 does), or drop "
+                          "--compile or --enable_activation_checkpointing")
 
 
 def compile_line(step: int, step_s: float, metrics: Optional[dict] = None, counters: Optional[dict] = None) -> str:

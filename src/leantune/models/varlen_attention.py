@@ -153,8 +153,10 @@ def _varlen_kernel():
 
 
 def _flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
+    """The flash kernel needs a half-precision input, no dropout, and a GPU of compute capability 8.0 or newer
+    (a T4 or V100 takes SDPA per example instead)."""
     return (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and _varlen_kernel() is not None)
+            and torch.cuda.get_device_capability(query.device) >= (8, 0) and _varlen_kernel() is not None)
 
 
 def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tensor:

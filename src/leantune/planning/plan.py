@@ -18,7 +18,8 @@ from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
 from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import ConfigError, RunConfig
-from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+from leantune.memory.gpu_constants import context_bytes
+from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES
 from leantune.models.facts import check_context_length
 from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
@@ -29,9 +30,9 @@ OFFLOAD = OffloadCheckpointing.name  # planned by derivation from full's trace, 
 # What a GPU adds to the traced step, each with where the number comes from. Until a GPU run has
 # measured them for leantune (docs/planning.md), these are stated assumptions, not measurements.
 # The CUDA context (driver and kernels, outside PyTorch's allocator; nvidia-smi counts it) is
-# ``leantune.memory.stats.CUDA_CONTEXT_BYTES``, which the step-peak meter adds too; the cuBLAS workspace
-# ``CUBLAS_WORKSPACE_BYTES`` next to it. A run on a GPU measures both at start-up and prints the difference
-# (``leantune.memory.gpu_constants``).
+# ``leantune.memory.stats.CUDA_CONTEXT_BYTES``; the cuBLAS workspace ``CUBLAS_WORKSPACE_BYTES`` next to it.
+# A run on a GPU measures both at start-up and prints the difference (``leantune.memory.gpu_constants``);
+# from then on its plans, its default budget and its batch check count the measured context.
 # NCCL's own buffers on a rank with peers (FSDP over more than one GPU): outside PyTorch's allocator. An
 # assumption, not measured (one GPU has no peers): NCCL_BUFFSIZE (4 MiB) for its main protocol and smaller
 # buffers for the others, per channel and connection, with up to 32 channels on NVLink: a few hundred MiB;
@@ -108,7 +109,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
                     optimizer_step_peak_bytes=trace.stage_peaks.get("optimizer", 0), flops=trace.flops,
                     traced_tokens=trace.tokens, stage_breakdowns=trace.stage_breakdowns)
     if target.type == "cuda":
-        plan.cuda_context_bytes = CUDA_CONTEXT_BYTES
+        plan.cuda_context_bytes = context_bytes(target)  # measured at a GPU run's start-up, else assumed
         plan.cublas_workspace_bytes = CUBLAS_WORKSPACE_BYTES
         plan.fragmentation_bytes = allocator_overhead(trace, expandable)
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
@@ -353,13 +354,13 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budge
 
 def budget_bytes(cfg: RunConfig, target: torch.device) -> Optional[int]:
     """``--memory_budget_gb`` in bytes; by default on a usable GPU its free memory less 5%, plus what of every
-    plan this process already holds: its context, and what its allocator reserved (the cuBLAS workspace the
-    start-up measurement made)."""
+    plan this process already holds: its context (as measured at start-up, as the batch check counts it), and
+    what its allocator reserved (the cuBLAS workspace the start-up measurement made)."""
     if cfg.memory.memory_budget_gb is not None:
         return int(cfg.memory.memory_budget_gb * GIB)
     if target.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(target)
-        return int(free * 0.95) + CUDA_CONTEXT_BYTES + torch.cuda.memory_reserved(target)
+        return int(free * 0.95) + context_bytes(target) + torch.cuda.memory_reserved(target)
     return None
 
 

@@ -15,7 +15,9 @@ those flags with it).
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import sys
+from typing import Iterator, Optional
 
 import torch
 
@@ -47,7 +49,8 @@ class OptimizerInBackward:
         # float32 copy as large as the weight (2 GiB for Llama-3.1-8B's LM head)
         squares = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
-        step_group(self.optimizer, self._group_of[param])
+        with without_bitsandbytes_sync(self.optimizer):
+            step_group(self.optimizer, self._group_of[param])
         param.grad = None
 
     def close(self) -> None:
@@ -71,6 +74,39 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
         optimizer.step()
     finally:
         optimizer.param_groups = groups
+
+
+@contextlib.contextmanager
+def without_bitsandbytes_sync(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """bitsandbytes' 8-bit optimizers end each weight's update with ``torch.cuda.synchronize()``
+    (``sync_gpu``, bitsandbytes >= 0.47). Stepped from backward, that drains the GPU's queue once per
+    weight in the middle of backward. It is left out where nothing needs it: a non-paged optimizer
+    (paged state moves between host and device asynchronously, and bitsandbytes keeps the wait for it)
+    with backward on the default stream, where bitsandbytes launches its kernels, so each update stays
+    ordered after its gradient and before anything later; the step's own wait for the device after
+    backward (``TrainStep.run``) comes before the host reads any result.
+    """
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    original = getattr(module, "sync_gpu", None)
+    if original is None or getattr(optimizer, "is_paged", False) or not _on_default_stream():
+        yield
+        return
+    module.sync_gpu = _no_sync
+    try:
+        yield
+    finally:
+        module.sync_gpu = original
+
+
+def _on_default_stream() -> bool:
+    """Whether CUDA work (if any) is queued on the default stream, bitsandbytes' kernels' stream."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def _no_sync(_tensor: torch.Tensor) -> None:
+    """In place of bitsandbytes' per-weight ``sync_gpu`` while a weight steps in backward."""
 
 
 def create_state_weight_by_weight(optimizer: torch.optim.Optimizer) -> None:

@@ -34,6 +34,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
+from leantune.training.checkpoint_files import load_checkpoint_file
 from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight
 from leantune.training.low_bit import paged_loading
 
@@ -251,20 +252,20 @@ class TrainingStateStore:
         state = read_state(path)
         distributed = parts.dist.sharded
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
-        optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) if reads else {}
+        optimizer = load_checkpoint_file(path / "optimizer.pt") if reads else {}
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
         with paged_loading(parts.optimizer):
             set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
                                      options=StateDictOptions(full_state_dict=distributed,
                                                               broadcast_from_rank0=distributed))
-        parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
+        parts.scheduler.load_state_dict(load_checkpoint_file(path / "scheduler.pt"))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
                 raise ConfigError(f"--resume_from_checkpoint {path}: saved without a gradient scaler; resume with "
                                   "the saved precision flags")
-            parts.scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=True))
-        rng = torch.load(path / "rng_state.pth", map_location="cpu", weights_only=False)["ranks"]
+            parts.scaler.load_state_dict(load_checkpoint_file(path / "scaler.pt"))
+        rng = load_checkpoint_file(path / "rng_state.pth", numpy_arrays=True)["ranks"]
         restore_rng(rng[parts.dist.rank], parts.device)
         return state
 
@@ -337,7 +338,8 @@ def capture_rng(device: torch.device) -> dict:
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, keys, position, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = (name, keys.tolist(), position, has_gauss, cached)  # plain values: loads without pickle
     except ImportError:
         pass
     return state
@@ -351,7 +353,8 @@ def restore_rng(state: dict, device: torch.device) -> None:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        name, keys, *rest = state["numpy"]  # keys: a list (an array in states saved before 2026-12)
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), *rest))
 
 
 def trainer_state(global_step: int, progress: Progress, steps: list, epochs: list, cfg: RunConfig) -> dict:

@@ -1,0 +1,60 @@
+"""Reading a training state's files without running anything they hold.
+
+A checkpoint directory may come from anywhere (a colleague, a download, another cluster), and a
+pickle runs whatever its author wrote when it is loaded. Every ``.pt``/``.pth`` file of a
+training state is therefore read with ``torch.load(..., weights_only=True)``: tensors, numbers,
+strings and the containers of them, nothing else; a file that holds anything more is refused in
+one line. (The weights are safetensors and the rest JSON: neither can hold code.)
+
+``weights_only`` is itself a restricted unpickler, which torch before 2.10 could be driven to
+corrupt memory with (CVE-2026-24747): on such a torch, resuming says so in one line.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from leantune.config import ConfigError
+
+SAFE_UNPICKLER_TORCH = (2, 10)
+
+
+def load_checkpoint_file(path: Path, numpy_arrays: bool = False) -> Any:
+    """``path``'s tensors and plain values, read without running code; ``ConfigError`` naming the file when it
+    holds anything else (a pickle that would run code when loaded, or an object leantune never saves).
+    ``numpy_arrays``: also NumPy's uint32 arrays (the RNG states saved before they were plain lists)."""
+    try:
+        with torch.serialization.safe_globals(_numpy_uint32_arrays() if numpy_arrays else []):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        found = f"it names {named.group(1)}" if named else str(err).splitlines()[0][:120]
+        raise ConfigError(f"--resume_from_checkpoint {path.parent}: {path.name} holds more than tensors and plain "
+                          f"values ({found}); loading it could run code, so leantune refuses it. Resume only from a "
+                          "training state leantune wrote, or start the run afresh") from None
+
+
+def _numpy_uint32_arrays() -> list:
+    """What a NumPy uint32 array pickles through: its constructor, its class and its dtype's (no object arrays,
+    whose dtype is another class, so nothing they could hold)."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+
+
+def unpickler_warning(version: str = torch.__version__) -> Optional[str]:
+    """The line a resume prints on a torch whose restricted unpickler has a known memory-corruption flaw."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if release >= SAFE_UNPICKLER_TORCH:
+        return None
+    return (f"warning: torch {version}'s weights_only unpickler, which reads this training state, can be made to "
+            "corrupt memory by a crafted file (CVE-2026-24747, fixed in torch 2.10): resume only from states you "
+            "or leantune wrote, or upgrade torch")

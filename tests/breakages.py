@@ -1,0 +1,184 @@
+"""Deliberate breakages the suite must catch: each is applied alone to a scratch copy of this checkout, the
+tests that claim the feature run there, and the table says which breakages they caught and which they missed.
+
+    python tests/breakages.py                 # every breakage (about 10 minutes on 2 cores)
+    python tests/breakages.py --only tolerance,fp4
+    python tests/breakages.py --list
+
+Not run by CI (each breakage is a pytest run of its own). Before resolving an issue, add a breakage of each
+feature it built (a dropped flag, a skipped layer, a constant) and run the script on them: a breakage the
+tests miss is a test to write. A breakage whose text is no longer in its file is reported ``stale``: the
+code moved, so the breakage must be written again against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Breakage:
+    name: str
+    why: str  # what the breakage does to a user
+    file: str  # relative to the checkout
+    old: str  # found exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: the files (and -k selections) that claim the feature
+
+
+B = Breakage
+BREAKAGES = [
+    # issue 38's nine
+    B("tolerance", "the own-loss check lets a 1% logit scale through", "src/leantune/builders/own_loss.py",
+      "TOLERANCE = 1e-4", "TOLERANCE = 5e-2", ("tests/test_model_checks.py", "-k", "beyond_leantunes_path")),
+    B("chat_rewrite", "a template that rewrites earlier turns is labelled from its prefixes", "src/leantune/data/chat.py",
+      "if not (through.startswith(before) and whole.startswith(through)):", "if False:", ("tests/test_chat_data.py",)),
+    B("fp4", "--quant_type fp4 trains as NF4", "src/leantune/models/quantized.py",
+      "bnb_4bit_quant_type=quant.quant_type", 'bnb_4bit_quant_type="nf4"', ("tests/test_qlora.py", "-k", "planner_traces")),
+    B("double_quant_plan", "the planner always double-quantizes", "src/leantune/models/quantized.py",
+      "compress_statistics=weight.compress_statistics", "compress_statistics=True",
+      ("tests/test_qlora.py", "-k", "planner_traces")),
+    B("norm_reset", "the norm of steps in backward accumulates across steps", "src/leantune/training/in_backward.py",
+      '        """Before the step\'s backward: the norm gathers afresh."""\n        self._squares = None',
+      '        """Before the step\'s backward: the norm gathers afresh."""',
+      ("tests/test_lean_optimizers.py", "-k", "weights_of_stepping")),
+    B("compile_last_layer", "--compile leaves the last decoder layer eager", "src/leantune/models/compiling.py",
+      "    for layer in layers:\n        layer.compile(", "    for layer in layers[:-1]:\n        layer.compile(",
+      ("tests/test_compile.py", "-k", "keep_their_names")),
+    B("recomputed_bias", "selective_ops' recomputed Linear drops its bias", "src/leantune/checkpointing/recomputed_linear.py",
+      "return out if self.bias is None else out + self.bias.to(out.dtype)", "return out",
+      ("tests/test_selective_ops.py", "-k", "recomputed_op")),
+    B("split_1mib", "the allocator model splits a large block leaving exactly 1 MiB", "src/leantune/memory/allocator_model.py",
+      "else (left > SMALL_REQUEST_BYTES)", "else (left >= SMALL_REQUEST_BYTES)", ("tests/test_allocator_model.py",)),
+    B("bnb_weight_decay", "8-bit AdamW decays by bitsandbytes' 0.01 whatever --weight_decay says",
+      "src/leantune/training/low_bit.py", "cls(params, lr=lr, weight_decay=weight_decay,", "cls(params, lr=lr,",
+      ("tests/test_lean_optimizers.py", "-k", "weight_decay")),
+    # issue 36: long context
+    B("host_memory", "--return_host_memory says it maps large allocations and does not", "src/leantune/memory/host_allocator.py",
+      "return mallopt(M_MMAP_THRESHOLD, threshold) == 1", "return True", ("tests/test_memory.py", "-k", "return_host")),
+    B("tiles_skip_layer", "the tiled MLP leaves the last layer whole", "src/leantune/models/tiled_mlp.py",
+      "    count = 0\n    for layer in decoder_layers(model):", "    count = 0\n    for layer in decoder_layers(model)[:-1]:",
+      ("tests/test_long_context.py",)),
+    # issue 37: the GPU paths
+    B("bnb_sync", "8-bit AdamW stepped in backward waits for the GPU once per weight", "src/leantune/training/in_backward.py",
+      "    module.sync_gpu = _no_sync", "    module.sync_gpu = original",
+      ("tests/test_lean_optimizers.py", "-k", "never_wait")),
+    B("compile_layout", "a layer checkpointed around its __call__ is compiled without its checkpoint",
+      "src/leantune/models/compiling.py", "and type(layer).__call__ is not torch.nn.Module.__call__", "and False",
+      ("tests/test_compile.py", "-k", "around_its_call")),
+    B("matmul_overloads", "a compiled graph's aten.mm.out is recomputed by selective_ops",
+      "src/leantune/checkpointing/selective.py", 'return getattr(op, "overloadpacket", op)', "return op",
+      ("tests/test_selective_ops.py", "-k", "every_overload")),
+    B("assumed_context", "the batch check's budget uses the assumed CUDA context", "src/leantune/memory/step_peak.py",
+      "return self.reserved_bytes + context_bytes(self.device)", "return self.reserved_bytes + 512 * 2**20",
+      ("tests/test_step_peak.py",)),
+    B("loading_peak", "the sharding line's peak is read after the monitor reset it", "src/leantune/finetuning.py",
+      "shard(loss_model, cfg, dist, device, precision, log, peak_before=loaded_peak)",
+      "shard(loss_model, cfg, dist, device, precision, log)", ("tests/test_fsdp_flags.py", "-k", "peak")),
+    B("host_memory_unwired", "a CPU run never applies --return_host_memory", "src/leantune/finetuning.py",
+      "if (host_line := return_host_memory(cfg.memory.return_host_memory, device.type)) is not None:",
+      "if (host_line := None) is not None:", ("tests/test_finetuning.py", "-k", "cookbook_command")),
+    B("compile_check_unwired", "compiling never asks where a layer's checkpoint is", "src/leantune/models/compiling.py",
+      "    check_checkpoint_inside(layers)\n", "", ("tests/test_compile.py", "-k", "around_its_call")),
+    B("attention_overloads", "selective_ops recomputes SDPA's output reached through another overload",
+      "src/leantune/checkpointing/selective.py", "return _packet(op) in _ATTENTION", "return op in _ATTENTION",
+      ("tests/test_selective_ops.py", "-k", "attention_kernel")),
+    B("varlen_capability", "the varlen flash kernel is used on a T4", "src/leantune/models/varlen_attention.py",
+      "and torch.cuda.get_device_capability(query.device) >= (8, 0)", "",
+      ("tests/test_long_context.py", "-k", "below_ampere")),
+    B("offload_freed_inplace", "offload misses a saved tensor changed in place and freed",
+      "src/leantune/checkpointing/offload.py", "self.counter, self.version = version_counter(tensor), tensor._version",
+      "self.counter, self.version = torch.empty(0), 0", ("tests/test_offload.py", "-k", "in_place")),
+    B("flash_capability", "FlashAttention 2 is allowed on a T4", "src/leantune/models/attention.py",
+      "(capability := _cuda_capability()) < (8, 0)", "(capability := _cuda_capability()) < (7, 0)",
+      ("tests/test_model_checks.py", "-k", "below_ampere")),
+    # issue 39: resuming never runs code
+    B("rng_unpickled", "a resume unpickles rng_state.pth with code execution", "src/leantune/training/state.py",
+      'rng = load_checkpoint_file(path / "rng_state.pth", numpy_arrays=True)["ranks"]',
+      'rng = torch.load(path / "rng_state.pth", map_location="cpu", weights_only=False)["ranks"]',
+      ("tests/test_checkpoint_files.py", "-k", "hostile")),
+]
+
+
+def scratch_copy(into: Path) -> None:
+    """The checkout's files (tracked, and untracked ones git does not ignore) copied to ``into``."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+
+
+def run_tests(tests: tuple[str, ...], scratch: Path) -> int:
+    """pytest's exit code for ``tests`` in ``scratch`` (its ``src`` first on the path)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=scratch,
+                          env=env, capture_output=True, text=True).returncode
+
+
+def try_one(breakage: Breakage, scratch: Path, clean: dict) -> tuple[str, float]:
+    """Apply ``breakage`` in ``scratch``, run its tests there, put the file back: caught, MISSED, stale, or
+    "fails unbroken" when the same tests fail without it (``clean``: each selection's unbroken exit code)."""
+    path = scratch / breakage.file
+    original = path.read_text()
+    if original.count(breakage.old) != 1:
+        return "stale", 0.0
+    started = time.perf_counter()
+    if breakage.tests not in clean:  # a selection that fails unbroken would call every breakage caught
+        clean[breakage.tests] = run_tests(breakage.tests, scratch)
+    if clean[breakage.tests] != 0:
+        return "fails unbroken", time.perf_counter() - started
+    path.write_text(original.replace(breakage.old, breakage.new))
+    try:
+        code = run_tests(breakage.tests, scratch)
+    finally:
+        path.write_text(original)
+    # pytest's 1 is "tests failed": caught; 5 (nothing collected) or another error is not a catch
+    status = "caught" if code == 1 else "MISSED" if code == 0 else f"error {code}"
+    return status, time.perf_counter() - started
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated names")
+    parser.add_argument("--list", action="store_true", help="name each breakage and stop")
+    args = parser.parse_args(argv)
+    chosen = BREAKAGES
+    if args.only:
+        names = args.only.split(",")
+        unknown = sorted(set(names) - {b.name for b in BREAKAGES})
+        if unknown:
+            parser.error(f"--only: unknown {', '.join(unknown)}")
+        chosen = [b for b in BREAKAGES if b.name in names]
+    if args.list:
+        print("\n".join(f"{b.name:<24} {b.why}" for b in chosen))
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="leantune-breakages-") as folder:
+        scratch = Path(folder)
+        scratch_copy(scratch)
+        clean: dict = {}
+        for breakage in chosen:
+            status, seconds = try_one(breakage, scratch, clean)
+            results.append((breakage, status))
+            print(f"{breakage.name:<24} {status:<8} {seconds:6.1f} s  {breakage.why}", flush=True)
+    missed = [b.name for b, status in results if status != "caught"]
+    print(f"\n{len(results) - len(missed)} of {len(results)} caught" + (f"; not caught: {', '.join(missed)}"
+                                                                      if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

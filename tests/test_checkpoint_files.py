@@ -1,0 +1,81 @@
+"""Resuming never runs code from a checkpoint: every file a resume reads is loaded without arbitrary unpickling."""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import pytest
+import torch
+
+from leantune import finetuning
+from leantune.config import ConfigError
+from leantune.training.checkpoint_files import load_checkpoint_file, unpickler_warning
+from leantune.training.state import capture_rng, restore_rng
+
+RUN = ["--lr", "3e-3", "--context_length", "64", "--batch_size_training", "2", "--max_train_step", "2",
+       "--save_steps", "1", "--run_validation", "false", "--save_model", "false", "--num_workers_dataloader", "0",
+       "--use_peft"]
+
+
+class CreatesAFile:
+    """Unpickled, it would open (so create) ``path``: what a hostile checkpoint file could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("name", ["rng_state.pth", "optimizer.pt", "scheduler.pt"])
+def test_a_hostile_file_in_a_checkpoint_is_refused_in_one_line_and_runs_nothing(name, tiny_model_dir, tmp_path,
+                                                                                 capsys):
+    saved = tmp_path / "saved"
+    assert finetuning.main(["--model_name", str(tiny_model_dir), *RUN, "--output_dir", str(saved)]) == 0
+    marker = tmp_path / "created-by-the-checkpoint"
+    torch.save({"ranks": [CreatesAFile(marker)], "state": CreatesAFile(marker)}, saved / "checkpoint-1" / name)
+    capsys.readouterr()
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *RUN, "--output_dir", str(tmp_path / "resumed"),
+                            "--resume_from_checkpoint", str(saved / "checkpoint-1")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not marker.exists()  # 2: the flag points at a state to refuse
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (f"--resume_from_checkpoint {saved / 'checkpoint-1'}: {name} holds more than tensors and plain values "
+            "(it names io.open); loading it could run code, so leantune refuses it") in err
+
+
+def test_rng_states_are_saved_as_plain_values_and_old_ones_still_load(tmp_path):
+    """NumPy's state is saved as a list (loads with weights_only); a state saved as NumPy's array (before) too."""
+    for numpy_state in ("new", "old"):
+        state = capture_rng(torch.device("cpu"))
+        if numpy_state == "old":
+            state["numpy"] = numpy.random.get_state()
+        torch.save({"ranks": [state]}, tmp_path / "rng_state.pth")
+        loaded = load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)["ranks"][0]
+        draws = []
+        for _ in range(2):
+            restore_rng(loaded, torch.device("cpu"))
+            draws.append((random.random(), numpy.random.rand(), torch.rand(1).item()))
+        assert draws[0] == draws[1], numpy_state
+    assert isinstance(capture_rng(torch.device("cpu"))["numpy"][1], list)
+    with pytest.raises(ConfigError, match="holds more than tensors and plain values"):  # arrays only where asked
+        state["numpy"] = numpy.random.get_state()
+        torch.save({"ranks": [state]}, tmp_path / "optimizer.pt")
+        load_checkpoint_file(tmp_path / "optimizer.pt")
+
+
+def test_a_resume_on_a_torch_with_the_unpickler_flaw_says_so():
+    assert "CVE-2026-24747, fixed in torch 2.10" in unpickler_warning("2.9.1+cu128")
+    assert unpickler_warning("2.10.0") is None and unpickler_warning("2.13.0+cpu") is None
+
+
+def test_no_source_file_loads_a_pickle_that_could_run_code():
+    """``torch.load`` only with ``weights_only=True``, and no ``pickle.load``, anywhere in src/."""
+    from pathlib import Path
+
+    for path in (Path(__file__).resolve().parent.parent / "src").rglob("*.py"):
+        text = path.read_text()
+        assert "pickle.load(" not in text and "weights_only=False" not in text, path
+        for line in (line for line in text.splitlines() if "torch.load(" in line and "``" not in line):
+            assert "weights_only=True" in line, (path, line)
