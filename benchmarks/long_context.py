@@ -87,7 +87,7 @@ def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> 
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(common_flags(model_dir, context) + flags)
-    return_host_memory(cfg.memory.return_host_memory, "cpu")  # as ``leantune finetune`` does at start-up
+    return_host_memory(cfg.memory.return_host_memory, "cpu", context)  # as ``leantune finetune`` does at start-up
     precision = choose_precision(cfg, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None, tokenizer="no tokenizer: the row is made of ids")
     step = build_train_step(cfg, loss_model_for(model, cfg), precision, check_finite=False)

@@ -138,7 +138,8 @@ CASES = {
                             "holds another run's training state (1 saved, checkpoint-20 the newest). Continue that run "
                             "with --resume_from_checkpoint latest, start over with --overwrite_output_dir"),
     "another run's model": (["--output_dir", "{tmp}/done"], {"done/adapter_model.safetensors": "x"}, 2,
-                            "holds another run's model (adapter_model.safetensors)"),
+                            "holds another run's model (adapter_model.safetensors). Start over with "
+                            "--overwrite_output_dir, or pick another --output_dir"),  # no state: resume not offered
     "nothing to resume": (["--resume_from_checkpoint", "latest"], {}, 2,
                           "--resume_from_checkpoint latest: {tmp}/out holds no complete checkpoint-STEP training state"),
     "resume a final model": (["--resume_from_checkpoint", "{tmp}/final"], {"final/config.json": "{}"}, 2,

@@ -79,3 +79,14 @@ def test_no_source_file_loads_a_pickle_that_could_run_code():
         assert "pickle.load(" not in text and "weights_only=False" not in text, path
         for line in (line for line in text.splitlines() if "torch.load(" in line and "``" not in line):
             assert "weights_only=True" in line, (path, line)
+
+
+def test_a_damaged_or_foreign_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "scheduler.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match=r"scheduler.pt cannot be read \(.*\): the state is damaged"):
+        load_checkpoint_file(tmp_path / "scheduler.pt")
+    state = capture_rng(torch.device("cpu"))
+    state["numpy"] = ("MT19937", numpy.zeros(3, dtype=numpy.float64), 0, 0, 0.0)  # an array leantune never saves
+    torch.save({"ranks": [state]}, tmp_path / "rng_state.pth")
+    with pytest.raises(ConfigError, match=r"rng_state.pth holds (more than tensors and plain values|a NumPy float64)"):
+        load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)

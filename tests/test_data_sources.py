@@ -110,7 +110,7 @@ def test_tokenized_examples_come_from_the_cache_until_the_data_or_tokenizer_chan
     monkeypatch.setitem(data_module.ENCODERS, "alpaca_dataset", refuse)
     monkeypatch.setitem(data_module.ENCODERS, "custom_dataset", refuse)
     assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first
-    assert lines == [f"data: 10 tokenized examples of data.parquet from the cache ({cache_dir()}; "
+    assert lines == [f"data cache: 10 tokenized examples of data.parquet read back ({cache_dir()}; "
                      "--no_dataset_cache tokenizes again)"]
     templated, more_words = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
     templated.chat_template = "{{ messages }}"

@@ -29,9 +29,8 @@ def test_cookbook_command_trains_with_checkpointing_and_monitoring(tiny_model_di
     results = _run(argv, lines)
     assert results["steps"] == 6
     assert "activation checkpointing: on, 2/2 decoder layers, non-reentrant, policy full" in lines
-    # training on the CPU, freed host tensors go back to the system (--return_host_memory auto)
-    assert ("host memory: allocations of 1 MiB or more mapped on their own, so freed tensors return to the system "
-            "(--return_host_memory auto)") in lines
+    # short rows on the CPU: glibc's allocator left as it is (--return_host_memory auto)
+    assert not [line for line in lines if line.startswith("host memory:")]
     rows = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7))  # setup + 6 steps
     assert [r["phase"] for r in rows] == ["setup"] + ["train"] * 6

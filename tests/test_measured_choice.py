@@ -104,9 +104,10 @@ def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir)
     assert (timed.cfg.checkpointing.mode or "none") == chosen and timed.plan is plans[chosen]
     assert timed.cfg.training.batch_size_training == {"none": 2, "full": 4}[chosen]
     assert inspect_checkpointing(model).enabled == (chosen == "full")  # the model trains with the winner's
-    assert lines[-2].startswith(f"activation checkpointing: auto chose {chosen} (batch ")
-    assert "none 2 (" in lines[-3] and "full 4 (" in lines[-3] and "tokens/s" in lines[-3]
-    assert lines[-1] == inspect_checkpointing(model).summary_line()  # what the model now has, said
+    assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen}, batch ")
+    assert "none 2 (" in lines[-2] and "full 4 (" in lines[-2] and "tokens/s" in lines[-2]
+    # one line: the choice, why, and what the model now has
+    assert lines[-1].endswith(inspect_checkpointing(model).summary_line().split(": ", 1)[1])
 
 
 def _choose(tiny_model_dir, candidates: dict, fake: "_SlowOnPurpose", first: str = "none"):
@@ -165,6 +166,6 @@ def test_a_candidate_that_runs_out_of_memory_is_left_out_and_one_candidate_is_no
     lines: list[str] = []
     memory = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan), "none": (4, plan)})
     timed = choose_by_timing(memory, model, precision, lines.append, step_for=fake.step_for, clock=fake.clock)
-    assert timed.cfg.checkpointing.mode == "full" and "none 4 (out of memory)" in lines[-3]
+    assert timed.cfg.checkpointing.mode == "full" and "none 4 (out of memory)" in lines[-2]
     alone = MemoryPlan(cfg, plan, 2**30, {"full": (2, plan)})
     assert choose_by_timing(alone, model, precision, lines.append, step_for=pytest.fail) is alone

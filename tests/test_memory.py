@@ -255,10 +255,29 @@ def test_return_host_memory_gives_freed_tensors_back_to_the_system(tmp_path):
     assert returned["off"] < 16 and returned["on"] >= 127, returned
 
 
-def test_return_host_memory_is_on_for_cpu_training_only_unless_asked():
-    from leantune.memory.host_allocator import return_host_memory, wanted
+def test_return_host_memory_is_on_for_long_cpu_rows_only_unless_asked():
+    from leantune.memory.host_allocator import wanted
 
-    assert wanted("auto", "cpu") and not wanted("auto", "cuda")
-    assert wanted("on", "cuda") and not wanted("off", "cpu")
-    assert return_host_memory("off", "cpu") is None
-    assert "--return_host_memory auto" in return_host_memory("auto", "cpu")
+    assert wanted("auto", "cpu", 8192) and wanted("auto", "cpu", 4096)
+    assert not wanted("auto", "cpu", 512) and not wanted("auto", "cuda", 8192)  # short rows: page faults cost more
+    assert wanted("on", "cuda", 128) and not wanted("off", "cpu", 8192)
+
+
+def test_a_run_applies_return_host_memory_and_says_so(tiny_model_dir, tmp_path, monkeypatch):
+    """The run's start-up applies the setting (stood in here: the real one would stay in this test process)."""
+    from leantune.finetuning import run
+    from leantune.cli_args import parse_run_config
+    from leantune.memory import host_allocator
+
+    applied = []
+    monkeypatch.setattr(host_allocator, "map_large_allocations", lambda: applied.append(True) or True)
+    flags = ["--model_name", str(tiny_model_dir), "--max_train_step", "1", "--context_length", "64",
+             "--run_validation", "false", "--save_model", "false", "--num_workers_dataloader", "0"]
+    for setting, expected in (("on", True), ("auto", False)):  # auto at 64 tokens: off
+        lines: list[str] = []
+        run(parse_run_config([*flags, "--return_host_memory", setting, "--output_dir", str(tmp_path / setting)]),
+            log=lines.append)
+        said = [line for line in lines if line.startswith("host memory:")]
+        assert said == ([f"host memory: allocations of 1 MiB or more mapped on their own, so freed tensors return to "
+                         f"the system (--return_host_memory {setting})"] if expected else []), said
+    assert applied == [True]

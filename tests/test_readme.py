@@ -15,15 +15,24 @@ def _bash_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
 
+def test_the_first_screen_is_the_offline_quickstart():
+    """The two set-up commands come first (the quickstart, then the tests); the cookbook command after them."""
+    blocks = [block.strip() for block in _bash_blocks()]
+    assert "pip install torch==2.13.0" in blocks[0] and blocks[1].endswith("python -m pytest")
+    assert blocks[2].startswith("torchrun --nnodes 1 --nproc_per_node 1 -m leantune.finetuning")
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("## Set up") < 1000  # on the first screen
+
+
 def test_ci_runs_the_readme_test_command():
-    test_command = _bash_blocks()[2].strip()  # the tests block, after the cookbook example and the quickstart
+    test_command = _bash_blocks()[1].strip()  # the tests block, after the quickstart
     assert test_command.endswith("python -m pytest")
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command.split("&&")[-1].strip() in ci_lines
 
 
 def test_quickstart_flags_parse():
-    quickstart = _bash_blocks()[1].strip()
+    quickstart = _bash_blocks()[0].strip()
     assert "pip install torch==2.13.0" in quickstart
     finetune = quickstart.split("leantune finetune", 1)[1]
     cfg = parse_run_config(shlex.split(finetune))

@@ -72,3 +72,17 @@ def test_report_errors_say_what_to_do(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ReportError, match=r"pip install 'leantune\[plot\]'"):
         _pyplot()
+
+
+def test_the_next_step_a_run_names_works_on_its_output(tiny_model_dir, tmp_path, capsys):
+    """Without --save_metrics (the quickstart) the line names the flag leantune report needs; with it, the
+    command it names runs on the run's directory."""
+    lines = []
+    argv = ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "2",
+            "--run_validation", "false", "--num_workers_dataloader", "0", "--save_model", "false",
+            "--enable_memory_monitoring", "--output_dir", str(tmp_path / "plain")]
+    run(parse_run_config(argv), log=lines.append)
+    (line,) = [line for line in lines if line.startswith("report: ")]
+    assert line.endswith("(add --save_metrics to compare runs with leantune report DIR [DIR ...])")
+    _train(tiny_model_dir, tmp_path / "saved")
+    assert cli.main(["report", str(tmp_path / "saved")]) == 0

@@ -7,6 +7,8 @@ line overrides it and both go through the same type checks and error messages.
 
 from __future__ import annotations
 
+import argparse
+
 import difflib
 import json
 from dataclasses import fields
@@ -72,10 +74,26 @@ class _Parser(HfArgumentParser):
         raise ConfigError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default where it means something: not "None" (the help says what unset means), and not on a
+    --no_FLAG (its default is the positive flag's)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or any(option.startswith("--no_") for option in action.option_strings):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "leantune finetune") -> HfArgumentParser:
-    parser = _Parser(SECTIONS, prog=prog, allow_abbrev=False,
-                     description="Fine-tune a Llama-family causal LM (full or LoRA) on one device.")
+    parser = _Parser(SECTIONS, prog=prog, allow_abbrev=False, formatter_class=_HelpFormatter,
+                     description="Fine-tune a Hugging Face decoder (full fine-tuning, LoRA or QLoRA) with as little "
+                                 "accelerator memory as it can: on one GPU or the CPU, or sharded over several GPUs "
+                                 "with FSDP2 under torchrun (--enable_fsdp).")
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag: value pairs; flags override it.")
+    for action in parser._actions:
+        negative = next((option for option in action.option_strings if option.startswith("--no_")), None)
+        if negative:
+            action.help = f"The same as --{negative[5:]} false."
     return parser
 
 

@@ -43,7 +43,7 @@ from leantune.report.flops import TokenFlops, device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.checkpoint_files import unpickler_warning
 from leantune.training.loop import Trainer, TrainingParts
-from leantune.training.optim import build_scheduler
+from leantune.training.optim import build_scheduler, describe_optimizer
 from leantune.training.packing_check import check_examples_kept_apart
 from leantune.training.state import TrainingStateStore, check_compatible, load_weights, read_state
 from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped,
@@ -51,6 +51,7 @@ from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest
 
 # Errors a user can fix from the message alone, and runs stopped on purpose: printed without a traceback.
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError, RunStopped)
+REFUSALS = USER_ERRORS[:4]  # bad input, refused before training: a directory the run made for it is removed
 
 
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
@@ -65,24 +66,20 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
-    if resume is not None and (warning := unpickler_warning()) is not None:
-        log(warning)
-    if (host_line := return_host_memory(cfg.memory.return_host_memory, device.type)) is not None:
-        log(host_line)
+    for line in (unpickler_warning() if resume is not None else None,
+                 return_host_memory(cfg.memory.return_host_memory, device.type, cfg.data.context_length)):
+        if line is not None:  # a resume on a torch with the unpickler's flaw; host memory handed back
+            log(line)
     if (constants := measure_gpu_constants(device)) is not None:  # before anything of ours is on the GPU
         remember_context(device, constants)  # what the default budget and the batch check count as the context
         log(constants.line())
-    if cfg.training.compile:
-        check_can_compile(device.type)
-    if cfg.memory.memory_snapshot and device.type != "cuda":
-        raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
-                          "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
+    _check_device_flags(cfg, device)
     loggers = MetricLoggers.for_run(cfg, dist.is_main)  # a missing logger package is refused here, early
     stack.callback(loggers.close)
     traces = StepTraces(dist)  # traced on rank 0, shared with the others
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
     saved = read_state(resume) if resume is not None else None
-    memory = keep_saved_choice(memory, saved)  # auto's timed choice is not made again when resuming
+    memory = keep_saved_choice(memory, saved, log)  # auto's timed choice is not made again when resuming
     if saved is not None:
         check_compatible(saved, memory.cfg, resume, dist.world_size)
     precision = choose_precision(memory.cfg, device)
@@ -100,6 +97,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if cfg.training.compile:  # after the checks, which run once and need no compiling
         log(compile_decoder_layers(model))
     step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
+    log(describe_optimizer(cfg.training, step.optimizer))
     predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, dist.world_size) or (None, None)
     # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
     peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
@@ -115,6 +113,15 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     return trainer
 
 
+def _check_device_flags(cfg: RunConfig, device: torch.device) -> None:
+    """Flags the device cannot honour, refused before anything loads."""
+    if cfg.training.compile:
+        check_can_compile(device.type)
+    if cfg.memory.memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
+                          "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
+
+
 def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], Optional[dict]], precision: Precision,
           dist: DistContext, log, traces: StepTraces):
     """The tokenizer, the data (its errors before any weight loads), the model and, with --auto_batch_size,
@@ -128,7 +135,8 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     data = RunData(cfg, tokenizer, log, dist)
     loaders = data.loaders(cfg)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
-    model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer)
+    model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer,
+                                   timed_next=len(memory.candidates) >= 2)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
     memory = choose_by_timing(memory, model, precision, log)  # auto with --auto_batch_size: the fastest candidate
@@ -161,9 +169,12 @@ def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optio
 def run(cfg: RunConfig, log=print) -> dict:
     """Build, train and save; returns the trainer's results (logs from rank 0 only)."""
     dist = start_distributed(cfg)
+    output_dir = Path(cfg.output.output_dir)
+    made_here, built = dist.is_main and not output_dir.exists(), False
     try:
         with StopRequest() as stop, contextlib.ExitStack() as stack:
             trainer = build_trainer(cfg, stack, dist.logger(log), dist, stop)
+            built = True
             stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
             if cfg.output.overwrite_output_dir and dist.is_main:
                 clear_previous_run(cfg, log)
@@ -171,6 +182,9 @@ def run(cfg: RunConfig, log=print) -> dict:
             trainer.save()
     except BaseException as err:
         failure = _explained(err, cfg)
+        if made_here and not built and isinstance(err, REFUSALS):  # refused before training: nothing to keep
+            with contextlib.suppress(OSError):  # only while empty: another run may have started writing there
+                output_dir.rmdir()
         if dist.distributed:
             _end_this_rank(dist, failure or err)
         close_distributed(dist)  # one process (a one-rank FSDP group): no other rank waits for this one

@@ -84,7 +84,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
 
 
 def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional[ModelFacts] = None,
-                on_meta: bool = False, tokenizer=None):
+                on_meta: bool = False, tokenizer=None, timed_next: bool = False):
     """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
 
     ``facts``: the model's, as the run read them (its attention implementation); read here when not
@@ -109,7 +109,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         f"{'on the host until FSDP shards it onto ' if cfg.distributed.enable_fsdp else 'on '}{precision.device}")
     if cfg.quant.enabled:
         log(describe_quantization(cfg.quant, model))
-    log(report.summary_line())
+    if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then
+        log(report.summary_line())
     if cfg.model.rope_scaling_factor:
         log(f"positions: {position_limit(facts.config):,}, extended {cfg.model.rope_scaling_factor:g}x by RoPE "
             f"interpolation (--rope_scaling_factor; {facts.config.rope_parameters.get('rope_type')} scaling)")

@@ -28,8 +28,9 @@ class MemoryConfig:
     return_host_memory: Literal["auto", "on", "off"] = field(default="auto", metadata=_help(
         "Host allocations of 1 MiB or more are mapped on their own (glibc's mmap threshold fixed), so a freed "
         "tensor goes back to the system at once instead of staying in the process's heap: the process's memory "
-        "follows its live tensors. Costs page faults, about 8%% of a step on the CPU. auto: on when training "
-        "on the CPU, where host memory is the device's memory; off on a GPU."))
+        "follows its live tensors. Costs page faults: 8%% of a CPU step at 8,192 tokens, 65%% at 512. auto: on "
+        "when training on the CPU with --context_length 4096 or more, where host memory is the device's memory; "
+        "off on a GPU."))
 
     def __post_init__(self):
         _require(self.memory_monitoring_interval > 0, "memory_monitoring_interval",

@@ -57,7 +57,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
                      "tokenizer": tokenizer_fingerprint(tokenizer)})
     examples, hit = cached_examples(key, encode)
     if hit and log is not None:
-        log(f"data: {len(examples)} tokenized examples of {source.name} from the cache ({cache_dir()}; "
+        log(f"data cache: {len(examples)} tokenized examples of {source.name} read back ({cache_dir()}; "
             "--no_dataset_cache tokenizes again)")
     return split_records(examples, cfg.val_fraction, seed)
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import os
+import socket
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -9,6 +14,7 @@ from typing import Optional
 import torch
 
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
+from leantune.models.quantized import bitsandbytes_installed, import_bitsandbytes
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 
 
@@ -16,7 +22,7 @@ class ModelLoadError(RuntimeError):
     """The model or tokenizer cannot be loaded; the message names what and suggests a fix."""
 
 
-def resolve_model_path(name: str) -> str:
+def resolve_model_path(name: str, flag: str = "--model_name") -> str:
     """The directory or hub id to load: builds the default tiny model on first use.
 
     A name that looks like a filesystem path (absolute, ``./``, ``../``, ``~``) must exist: trying it
@@ -33,13 +39,55 @@ def resolve_model_path(name: str) -> str:
         raise ModelLoadError(f"--model_name {name} is a file; pass the model's directory")
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         raise ModelLoadError(f"model directory not found: {name} (check --model_name)")
+    check_hub_id(name, flag)
     return name  # a hub id such as meta-llama/Llama-3.2-1B
+
+
+def check_hub_id(name: str, flag: str = "--model_name") -> None:
+    """A hub id is handed to transformers only when its files are in the local cache or the hub answers: with
+    neither, transformers would retry for half a minute and then fail in its own words. One line instead."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # cached: transformers reads it offline as well
+    except ValueError:  # not a valid repo id: transformers' own message says so
+        return
+    unreachable = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _hub_unreachable(constants.ENDPOINT)
+    if not unreachable:
+        return
+    near = difflib.get_close_matches(name, [DEFAULT_MODEL_NAME], n=1, cutoff=0.8) if "/" not in name else []
+    if near:
+        raise ModelLoadError(f"{flag} {name}: no such directory, and not in the local Hugging Face cache; "
+                             f"did you mean {near[0]} (leantune's built-in tiny model)?")
+    raise ModelLoadError(f"{flag} {name}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
+                         f"hub cannot be asked ({unreachable}): download it where there is network "
+                         f"(huggingface-cli download {name}) and pass its directory, or point HF_HOME at a cache "
+                         "that holds it")
+
+
+@functools.lru_cache(maxsize=4)
+def _hub_unreachable(endpoint: str, timeout: float = 3.0) -> Optional[str]:
+    """Why the hub cannot be reached (None when it answers, or when a proxy stands between: not probed).
+    Asked once a process (the config, the tokenizer and the weights each resolve the name)."""
+    url = urllib.parse.urlparse(endpoint)
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if url.scheme == "https" else \
+        ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    if any(os.environ.get(name) for name in proxies):
+        return None
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+    except OSError as err:
+        return f"{url.hostname} did not answer: {err.strerror or type(err).__name__}"
+    return None
 
 
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    source = resolve_model_path(cfg.tokenizer_name or cfg.model_name)
+    source = resolve_model_path(cfg.tokenizer_name or cfg.model_name,
+                                "--tokenizer_name" if cfg.tokenizer_name else "--model_name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
@@ -82,6 +130,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
 
 def attach_lora(model, cfg: PeftSettings):
     """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``."""
+    if bitsandbytes_installed():  # peft imports it: first here, without its warning about a hub kernel
+        import_bitsandbytes()
     from peft import PeftModel
 
     with warnings.catch_warnings():

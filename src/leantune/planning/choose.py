@@ -117,8 +117,9 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
         f"{m} {b} ({extra[m]:+.0%} FLOPs per token)" for m, (b, _) in found.items()))
     best = min((m for m in found if extra[m] <= COST_TIE), key=recompute_rank)
     batch, plan = found[best]
-    log(f"activation checkpointing: auto chose {best} (batch {batch} in {format_bytes(budget)}: the least "
-        "recompute per token of the modes that fit)")
+    if len(found) < 2:  # nothing to time: this is the choice
+        log(f"activation checkpointing: auto chose {best} (batch {batch} in {format_bytes(budget)}: the only mode "
+            "that fits)")
     return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 
@@ -170,7 +171,10 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
         cfg, plan = choose_auto_mode(cfg, config, device, budget, log, traces)
     else:
         cfg, plan = choose_batch(cfg, config, device, budget, log, traces)
-    if cfg.memory.auto_batch_size:
+    if len(candidates) >= 2:  # the choice is made once the weights load, by timing them (one line then)
+        log(f"auto: the plan's first choice is {run_mode(cfg)} at batch {cfg.training.batch_size_training} (the "
+            "least recompute per token); each candidate is timed in real steps once the weights load")
+    elif cfg.memory.auto_batch_size:
         log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
             f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg)}), "
             f"{cfg.training.gradient_accumulation_steps} batches per optimizer step")

@@ -36,11 +36,12 @@ TIMED_STEPS = 2  # per candidate, the fastest kept: one step alone is at the mer
 MARGIN = 0.05
 
 
-def keep_saved_choice(memory: MemoryPlan, saved: Optional[dict]) -> MemoryPlan:
+def keep_saved_choice(memory: MemoryPlan, saved: Optional[dict], log=print) -> MemoryPlan:
     """Resuming: the candidate the saved run trained with (its batch, and its mode when that fits too),
     not timed again: a new timing could pick another batch, which the saved run cannot continue with."""
     if saved is None or not memory.candidates:
         return memory
+    log("auto: resuming, so the candidates are not timed: the saved run's choice is kept where it still fits")
     was = saved.get("config", {})
     matching = [(mode, batch, plan) for mode, (batch, plan) in memory.candidates.items()
                 if batch == was.get("batch_size_training")]
@@ -84,6 +85,8 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
     fitted = {mode: rate for mode, rate in tokens_per_s.items() if rate is not None}
     if not fitted:
         use_checkpointing_of(model, cfg, precision)
+        log(f"auto: no candidate's step fitted to be timed; the plan's first choice stands, "
+            f"{inspect_checkpointing(model).summary_line()}")
         return MemoryPlan(cfg, memory.plan, memory.budget)
     first = cfg.checkpointing.mode or "none"
     best = max(fitted, key=fitted.get)
@@ -96,9 +99,9 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
         f"({f'{rate:,.0f} tokens/s' if rate is not None else 'out of memory'})" for mode, rate in tokens_per_s.items()))
     why = (f"the plan's first choice, no other measured more than {MARGIN:.0%} faster" if best == first
            else "the most tokens/s measured")
-    log(f"activation checkpointing: auto chose {best} (batch {batch}, "
-        f"{configs[best].training.gradient_accumulation_steps} batches per optimizer step: {why})")
-    log(inspect_checkpointing(model).summary_line())
+    log(f"activation checkpointing: auto chose {best}, batch {batch} x {cfg.data.context_length}, "
+        f"{configs[best].training.gradient_accumulation_steps} batches per optimizer step ({why}); "
+        f"{inspect_checkpointing(model).summary_line().split(': ', 1)[1]}")
     return MemoryPlan(configs[best], plan, memory.budget, memory.candidates)
 
 

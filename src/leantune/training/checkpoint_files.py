@@ -26,17 +26,41 @@ SAFE_UNPICKLER_TORCH = (2, 10)
 
 def load_checkpoint_file(path: Path, numpy_arrays: bool = False) -> Any:
     """``path``'s tensors and plain values, read without running code; ``ConfigError`` naming the file when it
-    holds anything else (a pickle that would run code when loaded, or an object leantune never saves).
-    ``numpy_arrays``: also NumPy's uint32 arrays (the RNG states saved before they were plain lists)."""
+    holds anything else (a pickle that would run code when loaded, or an object leantune never saves) or
+    cannot be read. ``numpy_arrays``: also NumPy's uint32 arrays (RNG states saved before they were lists)."""
+    where = f"--resume_from_checkpoint {path.parent}: {path.name}"
     try:
         with torch.serialization.safe_globals(_numpy_uint32_arrays() if numpy_arrays else []):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        found = f"it names {named.group(1)}" if named else str(err).splitlines()[0][:120]
-        raise ConfigError(f"--resume_from_checkpoint {path.parent}: {path.name} holds more than tensors and plain "
-                          f"values ({found}); loading it could run code, so leantune refuses it. Resume only from a "
-                          "training state leantune wrote, or start the run afresh") from None
+        named = re.search(r"Unsupported global: GLOBAL (\S+)|but got <class '([^']+)'>", str(err))
+        if named is None:  # not a pickle of anything: damaged, or not torch's format
+            raise _unreadable(where, err) from None
+        raise ConfigError(f"{where} holds more than tensors and plain values (it names "
+                          f"{named.group(1) or named.group(2)}); loading it could run code, so leantune refuses it. "
+                          "Resume only from a training state leantune wrote, or start the run afresh") from None
+    except (RuntimeError, EOFError, ValueError, TypeError, OSError) as err:  # truncated, empty, not torch's format
+        raise _unreadable(where, err) from None
+    if numpy_arrays:
+        _only_uint32_arrays(loaded, where)
+    return loaded
+
+
+def _unreadable(where: str, err: BaseException) -> ConfigError:
+    reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:120]
+    return ConfigError(f"{where} cannot be read ({type(err).__name__}: {reason}): the state is damaged; resume "
+                       "from another one, or start the run afresh")
+
+
+def _only_uint32_arrays(value: Any, where: str) -> None:
+    """NumPy arrays in a loaded RNG state must be uint32 (the Mersenne Twister's keys): the allowed constructor
+    could also make object or other arrays, which leantune never saves."""
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray" and str(value.dtype) != "uint32":
+        raise ConfigError(f"{where} holds a NumPy {value.dtype} array, which leantune never saves; resume only from "
+                          "a training state leantune wrote")
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for child in children:
+        _only_uint32_arrays(child, where)
 
 
 def _numpy_uint32_arrays() -> list:
@@ -47,7 +71,10 @@ def _numpy_uint32_arrays() -> list:
     except ImportError:
         return []
     core = getattr(numpy, "_core", None) or numpy.core
-    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+    reconstruct = core.multiarray._reconstruct
+    # a state saved under NumPy 1.x names the constructor by its old module
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), numpy.ndarray, numpy.dtype,
+            type(numpy.dtype(numpy.uint32))]
 
 
 def unpickler_warning(version: str = torch.__version__) -> Optional[str]:

@@ -48,3 +48,12 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """The learning rate times ``--gamma`` after each epoch (llama-cookbook's StepLR)."""
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=tc.gamma)
+
+
+def describe_optimizer(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> str:
+    """The start-up line naming the optimizer the run steps with, from the object built (not the flag)."""
+    kind = f"{type(optimizer).__module__.split('.')[0]}'s {type(optimizer).__name__}"
+    fused = ", fused kernel" if optimizer.defaults.get("fused") else ""
+    how = ", each weight stepped in backward" if tc.optimizer_in_backward else ""
+    return (f"optimizer: {kind} (--optimizer {tc.optimizer}){fused}, lr {tc.lr:g}, weight decay {tc.weight_decay:g}"
+            f"{how}; the learning rate times {tc.gamma:g} after each epoch")

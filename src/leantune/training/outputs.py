@@ -101,7 +101,10 @@ class RunOutputs:
         except Exception as err:  # a plotting failure must not hide how the run itself ended
             self.log(f"report: not drawn ({type(err).__name__}: {err})")
             return
-        self.log(f"report: {png} and {md} (leantune report DIR [DIR ...] compares runs)")
+        # the next step named only where it works: ``leantune report`` reads metrics.json
+        compare = ("leantune report DIR [DIR ...] compares runs" if self.cfg.output.save_metrics else
+                   "add --save_metrics to compare runs with leantune report DIR [DIR ...]")
+        self.log(f"report: {png} and {md} ({compare})")
 
     def log_rank_spread(self, monitor_summary: dict, device: torch.device) -> None:
         """The smallest and largest of each rank's peaks (a collective: every rank calls it)."""
