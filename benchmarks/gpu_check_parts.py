@@ -117,10 +117,11 @@ def part_cuda_tests(check: Check) -> dict:
 REFERENCE_FULL = "reference_batch_full"
 
 
-def _reference_flags(check: Check) -> list[str]:
-    """The report's workload with full checkpointing, as the reference part runs it (its state saved at step 2)."""
+def _reference_flags(check: Check, save_state: bool = True) -> list[str]:
+    """The report's workload with full checkpointing, as the reference part runs it (its state saved at step 2,
+    which the resume part resumes)."""
     return LORA + ["--batch_size_training", str(check.sizes.batch), "--enable_activation_checkpointing",
-                   "--save_steps", "2"]
+                   *(["--save_steps", "2"] if save_state else [])]
 
 
 def part_reference(check: Check) -> dict:
@@ -165,7 +166,7 @@ def part_attention(check: Check) -> dict:
     """The reference's checkpointed run with ``--attn_implementation sdpa``: packing apart then makes
     transformers build the dense mask from the restarting position ids, against varlen's flash kernel in
     ``reference_batch_full`` (the same shape and steps)."""
-    flags = [*_reference_flags(check)[:-2], "--attn_implementation", "sdpa"]  # no state saved
+    flags = [*_reference_flags(check, save_state=False), "--attn_implementation", "sdpa"]
     return {"runs": [check.leantune("attention_sdpa", flags, check.sizes.steps)]}
 
 

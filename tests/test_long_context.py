@@ -356,6 +356,7 @@ def test_a_gpu_below_ampere_takes_sdpa_per_example(monkeypatch):
 
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)
     monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, usable in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert varlen_attention._flash_varlen_usable(on_gpu, 0.0) is usable

@@ -107,7 +107,7 @@ def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir)
     assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen}, batch ")
     assert "none 2 (" in lines[-2] and "full 4 (" in lines[-2] and "tokens/s" in lines[-2]
     # one line: the choice, why, and what the model now has
-    assert lines[-1].endswith(inspect_checkpointing(model).summary_line().split(": ", 1)[1])
+    assert lines[-1].endswith(inspect_checkpointing(model).state())
 
 
 def _choose(tiny_model_dir, candidates: dict, fake: "_SlowOnPurpose", first: str = "none"):

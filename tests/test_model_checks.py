@@ -326,8 +326,8 @@ def test_flash_attention_2_is_refused_below_ampere(monkeypatch):
     from leantune.models import attention
 
     config = AutoConfig.for_model("llama", num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
-    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention.torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
     with pytest.raises(ConfigError, match=r"FlashAttention 2 runs on compute capability 8.0 \(Ampere\) or newer, "
                                           r"and this GPU is 7.5; use sdpa"):
         attention.resolve_attention(config, "flash_attention_2", "cuda")

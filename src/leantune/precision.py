@@ -63,6 +63,15 @@ def pure_bf16_allowed(cfg: RunConfig) -> bool:
     return not cfg.training.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
 
 
+AMPERE = (8, 0)  # the compute capability native bfloat16 and the flash attention kernels need
+
+
+def cuda_capability(device: Optional[torch.device] = None) -> tuple[int, int]:
+    """The GPU's compute capability; (99, 0), newer than any, where torch sees no GPU to ask (a plan made
+    here for another machine is never refused for this one's)."""
+    return tuple(torch.cuda.get_device_capability(device)) if torch.cuda.is_available() else (99, 0)
+
+
 def _bf16_supported(device: torch.device) -> bool:
     """Whether the GPU computes in bfloat16 natively: compute capability 8.0 (Ampere) or newer.
 
@@ -73,8 +82,7 @@ def _bf16_supported(device: torch.device) -> bool:
         return False
     if torch.version.hip:  # ROCm: no compute capability to read; torch's own answer (yes on ROCm builds)
         return torch.cuda.is_bf16_supported()
-    major, _ = torch.cuda.get_device_capability(device)
-    return major >= 8
+    return tuple(torch.cuda.get_device_capability(device)) >= AMPERE
 
 
 def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optional[bool] = None) -> Precision:

@@ -80,8 +80,8 @@ def check_output_dir(cfg: RunConfig) -> None:
         held = (f"training state ({len(states)} saved, {states[-1][1].name} the newest)" if states
                 else f"model ({models[0]})")
         # resuming is offered only where there is a state to resume (a finished run's model alone is not one)
-        resume = "Continue that run with --resume_from_checkpoint latest, s" if states else "S"
-        raise ConfigError(f"--output_dir {out}: holds another run's {held}. {resume}tart over with "
+        start = "Continue that run with --resume_from_checkpoint latest, start" if states else "Start"
+        raise ConfigError(f"--output_dir {out}: holds another run's {held}. {start} over with "
                           "--overwrite_output_dir, or pick another --output_dir")
 
 

@@ -38,12 +38,16 @@ class CheckpointingReport:
         return self.checkpointed_layers > 0
 
     def summary_line(self) -> str:
+        return f"activation checkpointing: {self.state()}"
+
+    def state(self) -> str:
+        """What is in force, as the summary line says it after its prefix (``on, 4/4 decoder layers, ...``)."""
         if not self.enabled:
-            return f"activation checkpointing: off, 0/{self.total_layers} decoder layers"
+            return f"off, 0/{self.total_layers} decoder layers"
         flavour = "reentrant" if self.use_reentrant else "non-reentrant"
         which = "" if self.checkpointed_layers == self.total_layers else f" ({', '.join(map(str, self.layer_indices))})"
-        return (f"activation checkpointing: on, {self.checkpointed_layers}/{self.total_layers} decoder layers{which}, "
-                f"{flavour}, policy {self.policy}")
+        return (f"on, {self.checkpointed_layers}/{self.total_layers} decoder layers{which}, {flavour}, "
+                f"policy {self.policy}")
 
 
 def _foreign_wrappers(model: torch.nn.Module) -> list[str]:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
 from transformers import PretrainedConfig
 
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
 from leantune.models.varlen_attention import NAME as VARLEN
+from leantune.precision import AMPERE, cuda_capability
 
 AUTO = "auto"
 # implementation -> the model class's attribute that says it supports it (varlen runs SDPA's kernels)
@@ -70,7 +70,7 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     if requested in ("flex_attention", "flash_attention_2") and device_type != "cuda":
         raise ConfigError(f"--attn_implementation {requested}: needs a CUDA GPU (this run is on {device_type}; "
                           "PyTorch has no CPU backward for it); use sdpa or eager, or auto")
-    if requested == "flash_attention_2" and installed_here and (capability := _cuda_capability()) < (8, 0):
+    if requested == "flash_attention_2" and installed_here and (capability := cuda_capability()) < AMPERE:
         raise ConfigError(f"--attn_implementation flash_attention_2: FlashAttention 2 runs on compute capability "
                           f"8.0 (Ampere) or newer, and this GPU is {capability[0]}.{capability[1]}; use sdpa (or auto)")
     if requested == "flash_attention_2" and installed_here and importlib.util.find_spec("flash_attn") is None:
@@ -81,11 +81,6 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
         raise ConfigError(f"--attn_implementation {VARLEN}: {name} {limit}, which varlen attention does not model; "
                           "use sdpa (or auto)")
     return requested
-
-
-def _cuda_capability() -> tuple[int, int]:
-    """This machine's GPU's compute capability; (99, 0), never refused, where torch sees no GPU to ask."""
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else (99, 0)
 
 
 def whole_context_not_attended(config: PretrainedConfig) -> str | None:

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from leantune.precision import AMPERE, cuda_capability
+
 NAME = "varlen"
 SEGMENTS = "leantune_segments"  # the keyword the decoder passes down to every attention call
 
@@ -156,7 +158,7 @@ def _flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
     """The flash kernel needs a half-precision input, no dropout, and a GPU of compute capability 8.0 or newer
     (a T4 or V100 takes SDPA per example instead)."""
     return (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and torch.cuda.get_device_capability(query.device) >= (8, 0) and _varlen_kernel() is not None)
+            and cuda_capability(query.device) >= AMPERE and _varlen_kernel() is not None)
 
 
 def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tensor:

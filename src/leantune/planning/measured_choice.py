@@ -101,7 +101,7 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
            else "the most tokens/s measured")
     log(f"activation checkpointing: auto chose {best}, batch {batch} x {cfg.data.context_length}, "
         f"{configs[best].training.gradient_accumulation_steps} batches per optimizer step ({why}); "
-        f"{inspect_checkpointing(model).summary_line().split(': ', 1)[1]}")
+        f"{inspect_checkpointing(model).state()}")
     return MemoryPlan(configs[best], plan, memory.budget, memory.candidates)
 
 
