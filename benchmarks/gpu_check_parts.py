@@ -100,13 +100,19 @@ def _with_the_model(rows, expandable: bool):
     return rows
 
 
+def gpu_marked_test_files() -> list[str]:
+    """The test files holding a ``gpu``-marked test, relative to the checkout (pytest's working directory)."""
+    root = Path(__file__).resolve().parent.parent
+    return sorted(str(path.relative_to(root)) for path in (root / "tests").glob("test_*.py")
+                  if "@pytest.mark.gpu" in path.read_text())
+
+
 def part_cuda_tests(check: Check) -> dict:
     """The tests marked ``gpu`` (skipped on a CPU), and the memory tests whose CUDA branches a CPU never takes
     (named files: collecting every test would import what the image lacks); every failure is reported."""
     if importlib.util.find_spec("pytest") is None:
         return {"runs": [], "skipped": "pytest is not installed here: the CUDA tests were not run"}
-    gpu_marked = ["tests/test_offload.py", "tests/test_gpu_constants.py", "tests/test_loss.py",
-                  "tests/test_long_context.py"]
+    gpu_marked = gpu_marked_test_files()
     runs = [pytest_record("pytest_gpu_marked", check, ["-q", "-m", "gpu", *gpu_marked])]
     if not check.dry_run:
         runs.append(pytest_record("pytest_memory", check, ["-q", "tests/test_cuda_counters.py", "tests/test_step_peak.py",

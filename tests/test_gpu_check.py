@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_check_parts import PARTS  # noqa: E402
+from gpu_check_parts import PARTS, gpu_marked_test_files  # noqa: E402
 from gpu_check_runs import GPU_SHAPE  # noqa: E402
 
 OUT_FILES = ["gpu_check.json", "gpu_check.txt", "logs.tar.gz"]  # the device machine sends back 8 files at most
@@ -147,3 +147,9 @@ def test_the_gpu_check_shape_is_a_llama_with_the_reports_vocabulary_and_tied_hea
     with pytest.raises(ValueError, match="smaller than the tokenizer's"):
         make_tiny_model(tmp_path / "too-small", vocab_size=100)
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_the_cuda_part_runs_every_gpu_marked_test_file():
+    marked = {path.name for path in (ROOT / "tests").glob("test_*.py") if "@pytest.mark.gpu" in path.read_text()}
+    assert {"test_lean_optimizers.py", "test_offload.py"} <= marked
+    assert {Path(name).name for name in gpu_marked_test_files()} == marked

@@ -134,9 +134,12 @@ def test_the_gradient_norm_in_backward_is_the_norm_of_all_gradients():
         OptimizerInBackward(torch.optim.AdamW(model.parameters()))
 
 
-def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeypatch):
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+@pytest.mark.parametrize("name, waits_a_weight", [("adamw_8bit", 1), ("paged_adamw_8bit", 2)])
+def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeypatch, name, waits_a_weight):
     """bitsandbytes ends each weight's step with a device-wide synchronize (``sync_gpu``: the CUDA call,
-    stubbed here with a counter). After backward, as usual, that is one per weight; inside backward none."""
+    stubbed here with a counter), a paged optimizer with one more. After backward, as usual, that is
+    one (two) per weight; inside backward none, paged or not."""
     import bitsandbytes.optim.optimizer as bnb_optimizer
 
     waits = []
@@ -144,12 +147,16 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
     x = torch.randn(4, 64)
-    after = bitsandbytes_adamw("adamw_8bit", [{"params": [p]} for p in model.parameters()], 1e-2, 0.0)
+    after = bitsandbytes_adamw(name, [{"params": [p]} for p in model.parameters()], 1e-2, 0.0)
+    assert after.is_paged == (name == "paged_adamw_8bit")
     model(x).square().sum().backward()
-    after.step()
-    assert len(waits) == 4  # one a weight: the stub stands where bitsandbytes waits
+    for group in after.param_groups:  # one group at a time, as in backward
+        after.param_groups, groups = [group], after.param_groups
+        after.step()
+        after.param_groups = groups
+    assert len(waits) == 4 * waits_a_weight  # where bitsandbytes waits
     waits.clear()
-    during = bitsandbytes_adamw("adamw_8bit", [{"params": [p]} for p in model.parameters()], 1e-2, 0.0)
+    during = bitsandbytes_adamw(name, [{"params": [p]} for p in model.parameters()], 1e-2, 0.0)
     stepper = OptimizerInBackward(during)
     stepper.start_step()
     before = [p.detach().clone() for p in model.parameters()]
@@ -157,12 +164,34 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
     stepper.close()
     assert waits == [] and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert bnb_optimizer.sync_gpu is not None and bnb_optimizer.sync_gpu(x) is None and len(waits) == 1  # put back
-    # a paged optimizer keeps bitsandbytes' wait (its state moves between host and device asynchronously)
-    from leantune.training.in_backward import without_bitsandbytes_sync
 
-    with without_bitsandbytes_sync(type("Paged", (), {"is_paged": True})()):
-        bnb_optimizer.sync_gpu(x)
-    assert len(waits) == 2
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw_8bit"])
+def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
+    """With bitsandbytes' waits left out in backward, every update still lands in order: three steps
+    in backward leave the weights and moments the steps after backward leave (paged moments too)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [bitsandbytes_adamw(name, [{"params": [p]} for p in m.parameters()], 1e-2, 0.0) for m in models]
+    stepper = OptimizerInBackward(optimizers[1])
+    for step in range(3):
+        x = torch.randn(8, 512, device="cuda")
+        models[0](x).square().sum().backward()
+        optimizers[0].step()
+        optimizers[0].zero_grad(set_to_none=True)
+        stepper.start_step()
+        models[1](x).square().sum().backward()
+        torch.cuda.synchronize()
+    stepper.close()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        for key, value in optimizers[0].state[a].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value.cpu(), optimizers[1].state[b][key].cpu()), key
 
 
 @pytest.mark.parametrize("flags, message", [

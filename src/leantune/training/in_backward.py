@@ -49,7 +49,7 @@ class OptimizerInBackward:
         # float32 copy as large as the weight (2 GiB for Llama-3.1-8B's LM head)
         squares = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
-        with without_bitsandbytes_sync(self.optimizer):
+        with without_bitsandbytes_sync():
             step_group(self.optimizer, self._group_of[param])
         param.grad = None
 
@@ -77,18 +77,19 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
 
 
 @contextlib.contextmanager
-def without_bitsandbytes_sync(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def without_bitsandbytes_sync() -> Iterator[None]:
     """bitsandbytes' 8-bit optimizers end each weight's update with ``torch.cuda.synchronize()``
-    (``sync_gpu``, bitsandbytes >= 0.47). Stepped from backward, that drains the GPU's queue once per
-    weight in the middle of backward. It is left out where nothing needs it: a non-paged optimizer
-    (paged state moves between host and device asynchronously, and bitsandbytes keeps the wait for it)
-    with backward on the default stream, where bitsandbytes launches its kernels, so each update stays
-    ordered after its gradient and before anything later; the step's own wait for the device after
-    backward (``TrainStep.run``) comes before the host reads any result.
+    (``sync_gpu``, bitsandbytes >= 0.47; a paged one waits once more). Stepped from backward, that
+    drains the GPU's queue once per weight in the middle of backward, so the wait is left out while
+    backward runs on the default stream. Nothing needs it there: bitsandbytes launches its update
+    kernels on the current stream and its page prefetches on stream 0, the same queue, so each
+    update stays ordered after its gradient and before the gradient's memory is reused; and the
+    host reads no optimizer state (a paged moment is host-addressable memory) before the step's
+    own wait for the device after backward (``TrainStep.run``: the loss and norm copied to the host).
     """
     module = sys.modules.get("bitsandbytes.optim.optimizer")
     original = getattr(module, "sync_gpu", None)
-    if original is None or getattr(optimizer, "is_paged", False) or not _on_default_stream():
+    if original is None or not _on_default_stream():
         yield
         return
     module.sync_gpu = _no_sync
