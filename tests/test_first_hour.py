@@ -29,6 +29,21 @@ def test_a_model_name_that_is_not_here_fails_in_one_line_at_once(name, says, tmp
     assert not (tmp_path / "out").exists()  # a run refused before training leaves nothing behind
 
 
+def test_under_torchrun_the_failure_report_ends_with_leantunes_line(tmp_path):
+    """torchrun's report shows a worker's error file as the root cause: leantune writes its one line there."""
+    import json
+
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache"),
+           "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    done = subprocess.run([sys.executable, "-m", "leantune.finetuning", "--model_name", "leantune-tiny-lama",
+                           "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and line.startswith("leantune: error: --model_name leantune-tiny-lama")
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"] == message["extraInfo"]["py_callstack"] == line
+
+
 def test_the_hub_is_asked_only_when_it_answers():
     """Offline is known at once from the socket: a closed port answers "refused" without a wait."""
     assert "127.0.0.1 did not answer" in _hub_unreachable("https://127.0.0.1:9", timeout=2.0)

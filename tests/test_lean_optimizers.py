@@ -269,7 +269,7 @@ def test_optimizer_auto_takes_the_first_rung_that_fits_and_says_so():
     tc = chosen.training
     assert (tc.optimizer, tc.pure_bf16, tc.optimizer_in_backward) == ("anyprecision", True, True)
     assert chosen.model.model_dtype == "bfloat16"
-    assert any(line.startswith("optimizer: auto chose anyprecision, bfloat16 weights") for line in lines)
+    assert any(line.startswith("optimizer ladder: auto chose anyprecision, bfloat16 weights") for line in lines)
     with pytest.raises(ConfigError, match="--optimizer auto: no optimizer fits --memory_budget_gb") as refused:
         choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, min(peaks.values()) - 1, lines.append)
     assert "--fsdp_cpu_offload" not in str(refused.value)  # on the CPU there is no host to offload to
@@ -320,7 +320,10 @@ def test_a_run_with_optimizer_auto_trains_with_the_optimizer_it_chose(tiny_model
             "--run_validation", "false", "--num_workers_dataloader", "0", "--save_steps", "2", "--output_dir",
             str(tmp_path)]
     finetuning.run(parse_run_config(argv), log=lines.append)
-    assert any(line.startswith("optimizer: auto chose AdamW (--optimizer adamw)") for line in lines)
+    assert any(line.startswith("optimizer ladder: auto chose AdamW (--optimizer adamw)") for line in lines)
+    assert [line for line in lines if line.startswith("optimizer:")] == [  # one line for the decision
+        "optimizer: torch's AdamW (--optimizer adamw), lr 0.0001, weight decay 0; the learning rate times 0.85 after "
+        "each epoch"]
     saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert saved["config"]["optimizer"] == "adamw"
 

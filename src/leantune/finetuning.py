@@ -25,7 +25,7 @@ from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.data import DatasetError
-from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed
+from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
 from leantune.memory.host_allocator import return_host_memory
 from leantune.memory.oom import is_out_of_memory, oom_report
@@ -211,7 +211,9 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
     """
     if not isinstance(err, (*USER_ERRORS, InterruptedBeforeTraining)):
         traceback.print_exception(err, file=sys.stderr)
-    print(f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}", file=sys.stderr, flush=True)
+    line = f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}"
+    print(line, file=sys.stderr, flush=True)
+    tell_the_launcher(line)
     sys.stdout.flush()
     os._exit(exit_code(err))
 
@@ -232,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     except USER_ERRORS as err:
         print(f"leantune: error: {err}", file=sys.stderr)
+        tell_the_launcher(f"leantune: error: {err}")
         return exit_code(err)
     return 0
 

@@ -8,8 +8,10 @@ is silent on every rank but 0. Whether the model is sharded is a separate fact (
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import time
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +163,22 @@ def close_distributed(context: DistContext) -> None:
         if dist.is_initialized():
             context.barrier()
             dist.destroy_process_group()
+
+
+def tell_the_launcher(message: str) -> None:
+    """Under torchrun, ``message`` as this worker's failure in torchrun's own report.
+
+    torchrun ends a failed run with its report (and its own traceback, which a worker cannot
+    stop); the report's root cause is the worker's error file (``TORCHELASTIC_ERROR_FILE``),
+    else a link to torch's docs. Written here, the report ends with leantune's one line.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message,
+                          "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as file:
+            json.dump(record, file)
+    except OSError:  # the report then shows torch's link: nothing of the run is lost
+        pass

@@ -93,7 +93,7 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
         tried.append((rung, least))
         if least.peak_bytes <= budget:
             _log_ladder(tried, budget, log)
-            log(f"optimizer: auto chose {rung.name} ({rung.flags}): the first that fits {format_bytes(budget)}")
+            log(f"optimizer ladder: auto chose {rung.name} ({rung.flags}), the first that fits {format_bytes(budget)}")
             if rung.pure_bf16 and rung.optimizer != "anyprecision":
                 log("warning: bfloat16 weights without a compensated update lose updates smaller than about 1/256 "
                     "of a weight (a small --lr); docs/optimizers.md measures how much")
