@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +101,15 @@ def _with_the_model(rows, expandable: bool):
     return rows
 
 
+GPU_MARK = re.compile(r"^\s*@pytest\.mark\.gpu\b|^pytestmark\s*=.*\bpytest\.mark\.gpu\b|marks=.*\bpytest\.mark\.gpu\b",
+                      re.MULTILINE)
+
+
 def gpu_marked_test_files() -> list[str]:
     """The test files holding a ``gpu``-marked test, relative to the checkout (pytest's working directory)."""
     root = Path(__file__).resolve().parent.parent
     return sorted(str(path.relative_to(root)) for path in (root / "tests").glob("test_*.py")
-                  if "@pytest.mark.gpu" in path.read_text())
+                  if GPU_MARK.search(path.read_text(encoding="utf-8")))
 
 
 def part_cuda_tests(check: Check) -> dict:

@@ -33,6 +33,12 @@ LAYERS = (
     # The registry of checkpointing modes and their policies: the config's mode choices and checks are
     # read from it, so it sits below the config (and knows no flag type: it reads a section by name).
     ("checkpointing", ("leantune.checkpointing", "leantune.models.structure")),
+    # The registry of optimizers, each module one optimizer's entry: the config's choices and help are read
+    # from it, so it sits below the config too.
+    ("optimizers", ("leantune.optimizers",)),
+    # The package's own __init__ (``leantune``) runs before any of its modules, so it imports only this layer:
+    # optional libraries, found and imported quietly.
+    ("root", ("leantune.optional",)),
 )
 
 
@@ -79,6 +85,8 @@ def layer_of(module: str) -> int:
                if module == prefix or module.startswith(prefix + ".")]
     if matches:
         return max(matches)[1]
+    if module == "leantune":
+        return len(LAYERS) - 1
     raise AssertionError(f"{module} is in no layer of test_layout.LAYERS; add it where it belongs")
 
 

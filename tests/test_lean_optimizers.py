@@ -16,7 +16,7 @@ from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import trace_step
 from leantune.training.in_backward import OptimizerInBackward
-from leantune.training.low_bit import EightBitAdamWStandIn, bitsandbytes_adamw
+from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
 
 CPU = torch.device("cpu")
 bnb = pytest.importorskip("bitsandbytes")
@@ -73,10 +73,10 @@ def _run(tiny_model_dir, out, *flags, steps=6, save_steps=2, resume=False, lr=3e
 def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path, flags, monkeypatch):
     from leantune.training import state
 
-    loaded_through = []  # the optimizers whose state loading went through paged_loading (a no-op unless paged)
-    original = state.paged_loading
-    monkeypatch.setattr(state, "paged_loading", lambda optimizer: (loaded_through.append(type(optimizer).__name__),
-                                                                   original(optimizer))[1])
+    loaded_through = []  # the optimizers whose state loading went through their entry's loading (none unpaged)
+    original = state.loading_into
+    monkeypatch.setattr(state, "loading_into", lambda optimizer: (loaded_through.append(type(optimizer).__name__),
+                                                                  original(optimizer))[1])
     whole = _run(tiny_model_dir, tmp_path / "whole", *flags)
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(tiny_model_dir, tmp_path / "resumed", *flags, resume=True)
@@ -161,9 +161,17 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
     stepper.start_step()
     before = [p.detach().clone() for p in model.parameters()]
     model(x).square().sum().backward()
-    stepper.close()
     assert waits == [] and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert bnb_optimizer.sync_gpu is not None and bnb_optimizer.sync_gpu(x) is None and len(waits) == 1  # put back
+    # backward on a stream other than torch's default: bitsandbytes' kernels (stream 0) need the waits
+    import leantune.training.in_backward as in_backward
+
+    waits.clear()
+    monkeypatch.setattr(in_backward, "_on_default_stream", lambda: False)
+    stepper.start_step()
+    model(x).square().sum().backward()
+    stepper.close()
+    assert len(waits) == 4 * waits_a_weight
 
 
 @pytest.mark.gpu
@@ -176,16 +184,24 @@ def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
     models = [torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)).cuda() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     optimizers = [bitsandbytes_adamw(name, [{"params": [p]} for p in m.parameters()], 1e-2, 0.0) for m in models]
-    stepper = OptimizerInBackward(optimizers[1])
-    for step in range(3):
-        x = torch.randn(8, 512, device="cuda")
-        models[0](x).square().sum().backward()
-        optimizers[0].step()
-        optimizers[0].zero_grad(set_to_none=True)
-        stepper.start_step()
-        models[1](x).square().sum().backward()
-        torch.cuda.synchronize()
-    stepper.close()
+    import bitsandbytes.optim.optimizer as bnb_optimizer
+
+    stepper, real_sync, waits = OptimizerInBackward(optimizers[1]), bnb_optimizer.sync_gpu, []
+    bnb_optimizer.sync_gpu = lambda tensor: (waits.append(tensor.shape), real_sync(tensor))[1]
+    try:
+        for step in range(3):
+            x = torch.randn(8, 512, device="cuda")
+            models[0](x).square().sum().backward()
+            optimizers[0].step()
+            optimizers[0].zero_grad(set_to_none=True)
+            waits.clear()
+            stepper.start_step()
+            models[1](x).square().sum().backward()
+            torch.cuda.synchronize()
+            assert waits == []  # none in backward (the hooks run in autograd's device thread)
+    finally:
+        bnb_optimizer.sync_gpu = real_sync
+        stepper.close()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -261,8 +277,9 @@ def test_optimizer_auto_takes_the_first_rung_that_fits_and_says_so():
     argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64",
             "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full", "--optimizer", "auto"]
     peaks = _rung_peaks(argv)
-    assert list(peaks) == list(LADDER[:5])  # no paged rung on the CPU
-    assert all(peaks[a] > peaks[b] for a, b in zip(LADDER[:4], LADDER[1:5])), peaks  # each rung leaner
+    on_cpu = [rung for rung in LADDER if rung.optimizer != "paged_adamw_8bit"]
+    assert list(peaks) == on_cpu and len(on_cpu) == len(LADDER) - 1  # no paged rung on the CPU
+    assert all(peaks[a] > peaks[b] for a, b in zip(on_cpu, on_cpu[1:])), peaks  # each rung leaner
     third = LADDER[2]
     lines = []
     chosen = choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, peaks[third], lines.append)
@@ -416,7 +433,7 @@ def test_a_resume_that_switches_stepping_in_backward_is_refused_by_name(tiny_mod
 
 def test_a_paged_plan_leaves_out_only_the_moments_bitsandbytes_pages():
     from leantune.planning.plan import plan_modes
-    from leantune.training.low_bit import PAGED_MIN_SIZE
+    from leantune.optimizers.bitsandbytes_8bit import PAGED_MIN_SIZE
 
     argv = ["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "64", "--pure_bf16",
             "--optimizer_in_backward", "--device", "cuda", "--optimizer"]
@@ -437,7 +454,7 @@ def test_a_resumed_paged_optimizer_loads_its_moments_into_its_paged_buffers(monk
     state puts the large moments into the paged buffers made when the state was created, nowhere else."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from leantune.training.low_bit import PAGED_MIN_SIZE, paged_loading
+    from leantune.optimizers.bitsandbytes_8bit import PAGED_MIN_SIZE, paged_loading
 
     made = []
 

@@ -12,7 +12,7 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import trace_step
-from leantune.training.anyprecision import AnyPrecisionAdamW
+from leantune.optimizers.anyprecision import AnyPrecisionAdamW
 
 CPU = torch.device("cpu")
 
@@ -41,7 +41,7 @@ def test_anyprecision_follows_adamw_and_its_compensation_keeps_what_bf16_weights
 
 def test_with_float32_states_it_is_torchs_adamw_element_for_element(monkeypatch):
     """Bias corrections, eps, decoupled weight decay, per-group lr and betas, the schedule, a parameter without grad."""
-    import leantune.training.anyprecision as anyprecision
+    import leantune.optimizers.anyprecision as anyprecision
 
     monkeypatch.setattr(anyprecision, "STATE_DTYPE", torch.float32)
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_anyprecision_keeps_bf16_moments_and_a_compensation_only_for_bf16_weight
 
 
 def test_anyprecision_steps_a_large_weight_in_chunks_as_it_would_whole(monkeypatch):
-    import leantune.training.anyprecision as anyprecision
+    import leantune.optimizers.anyprecision as anyprecision
 
     def stepped(chunk):
         monkeypatch.setattr(anyprecision, "CHUNK", chunk)

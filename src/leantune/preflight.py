@@ -15,12 +15,13 @@ from typing import Callable, Optional
 import torch
 
 from leantune.builders.own_loss import check_own_loss
-from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig
+from leantune.config import ConfigError, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
+from leantune.optimizers import AUTO, optimizer_entry
+from leantune.optional import installed
 from leantune.precision import choose_precision
-from leantune.training.low_bit import require_8bit_library
 from leantune.training.state import PREFIX, TrainingStateStore, recover_replaced, resolve_resume_path, saved_states
 
 # Files that mean a finished run's model is in a directory (the Hugging Face layouts).
@@ -47,13 +48,13 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
 
 
 def check_optimizer(cfg: RunConfig, device_type: str) -> None:
-    """The 8-bit optimizers and a quantized base need bitsandbytes; the paged optimizer, CUDA's unified memory."""
-    optimizer = cfg.training.optimizer
-    if optimizer == "paged_adamw_8bit" and device_type != "cuda":
-        raise ConfigError(f"--optimizer paged_adamw_8bit: pages its state through CUDA unified memory, and this "
-                          f"run is on {device_type}; use --optimizer adamw_8bit")
-    if optimizer in EIGHT_BIT_OPTIMIZERS:
-        require_8bit_library(optimizer)
+    """The optimizer's library and device (its registry entry's), and a quantized base's bitsandbytes."""
+    entry = optimizer_entry(cfg.training.optimizer) if cfg.training.optimizer != AUTO else None
+    if entry is not None and device_type not in entry.devices:
+        raise ConfigError(f"--optimizer {entry.name}: {entry.devices_why}, and this run is on {device_type}; "
+                          f"{entry.elsewhere}")
+    if entry is not None and entry.package and not installed(entry.package):
+        raise ConfigError(f"--optimizer {entry.name}: needs {entry.package} ({entry.install}); {entry.alternative}")
     if cfg.quant.enabled:
         require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
         compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one

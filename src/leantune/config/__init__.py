@@ -12,6 +12,9 @@ from typing import Literal, Optional
 
 from leantune.checkpointing.modes import AUTO, DEFAULT, MODES, mode_choices, mode_help, owner_of_flag, policy_class
 from leantune.checkpointing.policies import LayerMix, parse_layer_mix
+from leantune.optimizers import ALIASES as OPTIMIZER_ALIASES
+from leantune.optimizers import AUTO as AUTO_OPTIMIZER
+from leantune.optimizers import optimizer_choices, optimizer_entry, optimizer_help
 from leantune.config.checks import ConfigError, _help, _require
 from leantune.config.data import DataConfig
 from leantune.config.memory import MemoryConfig
@@ -21,6 +24,7 @@ from leantune.config.quantization import QuantizationConfig, quantization_confli
 DEFAULT_MODEL_NAME = "leantune-tiny-llama"
 # --activation_checkpointing_mode's values, from the registry of modes (plus auto).
 CheckpointingMode = Literal[mode_choices()]
+OptimizerName = Literal[optimizer_choices()]
 
 
 # --lora_target_modules all-linear: every linear layer but the output head (peft's name and meaning).
@@ -69,16 +73,7 @@ class TrainingConfig:
     max_eval_step: int = field(default=0, metadata=_help("Validation batches per evaluation (0: all)."))
     lr: float = field(default=1e-4, metadata=_help("The optimizer's learning rate."))
     weight_decay: float = field(default=0.0, metadata=_help("The optimizer's decoupled weight decay."))
-    optimizer: Literal["adamw", "AdamW", "anyprecision", "adamw_8bit", "paged_adamw_8bit", "auto"] = field(
-        default="adamw", metadata=_help(
-            "adamw (llama-cookbook's AdamW): torch's AdamW, float32 states (its fused kernel on CUDA). "
-            "anyprecision: AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for "
-            "bfloat16 weights (--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates "
-            "are not rounded away. adamw_8bit: bitsandbytes' 8-bit AdamW (about 2 bytes a parameter); "
-            "paged_adamw_8bit: the same with the large weights' moments in CUDA unified memory, paged to the "
-            "host when the GPU runs short (CUDA only). auto: the first of these (with --pure_bf16 and "
-            "--optimizer_in_backward) whose planned step fits the memory budget, least cost to quality first "
-            "(docs/optimizers.md)."))
+    optimizer: OptimizerName = field(default="adamw", metadata=_help(optimizer_help()))
     optimizer_in_backward: bool = field(default=False, metadata=_help(
         "Step each weight as soon as its gradient is complete in backward and free that gradient, so the "
         "full set of gradients never exists. Needs one batch per step (no gradient accumulation), no "
@@ -111,7 +106,7 @@ class TrainingConfig:
         "before the run stops; 0: stop at the first one, naming the step and its examples."))
 
     def __post_init__(self):
-        self.optimizer = self.optimizer.lower()  # llama-cookbook spells it AdamW
+        self.optimizer = OPTIMIZER_ALIASES.get(self.optimizer, self.optimizer)  # llama-cookbook spells it AdamW
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be at least 1 (got {value})")
@@ -342,7 +337,8 @@ class RunConfig:
     def _check_optimizer_flags(self) -> None:
         """The optimizer options against the flags they cannot work with, naming both."""
         tc = self.training
-        if self.distributed.enable_fsdp and (tc.optimizer != "adamw" or tc.pure_bf16):
+        unsharded = tc.optimizer == AUTO_OPTIMIZER or not optimizer_entry(tc.optimizer).sharded
+        if self.distributed.enable_fsdp and (unsharded or tc.pure_bf16):
             flag = "--pure_bf16" if tc.pure_bf16 else f"--optimizer {tc.optimizer}"
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
         if tc.optimizer_in_backward and in_backward_conflicts(self):
@@ -353,7 +349,6 @@ class RunConfig:
         return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
 
 
-EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # --optimizer values that need bitsandbytes
 
 
 def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:

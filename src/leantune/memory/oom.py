@@ -11,7 +11,8 @@ import torch
 
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
-from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, DistributedConfig, RunConfig, in_backward_conflicts
+from leantune.config import ConfigError, DistributedConfig, RunConfig, in_backward_conflicts
+from leantune.optimizers import ENTRIES
 from leantune.precision import pure_bf16_allowed
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
@@ -77,20 +78,17 @@ def _fsdp_allowed(cfg: RunConfig) -> bool:
 
 
 def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
-    """A full fine-tune's weight, gradient and optimizer memory, least cost to quality first, where the flags allow."""
+    """A full fine-tune's weight, gradient and optimizer memory, least cost to quality first, where the flags allow:
+    the step in backward, then each optimizer's own advice (its registry entry's)."""
     tc, fixes = cfg.training, []
     if not tc.optimizer_in_backward and not in_backward_conflicts(cfg):
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
-    if tc.optimizer not in EIGHT_BIT_OPTIMIZERS and not cfg.distributed.enable_fsdp:
-        paged = (" (or --optimizer paged_adamw_8bit: paged to host memory when the GPU runs short)"
-                 if device.type == "cuda" else "")
-        fixes.append(f"8-bit AdamW moments, about 2 bytes a parameter instead of 8: --optimizer adamw_8bit{paged}")
-    lean_allowed = pure_bf16_allowed(cfg) and not cfg.distributed.enable_fsdp
-    if lean_allowed and (tc.optimizer != "anyprecision" or not tc.pure_bf16):
-        fixes.append("bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
-                     "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer anyprecision "
-                     "--pure_bf16")
+    bf16_allowed = pure_bf16_allowed(cfg)
+    advised = [entry for entry in ENTRIES.values() if entry.advice is not None
+               and (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
+               and entry.advice.applies(tc.optimizer, tc.pure_bf16, bf16_allowed)]
+    fixes += [entry.advice.text(device.type) for entry in sorted(advised, key=lambda entry: entry.advice.order)]
     return fixes
 
 

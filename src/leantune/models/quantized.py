@@ -11,19 +11,18 @@ and their quantization state are what bitsandbytes makes, not a formula.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
 from typing import Optional
 
 import torch
 
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.tracker import carried_tensors
+from leantune.optional import import_quietly, installed
 from leantune.precision import Precision
 
 
 def bitsandbytes_installed() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
+    return installed("bitsandbytes")
 
 
 def require_bitsandbytes(flag: str, alternative: str) -> None:
@@ -36,16 +35,7 @@ def require_bitsandbytes(flag: str, alternative: str) -> None:
 def import_bitsandbytes():
     """``bitsandbytes``, imported without its warning about a CPU inference kernel from the hub: training
     never uses that kernel (``prepare_quantized_for_training``), so the warning would only mislead."""
-    quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]  # kernels: the hub's kernel loader
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
-    try:
-        import bitsandbytes  # optional dependency: only a quantized base or an 8-bit optimizer imports it
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
-    return bitsandbytes
+    return import_quietly("bitsandbytes", "kernels")  # kernels: the hub's kernel loader
 
 
 def compute_dtype(quant: QuantizationConfig, precision: Precision) -> torch.dtype:

@@ -3,57 +3,29 @@
 The rungs go from no cost to quality to the most: each keeps less per trainable weight than the
 one before (bytes a parameter, full fine-tuning, with its gradient), and each is taken only
 when the ones before it do not fit, whatever that costs in speed (more checkpointing is
-preferred to a worse optimizer). Numbers behind the order: docs/optimizers.md.
-
-1. AdamW (float32 weights and moments; fused on CUDA) ...................... 16
-2. the same, each weight stepped in backward (the same updates, exactly) ..... 12
-3. anyprecision: bfloat16 weights and moments, compensated, in backward ......  8
-4. 8-bit AdamW, float32 weights, in backward ................................  6
-5. 8-bit AdamW, bfloat16 weights (no compensation), in backward ...............  4
-6. paged 8-bit AdamW (CUDA): its moments may live in host memory ............  2 on the GPU
+preferred to a worse optimizer). Each optimizer's module declares its rungs
+(``leantune.optimizers``); the ladder and its numbers: docs/optimizers.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from leantune.checkpointing.modes import AUTO
-from leantune.config import EIGHT_BIT_OPTIMIZERS, ConfigError, RunConfig, in_backward_conflicts
+from leantune.config import ConfigError, RunConfig, in_backward_conflicts
+from leantune.optimizers import AUTO as AUTO_OPTIMIZER, Rung, ladder, optimizer_entry
+from leantune.optional import installed
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.per_rank import describe_host_offload, host_offload_alternative
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, format_bytes, modes_to_plan, plan_modes,
                                     run_mode, with_batch)
 from leantune.precision import pure_bf16_allowed
-from leantune.models.quantized import bitsandbytes_installed
-
-AUTO_OPTIMIZER = "auto"
 
 
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    optimizer: str
-    pure_bf16: bool
-    in_backward: bool
-
-    @property
-    def flags(self) -> str:
-        return " ".join([f"--optimizer {self.optimizer}"] + ["--pure_bf16"] * self.pure_bf16
-                        + ["--optimizer_in_backward"] * self.in_backward)
-
-
-LADDER = (
-    Rung("AdamW", "adamw", False, False),
-    Rung("AdamW stepped in backward", "adamw", False, True),
-    Rung("anyprecision, bfloat16 weights", "anyprecision", True, True),
-    Rung("8-bit AdamW", "adamw_8bit", False, True),
-    Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True),
-    Rung("paged 8-bit AdamW, bfloat16 weights", "paged_adamw_8bit", True, True),
-)
+LADDER = tuple(ladder())
 
 
 def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
@@ -61,12 +33,14 @@ def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
     tc = cfg.training
     half_weights_allowed = pure_bf16_allowed(cfg)
     in_backward_allowed = not in_backward_conflicts(cfg)
-    has_bitsandbytes = bitsandbytes_installed()
     return [rung for rung in LADDER
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
             and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)
-            and (has_bitsandbytes or rung.optimizer not in EIGHT_BIT_OPTIMIZERS)
-            and (device.type == "cuda" or rung.optimizer != "paged_adamw_8bit")]
+            and _runs_here(optimizer_entry(rung.optimizer), device)]
+
+
+def _runs_here(entry, device: torch.device) -> bool:
+    return device.type in entry.devices and (entry.package is None or installed(entry.package))
 
 
 def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:
@@ -94,9 +68,8 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
         if least.peak_bytes <= budget:
             _log_ladder(tried, budget, log)
             log(f"optimizer ladder: auto chose {rung.name} ({rung.flags}), the first that fits {format_bytes(budget)}")
-            if rung.pure_bf16 and rung.optimizer != "anyprecision":
-                log("warning: bfloat16 weights without a compensated update lose updates smaller than about 1/256 "
-                    "of a weight (a small --lr); docs/optimizers.md measures how much")
+            if rung.warning:
+                log(f"warning: {rung.warning}")
             return with_rung(cfg, rung)
     _log_ladder(tried, budget, log)
     leanest = min((plan.peak_bytes for _, plan in tried), default=0)

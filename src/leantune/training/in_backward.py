@@ -81,11 +81,12 @@ def without_bitsandbytes_sync() -> Iterator[None]:
     """bitsandbytes' 8-bit optimizers end each weight's update with ``torch.cuda.synchronize()``
     (``sync_gpu``, bitsandbytes >= 0.47; a paged one waits once more). Stepped from backward, that
     drains the GPU's queue once per weight in the middle of backward, so the wait is left out while
-    backward runs on the default stream. Nothing needs it there: bitsandbytes launches its update
-    kernels on the current stream and its page prefetches on stream 0, the same queue, so each
-    update stays ordered after its gradient and before the gradient's memory is reused; and the
-    host reads no optimizer state (a paged moment is host-addressable memory) before the step's
-    own wait for the device after backward (``TrainStep.run``: the loss and norm copied to the host).
+    backward runs on torch's default stream. Nothing needs it there: bitsandbytes launches its
+    updates and its page prefetches on stream 0 whatever torch's current stream is, and torch's
+    default stream is stream 0, so each update stays ordered after its gradient and before the
+    gradient's memory is reused; and the host reads no optimizer state (a paged moment is
+    host-addressable memory) before the step's own wait for the device after backward
+    (``TrainStep.run``: the loss and norm copied to the host). On any other stream the wait stays.
     """
     module = sys.modules.get("bitsandbytes.optim.optimizer")
     original = getattr(module, "sync_gpu", None)
@@ -100,7 +101,7 @@ def without_bitsandbytes_sync() -> Iterator[None]:
 
 
 def _on_default_stream() -> bool:
-    """Whether CUDA work (if any) is queued on the default stream, bitsandbytes' kernels' stream."""
+    """Whether CUDA work (if any) is queued on torch's default stream, stream 0, where bitsandbytes launches."""
     if not torch.cuda.is_available():
         return True
     return torch.cuda.current_stream() == torch.cuda.default_stream()

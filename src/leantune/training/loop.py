@@ -266,7 +266,7 @@ class Trainer:
         memory = self.monitor.record(step, breakdown=functools.partial(persistent_bytes, self.model, self.optimizer,
                                                                        self.device))
         parts = self.parts
-        record = {"step": step, "epoch": epoch + 1, "lr": self.optimizer.param_groups[0]["lr"], **asdict(result),
+        record = {"step": step, "epoch": epoch + 1, "lr": float(self.optimizer.param_groups[0]["lr"]), **asdict(result),
                   "tokens_per_s": result.tokens_per_s, "wall_time_s": wall_s,
                   "wall_tokens_per_s": result.input_tokens / wall_s if wall_s > 0 else 0.0,
                   **{k: memory.get(k) for k in _MEMORY_FIELDS if k in memory}}

@@ -1,7 +1,8 @@
-"""The optimizer and the learning-rate schedule, built from the config: the one place that names them.
+"""The optimizer and the learning-rate schedule of a run, built from its training section.
 
-The loop, the planner's traced step and the training state all take what is built here, so a
-new optimizer is added here (and planned, saved and resumed with no other change).
+Which optimizer a name means, and what the planner steps in its place, is the registry's
+(``leantune.optimizers``): a new optimizer is a module there, planned, saved and resumed with no
+change here.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from leantune.config import EIGHT_BIT_OPTIMIZERS, TrainingConfig
-from leantune.training.anyprecision import AnyPrecisionAdamW
-from leantune.training.low_bit import EightBitAdamWStandIn, bitsandbytes_adamw
+from leantune.config import TrainingConfig
+from leantune.optimizers import AUTO, build
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -21,28 +21,17 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
     """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``) for a ``device_type`` run.
 
-    adamw: torch's AdamW; on CUDA its fused kernel, which steps every weight in place (the
-    multi-tensor path, torch's default there, holds a float32 copy of all of them at once); on
-    the CPU torch's per-weight loop, whose temporaries are one weight's. The planner passes the
-    target's device type, so a GPU step traced on CPU tensors counts the GPU's path.
-    anyprecision: ``training.anyprecision``; adamw_8bit, paged_adamw_8bit: ``training.low_bit``
-    (its stand-in on the planner's fake tensors). With ``--optimizer_in_backward`` each weight
-    gets a group of its own (``training.in_backward`` steps one group at a time).
+    On the planner's fake tensors the entry's stand-in, where it has one. With
+    ``--optimizer_in_backward`` each weight gets a group of its own (``training.in_backward`` steps
+    one group at a time).
     """
-    if tc.optimizer == "auto":
+    if tc.optimizer == AUTO:
         raise ValueError("--optimizer auto is resolved by the planner (planning.optimizer_choice) before the "
                          "optimizer is built")
     params = trainable_parameters(model)
     groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
-    if tc.optimizer == "anyprecision":
-        return AnyPrecisionAdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay)
-    if tc.optimizer in EIGHT_BIT_OPTIMIZERS:
-        if params and is_fake(params[0]):
-            return EightBitAdamWStandIn(groups, lr=tc.lr, weight_decay=tc.weight_decay,
-                                        paged=tc.optimizer == "paged_adamw_8bit")
-        return bitsandbytes_adamw(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay)
-    fused = True if device_type == "cuda" else None
-    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)
+    return build(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay, device_type=device_type,
+                 planned=bool(params) and is_fake(params[0]))
 
 
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:

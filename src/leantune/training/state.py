@@ -34,9 +34,9 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
+from leantune.optimizers import loading_into, plain_optimizer_state, restored_optimizer_state
 from leantune.training.checkpoint_files import load_checkpoint_file
 from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight
-from leantune.training.low_bit import paged_loading
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -252,10 +252,10 @@ class TrainingStateStore:
         state = read_state(path)
         distributed = parts.dist.sharded
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
-        optimizer = load_checkpoint_file(path / "optimizer.pt") if reads else {}
+        optimizer = restored_optimizer_state(parts.optimizer, load_checkpoint_file(path / "optimizer.pt") if reads else {})
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
-        with paged_loading(parts.optimizer):
+        with loading_into(parts.optimizer):
             set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
                                      options=StateDictOptions(full_state_dict=distributed,
                                                               broadcast_from_rank0=distributed))
@@ -295,6 +295,7 @@ def _gather(parts: StateParts) -> dict:
     distributed = parts.dist.sharded
     optimizer = get_optimizer_state_dict(parts.loss_model, parts.optimizer,
                                          options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
+    optimizer = plain_optimizer_state(parts.optimizer, optimizer)  # loadable with weights_only=True
     weights = None  # one process: save_pretrained reads the model itself
     if distributed:
         weights = full_state_dict(parts.loss_model, trainable_only=parts.is_peft)

@@ -19,7 +19,8 @@ import contextlib
 
 import torch
 
-from leantune.models.quantized import import_bitsandbytes, require_bitsandbytes
+from leantune.optimizers.registry import Advice, OptimizerEntry, Rung, register
+from leantune.optional import import_quietly
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
 BLOCK = 256  # elements per float32 scale of the 8-bit moments
@@ -28,15 +29,10 @@ PAGED_MIN_SIZE = 100_000  # a paged optimizer pages the 8-bit moments of weights
 NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
 
 
-def require_8bit_library(optimizer: str) -> None:
-    """Refuse the 8-bit optimizers clearly where bitsandbytes is not installed."""
-    require_bitsandbytes(f"--optimizer {optimizer}", "or use --optimizer anyprecision")
-
-
 def bitsandbytes_adamw(optimizer: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """bitsandbytes' ``AdamW8bit`` or ``PagedAdamW8bit`` over ``params``, with the layout above."""
-    require_8bit_library(optimizer)
-    cls = getattr(import_bitsandbytes().optim, NAMES[optimizer])
+    bitsandbytes = import_quietly("bitsandbytes", "kernels")  # kernels: the hub's kernel loader, not used here
+    cls = getattr(bitsandbytes.optim, NAMES[optimizer])
     return cls(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
 
 
@@ -119,3 +115,41 @@ def paged_loading(optimizer: torch.optim.Optimizer):
         yield
     finally:
         del optimizer.load_state_dict  # the class's own again
+
+
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+BF16_UNCOMPENSATED = ("bfloat16 weights without a compensated update lose updates smaller than about 1/256 of a "
+                      "weight (a small --lr); docs/optimizers.md measures how much")
+INSTALL = dict(package="bitsandbytes", install="pip install 'leantune[lowbit]', or pip install bitsandbytes",
+               alternative="or use --optimizer anyprecision")
+
+
+def _entry(name: str, summary: str, paged: bool, rungs: tuple[Rung, ...], **more) -> OptimizerEntry:
+    def build(groups, *, lr, weight_decay, device_type):
+        return bitsandbytes_adamw(name, groups, lr=lr, weight_decay=weight_decay)
+
+    def stand_in(groups, *, lr, weight_decay, device_type):
+        return EightBitAdamWStandIn(groups, lr=lr, weight_decay=weight_decay, paged=paged)
+
+    return OptimizerEntry(name=name, summary=summary, build=build, stand_in=stand_in, rungs=rungs, **INSTALL, **more)
+
+
+def _advice(device_type: str) -> str:
+    paged = (" (or --optimizer paged_adamw_8bit: paged to host memory when the GPU runs short)"
+             if device_type == "cuda" else "")
+    return f"8-bit AdamW moments, about 2 bytes a parameter instead of 8: --optimizer adamw_8bit{paged}"
+
+
+register(_entry(
+    "adamw_8bit", "bitsandbytes' 8-bit AdamW (about 2 bytes a parameter)", False,
+    (Rung("8-bit AdamW", "adamw_8bit", False, True, 6),
+     Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True, 4, BF16_UNCOMPENSATED)),
+    advice=Advice(text=_advice, applies=lambda optimizer, pure_bf16, bf16_allowed: optimizer not in EIGHT_BIT,
+                  order=1)))
+register(_entry(
+    "paged_adamw_8bit", "the same with the large weights' moments in CUDA unified memory, paged to the host when "
+    "the GPU runs short (CUDA only)", True,
+    (Rung("paged 8-bit AdamW, bfloat16 weights", "paged_adamw_8bit", True, True, 2, BF16_UNCOMPENSATED),),
+    devices=("cuda",), devices_why="pages its state through CUDA unified memory",
+    elsewhere="use --optimizer adamw_8bit",
+    loading=paged_loading))

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from leantune.optimizers.registry import Advice, OptimizerEntry, Rung, register
+
 STATE_DTYPE = torch.bfloat16
 HALF = (torch.bfloat16, torch.float16)  # weight dtypes that get a compensation buffer
 CHUNK = 1 << 24  # elements stepped at once: float32 temporaries of 64 MiB each, whatever the parameter's size
@@ -108,3 +110,23 @@ def _adamw_chunk(weight, grad, exp_avg, exp_avg_sq, compensation, beta1, beta2, 
     weight.copy_(old + update)  # rounded to the weight's dtype
     # what this rounding lost, (update) - (new weight - old weight), kept for the next step
     compensation.copy_(update.sub_(weight.float().sub_(old)))
+
+
+def build_anyprecision(groups: list, *, lr: float, weight_decay: float, device_type: str) -> AnyPrecisionAdamW:
+    return AnyPrecisionAdamW(groups, lr=lr, weight_decay=weight_decay)
+
+
+register(OptimizerEntry(
+    name="anyprecision",
+    summary="AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for bfloat16 weights "
+            "(--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates are not rounded away",
+    build=build_anyprecision,
+    rungs=(Rung("anyprecision, bfloat16 weights", "anyprecision", True, True, 8),),
+    advice=Advice(
+        text=lambda device_type: "bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
+                                 "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer "
+                                 "anyprecision --pure_bf16",
+        applies=lambda optimizer, pure_bf16, bf16_allowed: bf16_allowed and (optimizer != "anyprecision"
+                                                                             or not pure_bf16),
+        order=3),
+))

@@ -1,0 +1,133 @@
+"""The registry of optimizers: ``--optimizer NAME`` → its entry, declared in the file that implements it.
+
+An entry says all that the rest of leantune needs to know of its optimizer: how to build it over
+parameter groups, what the planner steps in its place on fake tensors (when the library cannot
+run on them), the library it needs and where it runs, whether it trains FSDP2's sharded
+parameters, its rungs on ``--optimizer auto``'s ladder, its clause in the out-of-memory advice, how
+its state is saved when it is more than plain tensors, and how a saved state loads into it. The
+config's choices and help, ``training.optim``, preflight's checks, the ladder, the advice and the
+training state read these; none of them names an optimizer.
+
+Like the checkpointing modes' registry, it sits below the config and knows no flag type: what an
+entry reads of a run comes as plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+Build = Callable[..., torch.optim.Optimizer]  # (groups, *, lr, weight_decay, device_type) -> optimizer
+ENTRY_ATTRIBUTE = "leantune_optimizer"  # set on every optimizer built here: its entry's name
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of ``--optimizer auto``'s ladder: an optimizer with its weight dtype and where it steps."""
+    name: str
+    optimizer: str
+    pure_bf16: bool
+    in_backward: bool
+    bytes_per_parameter: float  # a trained weight's weight + gradient + state at the step: the ladder's order
+    warning: str = ""  # said when auto takes this rung
+
+    @property
+    def flags(self) -> str:
+        return " ".join([f"--optimizer {self.optimizer}"] + ["--pure_bf16"] * self.pure_bf16
+                        + ["--optimizer_in_backward"] * self.in_backward)
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The entry's clause in a full fine-tune's out-of-memory advice, and when it applies."""
+    text: Callable[[str], str]  # device type -> the clause with its flags
+    applies: Callable[[str, bool, bool], bool]  # (the run's optimizer, --pure_bf16, bf16 weights allowed)
+    order: int  # the advice's place: least cost to quality first
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    name: str
+    summary: str  # its clause in --optimizer's help
+    build: Build
+    stand_in: Optional[Build] = None  # what the planner steps on fake tensors, when ``build``'s cannot
+    package: Optional[str] = None  # the library it needs, by import name
+    install: str = ""  # how to get that library
+    alternative: str = ""  # what to use without it
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    devices_why: str = ""  # why only there
+    elsewhere: str = ""  # what to use on other devices
+    sharded: bool = False  # trains FSDP2's sharded parameters (tested)
+    rungs: tuple[Rung, ...] = ()
+    advice: Optional[Advice] = None
+    plain_state: Optional[Callable[[Any], Any]] = None  # a state value -> plain tensors and values, for saving
+    restored_state: Optional[Callable[[Any], Any]] = None  # the reverse, after loading
+    loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict
+
+
+ENTRIES: dict[str, OptimizerEntry] = {}
+ALIASES = {"AdamW": "adamw"}  # llama-cookbook's spelling
+
+
+def register(entry: OptimizerEntry) -> OptimizerEntry:
+    if entry.name in ENTRIES:
+        raise ValueError(f"optimizer {entry.name!r} registered twice")
+    ENTRIES[entry.name] = entry
+    return entry
+
+
+def optimizer_entry(name: str) -> OptimizerEntry:
+    try:
+        return ENTRIES[ALIASES.get(name, name)]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(ENTRIES)}") from None
+
+
+def entry_of(optimizer: torch.optim.Optimizer) -> OptimizerEntry:
+    """The entry that built ``optimizer`` (an optimizer made elsewhere counts as plain AdamW)."""
+    return optimizer_entry(getattr(optimizer, ENTRY_ATTRIBUTE, "adamw"))
+
+
+def build(name: str, groups: list, *, lr: float, weight_decay: float, device_type: str,
+          planned: bool = False) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``groups``; ``planned``: the planner's, on fake tensors (its stand-in, if any)."""
+    entry = optimizer_entry(name)
+    maker = entry.stand_in if planned and entry.stand_in is not None else entry.build
+    optimizer = maker(groups, lr=lr, weight_decay=weight_decay, device_type=device_type)
+    setattr(optimizer, ENTRY_ATTRIBUTE, entry.name)
+    return optimizer
+
+
+def ladder() -> list[Rung]:
+    """Every entry's rungs, most bytes a parameter first (the order of cost to quality: docs/optimizers.md)."""
+    rungs = [rung for entry in ENTRIES.values() for rung in entry.rungs]
+    return sorted(rungs, key=lambda rung: -rung.bytes_per_parameter)
+
+
+def plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` (keyed by parameter) with every value saveable by ``torch.save`` and loadable with
+    ``weights_only=True``: the entry's ``plain_state`` applied where it has one."""
+    convert = entry_of(optimizer).plain_state
+    return state_dict if convert is None else _map_state(state_dict, convert)
+
+
+def restored_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    convert = entry_of(optimizer).restored_state
+    return state_dict if convert is None else _map_state(state_dict, convert)
+
+
+def loading_into(optimizer: torch.optim.Optimizer) -> ContextManager:
+    """What the entry needs around loading a saved state into ``optimizer`` (nothing for most)."""
+    loading = entry_of(optimizer).loading
+    return contextlib.nullcontext() if loading is None else loading(optimizer)
+
+
+def _map_state(state_dict: dict, convert: Callable[[Any], Any]) -> dict:
+    if "state" not in state_dict:
+        return state_dict
+    state = {key: {name: convert(value) for name, value in values.items()}
+             for key, values in state_dict["state"].items()}
+    return {**state_dict, "state": state}

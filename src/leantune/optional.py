@@ -1,0 +1,58 @@
+"""Optional libraries (bitsandbytes, torchao): whether one is installed, and importing one quietly.
+
+Both print start-up noise that does not apply to a training run (bitsandbytes: a CPU inference
+kernel from the hub it cannot trust; torchao: CUDA extension libraries a CPU build lacks), which a
+user would read as a problem with their run. Their loggers are held at ERROR while they import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+from typing import Iterator
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """The loggers ``names`` at ERROR inside the block, as they were after it."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def import_quietly(package: str, *loggers: str):
+    """``package`` imported with its own logger and ``loggers`` held at ERROR (see the module's docstring)."""
+    with quiet_loggers(package, *loggers):
+        return importlib.import_module(package)
+
+
+
+class _DropMessages(logging.Filter):
+    """Drops a logger's records whose message starts with one of ``starts``."""
+
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def drop_known_noise() -> None:
+    """Two messages a training run would print whenever torchao is installed (transformers imports it for
+    its quantizer), neither about the run: torchao's CUDA extensions missing from a CPU build, and torch's
+    deprecation of the way torchao registers its enums for compile. Only these two are dropped."""
+    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))
+    logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("%s is an Enum subclass"))

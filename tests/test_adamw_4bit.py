@@ -1,0 +1,139 @@
+"""torchao's 4-bit AdamW (``--optimizer adamw_4bit``), added as one registry entry: built, planned, saved and
+resumed exactly, on the ladder, advised and refused where it cannot run."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from leantune import finetuning
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.models.presets import model_config
+from leantune.optimizers import build, ladder, plain_optimizer_state, restored_optimizer_state
+from leantune.optimizers.torchao_4bit import BLOCK, FourBitAdamWStandIn
+from leantune.planning.fake_step import trace_step
+from leantune.training.checkpoint_files import load_checkpoint_file
+
+pytest.importorskip("torchao")
+CPU = torch.device("cpu")
+SHAPES = [(512, 256), (100,), (64, 64), (63, 65), (4096 + BLOCK,)]  # 4-bit, small, the edge, not a multiple, odd
+
+
+def _storage_bytes(optimizer) -> int:
+    """Every state storage, a 4-bit moment's codes, scales and code book included."""
+    tensors = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            tensors += [value.codes, value.scale, value.qmap] if hasattr(value, "codes") else [value]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _stepped(make, dtype):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in SHAPES]
+    optimizer = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planners_stand_in_holds_the_bytes_of_torchaos_state(dtype):
+    real = _stepped(lambda ps: build("adamw_4bit", ps, lr=1e-3, weight_decay=0.0, device_type="cpu"), dtype)[1]
+    stand_in = _stepped(lambda ps: FourBitAdamWStandIn(ps), dtype)[1]
+    assert _storage_bytes(real) == _storage_bytes(stand_in)
+    quantized = [p for p in real.state if p.numel() in (512 * 256, 4096 + BLOCK)]
+    assert all(type(real.state[p]["exp_avg"]).__name__ == "OptimState4bit" for p in quantized)
+
+
+def test_a_saved_state_loads_weights_only_and_continues_exactly(tmp_path):
+    params, optimizer = _stepped(lambda ps: build("adamw_4bit", ps, lr=1e-2, weight_decay=0.1, device_type="cpu"),
+                                 torch.float32)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    plain = plain_optimizer_state(optimizer, optimizer.state_dict())
+    torch.save(plain, tmp_path / "optimizer.pt")
+    resumed = build("adamw_4bit", copies, lr=1e-2, weight_decay=0.1, device_type="cpu")
+    resumed.load_state_dict(restored_optimizer_state(resumed, load_checkpoint_file(tmp_path / "optimizer.pt")))
+    for group in (params, copies):
+        for p in group:
+            p.grad = torch.full_like(p, 0.5)
+    optimizer.step()
+    resumed.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, copies))
+
+
+def _run(model_dir, out, *flags, steps=6, save_steps=2, resume=False):
+    argv = ["--model_name", str(model_dir), *flags, "--max_train_step", str(steps), "--num_epochs", "1",
+            "--context_length", "64", "--lr", "1e-3", "--batch_size_training", "2", "--run_validation", "false",
+            "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", str(save_steps), "--output_dir",
+            str(out)] + ["--resume_from_checkpoint", "latest"] * resume
+    lines = []
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]], lines
+
+
+def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp_path):
+    flags = ("--optimizer", "adamw_4bit", "--optimizer_in_backward")
+    whole, lines = _run(tiny_model_dir, tmp_path / "whole", *flags)
+    assert any(line.startswith("optimizer: torchao's AdamW4bit (--optimizer adamw_4bit)") for line in lines)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed, _ = _run(tiny_model_dir, tmp_path / "resumed", *flags, resume=True)
+    assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]
+
+
+def test_its_plan_keeps_about_one_byte_a_parameter_of_state():
+    """torchao compiles its step, which runs under no tracker: the plan's state is the stand-in's (held to
+    torchao's bytes above), about 1/8 of AdamW's float32 moments and half of 8-bit AdamW's."""
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64"]
+    state = {name: trace_step(parse_run_config([*argv, "--optimizer", name]), model_config("tiny"), CPU,
+                              "none").breakdown["optimizer_state"] for name in ("adamw", "adamw_8bit", "adamw_4bit")}
+    # 4 bits a moment and a float32 scale per 128 elements (+ 1/16); small weights keep full moments
+    assert 1 / 8 < state["adamw_4bit"] / state["adamw"] < 0.15
+    assert 0.5 < state["adamw_4bit"] / state["adamw_8bit"] < 0.6
+
+
+def test_its_rungs_sit_by_their_bytes_and_auto_may_take_them():
+    from leantune.planning.optimizer_choice import rungs_for
+
+    names = [(rung.optimizer, rung.pure_bf16) for rung in ladder()]
+    assert names.index(("adamw_8bit", False)) < names.index(("adamw_4bit", False)) < names.index(("adamw_8bit", True))
+    assert names.index(("adamw_8bit", True)) < names.index(("adamw_4bit", True)) < names.index(("paged_adamw_8bit", True))
+    on_cpu = [rung.optimizer for rung in rungs_for(parse_run_config(["--optimizer", "auto"]), CPU)]
+    assert on_cpu.count("adamw_4bit") == 2
+
+
+def test_it_is_refused_without_torchao_and_under_fsdp(tiny_model_dir, tmp_path, monkeypatch):
+    from leantune import preflight
+
+    monkeypatch.setattr(preflight, "installed", lambda package: package != "torchao")
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--optimizer", "adamw_4bit", "--output_dir",
+                            str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--optimizer adamw_4bit: needs torchao \(pip install 'leantune\[lowbit\]', "
+                                          r"or pip install torchao\); or use --optimizer adamw_8bit"):
+        preflight.check_optimizer(cfg, "cpu")
+    with pytest.raises(ConfigError, match="--optimizer adamw_4bit: not with --enable_fsdp"):
+        parse_run_config(["--optimizer", "adamw_4bit", "--enable_fsdp"])
+
+
+def test_the_out_of_memory_advice_names_it():
+    from leantune.memory.oom import _optimizer_fixes
+
+    fixes = _optimizer_fixes(parse_run_config(["--model_name", "tiny"]), CPU)
+    assert "4-bit AdamW moments, about 1 byte a parameter instead of 8: --optimizer adamw_4bit" in fixes
+    assert fixes.index(next(f for f in fixes if "adamw_8bit" in f)) < fixes.index(next(f for f in fixes if "4bit" in f))
+    assert not any("adamw_4bit" in f for f in _optimizer_fixes(parse_run_config(["--optimizer", "adamw_4bit"]), CPU))
+
+
+def test_a_plain_state_holds_no_tensor_subclass():
+    params, optimizer = _stepped(lambda ps: build("adamw_4bit", ps, lr=1e-3, weight_decay=0.0, device_type="cpu"),
+                                 torch.float32)
+    buffer = io.BytesIO()
+    torch.save(plain_optimizer_state(optimizer, optimizer.state_dict()), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)  # a subclass left in would be refused here
