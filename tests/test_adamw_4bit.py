@@ -136,4 +136,22 @@ def test_a_plain_state_holds_no_tensor_subclass():
     buffer = io.BytesIO()
     torch.save(plain_optimizer_state(optimizer, optimizer.state_dict()), buffer)
     buffer.seek(0)
-    torch.load(buffer, weights_only=True)  # a subclass left in would be refused here
+    loaded = torch.load(buffer, weights_only=True)
+    values = [value for state in loaded["state"].values() for value in state.values()]
+    tensors = [t for value in values for t in (value.values() if isinstance(value, dict) else [value])
+               if torch.is_tensor(t)]
+    # plain tensors only: readable without torchao, whatever torchao allows torch.load
+    assert tensors and all(type(t) is torch.Tensor for t in tensors)
+    assert any(isinstance(value, dict) and value.get("OptimState4bit") for value in values)
+
+
+def test_bfloat16_weights_move_by_updates_below_their_resolution():
+    """Updates of 1e-4 against bfloat16 weights of 1 (resolution 2^-7): rounded to nearest they would all be lost;
+    rounded stochastically the weights move down by about the updates' sum on average."""
+    param = torch.nn.Parameter(torch.ones(64, 128, dtype=torch.bfloat16))
+    optimizer = build("adamw_4bit", [param], lr=1e-4, weight_decay=0.0, device_type="cpu")
+    for _ in range(10):
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+    moved = 1 - param.detach().float().mean().item()
+    assert (param != 1).any() and 0.5e-3 < moved < 2e-3
