@@ -108,7 +108,7 @@ def test_its_rungs_sit_by_their_bytes_and_auto_may_take_them():
     assert on_cpu.count("adamw_4bit") == 2
 
 
-def test_it_is_refused_without_torchao_and_under_fsdp(tiny_model_dir, tmp_path, monkeypatch):
+def test_it_is_refused_without_torchao_or_a_compiler_and_under_fsdp(tiny_model_dir, tmp_path, monkeypatch):
     from leantune import preflight
 
     monkeypatch.setattr(preflight, "installed", lambda package: package != "torchao")
@@ -117,17 +117,29 @@ def test_it_is_refused_without_torchao_and_under_fsdp(tiny_model_dir, tmp_path, 
     with pytest.raises(ConfigError, match=r"--optimizer adamw_4bit: needs torchao \(pip install 'leantune\[lowbit\]', "
                                           r"or pip install torchao\); or use --optimizer adamw_8bit"):
         preflight.check_optimizer(cfg, "cpu")
+    monkeypatch.setattr(preflight, "installed", lambda package: True)
+    import leantune.models.compiling as compiling
+    from leantune.planning.optimizer_choice import rungs_for
+
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)  # no C++ compiler on this host
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match=r"--optimizer adamw_4bit: torch.compile on the CPU builds C\+\+ code, and "
+                                          r"no C\+\+ compiler was found .* or use --optimizer adamw_8bit"):
+        preflight.check_optimizer(cfg, "cpu")
+    assert "adamw_4bit" not in {rung.optimizer for rung in rungs_for(parse_run_config(["--optimizer", "auto"]), CPU)}
     with pytest.raises(ConfigError, match="--optimizer adamw_4bit: not with --enable_fsdp"):
         parse_run_config(["--optimizer", "adamw_4bit", "--enable_fsdp"])
 
 
-def test_the_out_of_memory_advice_names_it():
+def test_the_out_of_memory_advice_names_it_only_where_leaner():
     from leantune.memory.oom import _optimizer_fixes
 
     fixes = _optimizer_fixes(parse_run_config(["--model_name", "tiny"]), CPU)
     assert "4-bit AdamW moments, about 1 byte a parameter instead of 8: --optimizer adamw_4bit" in fixes
     assert fixes.index(next(f for f in fixes if "adamw_8bit" in f)) < fixes.index(next(f for f in fixes if "4bit" in f))
-    assert not any("adamw_4bit" in f for f in _optimizer_fixes(parse_run_config(["--optimizer", "adamw_4bit"]), CPU))
+    four_bit = _optimizer_fixes(parse_run_config(["--optimizer", "adamw_4bit"]), CPU)
+    # nothing heavier than what it runs: no 8-bit moments, no anyprecision; bfloat16 weights instead
+    assert [fix.split(": ")[-1] for fix in four_bit] == ["--optimizer_in_backward", "--pure_bf16"]
 
 
 def test_a_plain_state_holds_no_tensor_subclass():
@@ -155,3 +167,68 @@ def test_bfloat16_weights_move_by_updates_below_their_resolution():
         optimizer.step()
     moved = 1 - param.detach().float().mean().item()
     assert (param != 1).any() and 0.5e-3 < moved < 2e-3
+
+
+def test_the_stand_in_holds_the_compiled_updates_buffers_while_it_steps():
+    """torchao's compiled update allocates about 27 bytes an element of the 4-bit weight it steps (measured on the
+    CPU, benchmarks/adamw_4bit_step.py); the planner's stand-in allocates as much, for as long."""
+    from leantune.memory.tracker import StorageTracker
+    from leantune.optimizers.torchao_4bit import STEP_BYTES_PER_ELEMENT
+
+    params = [torch.nn.Parameter(torch.zeros(64, 128)), torch.nn.Parameter(torch.zeros(100))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = FourBitAdamWStandIn(params)
+    optimizer.step()  # the state made
+    with StorageTracker() as tracker:
+        optimizer.step()
+    buffers = tracker.rounded(27 * 64 * 128)
+    assert STEP_BYTES_PER_ELEMENT == 27 and buffers <= tracker.peak_bytes <= buffers + 64  # + the step count's
+
+
+def test_the_memory_breakdown_counts_a_4bit_moment_by_its_codes_and_scales():
+    """torchao's moment is a tensor subclass whose own storage would count the dense float32 tensor it stands for."""
+    from leantune.memory.tracker import persistent_bytes
+
+    model = torch.nn.Linear(1024, 1024)
+    real = build("adamw_4bit", list(model.parameters()), lr=1e-3, weight_decay=0.0, device_type="cpu")
+    model(torch.randn(2, 1024)).sum().backward()
+    real.step()
+    assert persistent_bytes(model, real)["optimizer_state"] == _storage_bytes(real) < 1024 * 1024 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_steps_in_backward_equal_the_steps_after_it_and_stay_within_the_plan(tmp_path):
+    """The compiled update inside backward hooks, the state saved and loaded on the device, and the update's
+    buffers against the planned upper bound (27 bytes an element, measured on the CPU)."""
+    from leantune.optimizers.torchao_4bit import STEP_BYTES_PER_ELEMENT
+    from leantune.training.in_backward import OptimizerInBackward
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024)).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [build("adamw_4bit", [{"params": [p]} for p in m.parameters()], lr=1e-3, weight_decay=0.0,
+                        device_type="cuda") for m in models]
+    stepper = OptimizerInBackward(optimizers[1])
+    for step in range(3):
+        x = torch.randn(8, 1024, device="cuda")
+        models[0](x).square().sum().backward()
+        if step == 2:  # the update's own buffers, everything else already allocated
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        optimizers[0].step()
+        if step == 2:
+            buffers = torch.cuda.max_memory_allocated() - before
+        optimizers[0].zero_grad(set_to_none=True)
+        stepper.start_step()
+        models[1](x).square().sum().backward()
+    stepper.close()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert buffers <= STEP_BYTES_PER_ELEMENT * 2048 * 1024, buffers  # the largest weight's update at most
+    torch.save(plain_optimizer_state(optimizers[0], optimizers[0].state_dict()), tmp_path / "optimizer.pt")
+    restored = restored_optimizer_state(optimizers[1], load_checkpoint_file(tmp_path / "optimizer.pt"))
+    optimizers[1].load_state_dict(restored)
+    moment = optimizers[1].state[next(models[1].parameters())]["exp_avg"]
+    assert moment.codes.device.type == moment.qmap.device.type == "cuda"

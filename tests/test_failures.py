@@ -62,8 +62,8 @@ def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file
     assert fixes[3] == "  3. shorter rows: --context_length 64 (now 128)"
     # full fine-tuning: the leaner optimizer options, least cost to quality first, then LoRA
     assert fixes[4].endswith("--optimizer_in_backward") and fixes[5].endswith("--optimizer adamw_8bit")
-    assert fixes[6].endswith("--optimizer anyprecision --pure_bf16")
-    assert "--use_peft" in fixes[7]
+    assert fixes[6].endswith("--optimizer adamw_4bit") and fixes[7].endswith("--optimizer anyprecision --pure_bf16")
+    assert "--use_peft" in fixes[8]
     # what is on disk is whole: the metrics of steps 1-2, the states of steps 1-2, nothing hidden or partial
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json",

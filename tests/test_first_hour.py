@@ -87,3 +87,11 @@ def test_help_gives_each_flag_its_own_text_and_its_true_default():
     assert "LoRA or QLoRA" in text.split("options:")[0]
     negatives = [action for action in build_parser()._actions if action.option_strings[0].startswith("--no_")]
     assert negatives and all(action.help == f"The same as --{action.option_strings[0][5:]} false." for action in negatives)
+
+
+def test_importing_leantune_prints_nothing():
+    """With torchao installed, transformers imports it: its CPU-build extension lines and torch's deprecation of
+    its enum registration would reach every run's stderr (leantune drops exactly those two)."""
+    done = subprocess.run([sys.executable, "-c", "import leantune.finetuning, transformers.quantizers.auto"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == ""

@@ -16,10 +16,15 @@ from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import trace_step
 from leantune.training.in_backward import OptimizerInBackward
+from leantune.optimizers import ENTRIES
 from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
+from leantune.optional import installed
 
 CPU = torch.device("cpu")
 bnb = pytest.importorskip("bitsandbytes")
+# every registered optimizer that runs here: a new one is covered by the tests below without a line here
+CPU_OPTIMIZERS = [name for name, entry in ENTRIES.items()
+                  if "cpu" in entry.devices and (entry.package is None or installed(entry.package))]
 
 
 def _state_bytes(optimizer) -> int:
@@ -84,7 +89,7 @@ def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp
     assert loaded_through == ["AdamW8bit" if "adamw_8bit" in flags else "AdamW"]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "anyprecision", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
 def test_stepping_in_backward_gives_the_weights_of_stepping_after_it(tiny_model_dir, tmp_path, optimizer):
     """float32, one batch a step: the same updates, weight for weight, and the same losses."""
     after = _run(tiny_model_dir, tmp_path / "after", "--optimizer", optimizer, steps=4, save_steps=0)
@@ -279,7 +284,10 @@ def test_optimizer_auto_takes_the_first_rung_that_fits_and_says_so():
     peaks = _rung_peaks(argv)
     on_cpu = [rung for rung in LADDER if rung.optimizer != "paged_adamw_8bit"]
     assert list(peaks) == on_cpu and len(on_cpu) == len(LADDER) - 1  # no paged rung on the CPU
-    assert all(peaks[a] > peaks[b] for a, b in zip(on_cpu, on_cpu[1:])), peaks  # each rung leaner
+    # each rung leaner, but 4-bit's: its compiled update's buffers (27 bytes an element of the weight it steps)
+    # can outweigh what its state saves on a small model (tests/test_adamw_4bit.py)
+    leaner = [rung for rung in on_cpu if rung.optimizer != "adamw_4bit"]
+    assert all(peaks[a] > peaks[b] for a, b in zip(leaner, leaner[1:])), peaks
     third = LADDER[2]
     lines = []
     chosen = choose_optimizer(parse_run_config(argv), model_config("tiny"), CPU, peaks[third], lines.append)
@@ -522,7 +530,7 @@ def test_a_state_saved_before_a_flag_existed_resumes_only_with_that_flags_defaul
     assert len(_run(tiny_model_dir, tmp_path / "resumed", resume=True, steps=4)) == 4  # with the default: resumes
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "anyprecision", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
 @pytest.mark.parametrize("decay", [0.0, 0.1])
 def test_every_optimizer_takes_the_weight_decay_asked_for(optimizer, decay):
     """bitsandbytes' own default is 0.01: an 8-bit AdamW not given --weight_decay would decay when 0 is asked."""

@@ -11,7 +11,8 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-from typing import Iterator
+import sys
+from typing import Callable, Iterator
 
 
 def installed(package: str) -> bool:
@@ -40,19 +41,25 @@ def import_quietly(package: str, *loggers: str):
 
 
 class _DropMessages(logging.Filter):
-    """Drops a logger's records whose message starts with one of ``starts``."""
+    """Drops a logger's records whose message starts with one of ``starts`` (when ``only_if()`` holds)."""
 
-    def __init__(self, *starts: str):
+    def __init__(self, *starts: str, only_if: Callable[[], bool] = lambda: True):
         super().__init__()
-        self.starts = starts
+        self.starts, self.only_if = starts, only_if
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        return not (str(record.msg).startswith(self.starts) and self.only_if())
+
+
+def _torch_without_cuda() -> bool:
+    torch = sys.modules.get("torch")  # torchao imports it before it logs
+    return torch is not None and torch.version.cuda is None
 
 
 def drop_known_noise() -> None:
     """Two messages a training run would print whenever torchao is installed (transformers imports it for
-    its quantizer), neither about the run: torchao's CUDA extensions missing from a CPU build, and torch's
-    deprecation of the way torchao registers its enums for compile. Only these two are dropped."""
-    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))
+    its quantizer), neither about the run: torchao's CUDA extensions failing to load in a CPU build of torch
+    (on a CUDA build that failure is real, and is shown), and torch's deprecation of the way torchao registers
+    its enums for compile. Only these two are dropped."""
+    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load", only_if=_torch_without_cuda))
     logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("%s is an Enum subclass"))

@@ -17,6 +17,7 @@ import torch
 from leantune.builders.own_loss import check_own_loss
 from leantune.config import ConfigError, RunConfig
 from leantune.models.attention import traceable_attention
+from leantune.models.compiling import check_can_compile
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
 from leantune.optimizers import AUTO, optimizer_entry
@@ -55,6 +56,8 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
                           f"{entry.elsewhere}")
     if entry is not None and entry.package and not installed(entry.package):
         raise ConfigError(f"--optimizer {entry.name}: needs {entry.package} ({entry.install}); {entry.alternative}")
+    if entry is not None and entry.compiles:
+        check_can_compile(device_type, f"--optimizer {entry.name}", entry.alternative.removeprefix("or "))
     if cfg.quant.enabled:
         require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
         compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one

@@ -12,7 +12,7 @@ import torch
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
 from leantune.config import ConfigError, DistributedConfig, RunConfig, in_backward_conflicts
-from leantune.optimizers import ENTRIES
+from leantune.optimizers import AUTO, ENTRIES, optimizer_entry
 from leantune.precision import pure_bf16_allowed
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
@@ -85,10 +85,11 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
     bf16_allowed = pure_bf16_allowed(cfg)
-    advised = [entry for entry in ENTRIES.values() if entry.advice is not None
-               and (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
-               and entry.advice.applies(tc.optimizer, tc.pure_bf16, bf16_allowed)]
-    fixes += [entry.advice.text(device.type) for entry in sorted(advised, key=lambda entry: entry.advice.order)]
+    current = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer)  # auto: advised as AdamW
+    advised = [advice for entry in ENTRIES.values() for advice in entry.advice
+               if (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
+               and advice.applies(current, tc.pure_bf16, bf16_allowed)]
+    fixes += [advice.text(device.type) for advice in sorted(advised, key=lambda advice: advice.order)]
     return fixes
 
 

@@ -29,7 +29,8 @@ from typing import Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from leantune.memory.allocator_model import AllocatorModel
@@ -129,6 +130,12 @@ class StorageTracker(TorchDispatchMode):
 
     def _file(self, tensor: torch.Tensor, category: str, refile: bool) -> None:
         if tensor.device.type == "meta":
+            return
+        if is_traceable_wrapper_subclass(tensor) and not isinstance(tensor, DTensor):
+            # a tensor subclass (torchao's 4-bit moments) holds its bytes in inner tensors; its own storage
+            # would count the dense tensor it stands for
+            for name in tensor.__tensor_flatten__()[0]:
+                self._file(getattr(tensor, name), category, refile)
             return
         storage = tensor.untyped_storage()
         key = id(storage)

@@ -34,17 +34,26 @@ from leantune.config import ConfigError
 from leantune.models.structure import decoder_layers
 
 
-def check_can_compile(device_type: str) -> None:
-    """Refuse early, with the fix, what would otherwise fail in the middle of the first step: inductor
-    builds C++ kernels on the CPU, and on a GPU Triton builds each kernel's launcher with a C compiler."""
+def _compiler(device_type: str) -> tuple[str, str, list[str]]:
+    """What torch.compile needs on ``device_type``: inductor builds C++ kernels on the CPU, and on a GPU
+    Triton builds each kernel's launcher with a C compiler (the language, its variable, its usual names)."""
     if device_type == "cpu":
-        needed, variable, names = "C++", "CXX", ["g++", "c++", "clang++"]
-    else:
-        needed, variable, names = "C", "CC", ["gcc", "cc", "clang"]
-    if not any(shutil.which(name) for name in [os.environ.get(variable, ""), *names] if name):
-        raise ConfigError(f"--compile: torch.compile on the {device_type.upper()} builds {needed} code, and no "
+        return "C++", "CXX", ["g++", "c++", "clang++"]
+    return "C", "CC", ["gcc", "cc", "clang"]
+
+
+def compiler_found(device_type: str) -> bool:
+    _, variable, names = _compiler(device_type)
+    return any(shutil.which(name) for name in [os.environ.get(variable, ""), *names] if name)
+
+
+def check_can_compile(device_type: str, flag: str = "--compile", instead: str = "drop --compile") -> None:
+    """Refuse early, with the fix, what would otherwise fail in the middle of the first step."""
+    if not compiler_found(device_type):
+        needed, variable, names = _compiler(device_type)
+        raise ConfigError(f"{flag}: torch.compile on the {device_type.upper()} builds {needed} code, and no "
                           f"{needed} compiler was found ({', '.join(names)} or ${variable}). "
-                          "Install one (e.g. apt install g++) or drop --compile")
+                          f"Install one (e.g. apt install g++) or {instead}")
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> str:

@@ -23,6 +23,7 @@ register(OptimizerEntry(
     summary="torch's AdamW (llama-cookbook's AdamW), float32 states (its fused kernel on CUDA)",
     build=build_adamw,
     sharded=True,
+    state_bytes=8,
     rungs=(Rung("AdamW", "adamw", False, False, 16),
            Rung("AdamW stepped in backward", "adamw", False, True, 12)),
 ))

@@ -121,12 +121,14 @@ register(OptimizerEntry(
     summary="AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for bfloat16 weights "
             "(--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates are not rounded away",
     build=build_anyprecision,
+    state_bytes=4,
     rungs=(Rung("anyprecision, bfloat16 weights", "anyprecision", True, True, 8),),
-    advice=Advice(
+    advice=(Advice(
         text=lambda device_type: "bfloat16 weights with bfloat16 optimizer moments and a compensated update (weights, "
                                  "gradients and optimizer state 10 bytes a parameter instead of 16): --optimizer "
                                  "anyprecision --pure_bf16",
-        applies=lambda optimizer, pure_bf16, bf16_allowed: bf16_allowed and (optimizer != "anyprecision"
-                                                                             or not pure_bf16),
-        order=3),
+        # not over an optimizer whose moments are leaner than 8-bit's (4-bit's advice names --pure_bf16 there)
+        applies=lambda current, pure_bf16, bf16_allowed: bf16_allowed and current.state_bytes >= 2 and (
+            current.name != "anyprecision" or not pure_bf16),
+        order=3),),
 ))

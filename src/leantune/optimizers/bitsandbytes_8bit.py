@@ -117,7 +117,6 @@ def paged_loading(optimizer: torch.optim.Optimizer):
         del optimizer.load_state_dict  # the class's own again
 
 
-EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 BF16_UNCOMPENSATED = ("bfloat16 weights without a compensated update lose updates smaller than about 1/256 of a "
                       "weight (a small --lr); docs/optimizers.md measures how much")
 INSTALL = dict(package="bitsandbytes", install="pip install 'leantune[lowbit]', or pip install bitsandbytes",
@@ -131,7 +130,8 @@ def _entry(name: str, summary: str, paged: bool, rungs: tuple[Rung, ...], **more
     def stand_in(groups, *, lr, weight_decay, device_type):
         return EightBitAdamWStandIn(groups, lr=lr, weight_decay=weight_decay, paged=paged)
 
-    return OptimizerEntry(name=name, summary=summary, build=build, stand_in=stand_in, rungs=rungs, **INSTALL, **more)
+    return OptimizerEntry(name=name, summary=summary, build=build, stand_in=stand_in, rungs=rungs, state_bytes=2,
+                          **INSTALL, **more)
 
 
 def _advice(device_type: str) -> str:
@@ -144,8 +144,8 @@ register(_entry(
     "adamw_8bit", "bitsandbytes' 8-bit AdamW (about 2 bytes a parameter)", False,
     (Rung("8-bit AdamW", "adamw_8bit", False, True, 6),
      Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True, 4, BF16_UNCOMPENSATED)),
-    advice=Advice(text=_advice, applies=lambda optimizer, pure_bf16, bf16_allowed: optimizer not in EIGHT_BIT,
-                  order=1)))
+    advice=(Advice(text=_advice, applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 2,
+                   order=1),)))
 register(_entry(
     "paged_adamw_8bit", "the same with the large weights' moments in CUDA unified memory, paged to the host when "
     "the GPU runs short (CUDA only)", True,

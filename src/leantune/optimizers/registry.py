@@ -44,7 +44,7 @@ class Rung:
 class Advice:
     """The entry's clause in a full fine-tune's out-of-memory advice, and when it applies."""
     text: Callable[[str], str]  # device type -> the clause with its flags
-    applies: Callable[[str, bool, bool], bool]  # (the run's optimizer, --pure_bf16, bf16 weights allowed)
+    applies: Callable[["OptimizerEntry", bool, bool], bool]  # (the run's optimizer, --pure_bf16, bf16 allowed)
     order: int  # the advice's place: least cost to quality first
 
 
@@ -58,11 +58,13 @@ class OptimizerEntry:
     install: str = ""  # how to get that library
     alternative: str = ""  # what to use without it
     devices: tuple[str, ...] = ("cpu", "cuda")
+    compiles: bool = False  # its update is made by torch.compile, which needs a compiler on the host
     devices_why: str = ""  # why only there
     elsewhere: str = ""  # what to use on other devices
     sharded: bool = False  # trains FSDP2's sharded parameters (tested)
+    state_bytes: float = 8  # its moments' bytes a parameter (float32 weights): which advice is leaner than it
     rungs: tuple[Rung, ...] = ()
-    advice: Optional[Advice] = None
+    advice: tuple[Advice, ...] = ()
     plain_state: Optional[Callable[[Any], Any]] = None  # a state value -> plain tensors and values, for saving
     restored_state: Optional[Callable[[Any], Any]] = None  # the reverse, after loading
     loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict

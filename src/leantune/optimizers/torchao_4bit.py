@@ -10,8 +10,9 @@ bfloat16 weight's resolution still move it on average (no compensation buffer ne
 torchao's state is a tensor subclass: saved as its plain codes, scales and code book (so a saved
 state loads with ``weights_only=True``) and rebuilt on loading. The planner steps
 ``FourBitAdamWStandIn`` on fake tensors (torchao compiles its step, which fake tensors cannot
-run): the same state storages, the same in-place update of the weight, no arithmetic. A test holds
-the two states to the same bytes on real tensors.
+run): the same state storages, the same in-place update of the weight, the buffers its compiled
+update allocates (measured on the CPU), no arithmetic. A test holds the two states to the same
+bytes on real tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from leantune.optional import import_quietly
 MIN_4BIT_SIZE = 4096  # torchao's threshold (bitsandbytes'): smaller weights keep full moments
 BLOCK = 128  # elements per float32 scale; a weight whose size is not a multiple keeps full moments
 CODE_BOOK = 16  # float32 entries of each moment's code book
+# Bytes a 4-bit weight's element its compiled update allocates while it runs (inductor's buffers: codes,
+# blocks, indices), measured on the CPU: 26 to 27 for float32 weights, 25 for bfloat16
+# (benchmarks/adamw_4bit_step.py). Planned for a GPU too, as an upper bound until gpu_check measures it.
+STEP_BYTES_PER_ELEMENT = 27
 SUBCLASS = "OptimState4bit"
 
 
@@ -58,6 +63,10 @@ class FourBitAdamWStandIn(torch.optim.Optimizer):
                     for moment in ("exp_avg", "exp_avg_sq"):
                         state.update(_moment(moment, param))
                 state["step"] += 1
+                if quantized(param):  # the compiled update's buffers, alive while it runs
+                    buffers = torch.empty(param.numel() * STEP_BYTES_PER_ELEMENT, dtype=torch.uint8,
+                                          device=param.device)
+                    del buffers
                 param.add_(param.grad, alpha=0.0)  # in place, as the compiled update writes the weight
         return None
 
@@ -94,11 +103,17 @@ register(OptimizerEntry(
     stand_in=lambda groups, *, lr, weight_decay, device_type: FourBitAdamWStandIn(groups, lr, weight_decay),
     package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
     alternative="or use --optimizer adamw_8bit",
+    compiles=True,
     rungs=(Rung("4-bit AdamW", "adamw_4bit", False, True, 5),
            Rung("4-bit AdamW, bfloat16 weights (stochastic rounding)", "adamw_4bit", True, True, 3)),
-    advice=Advice(text=lambda device_type: "4-bit AdamW moments, about 1 byte a parameter instead of 8: "
-                                           "--optimizer adamw_4bit",
-                  applies=lambda optimizer, pure_bf16, bf16_allowed: optimizer != "adamw_4bit", order=2),
+    state_bytes=1,
+    advice=(Advice(text=lambda device_type: "4-bit AdamW moments, about 1 byte a parameter instead of 8: "
+                                            "--optimizer adamw_4bit",
+                   applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 1, order=2),
+            Advice(text=lambda device_type: "bfloat16 weights and gradients, 4-bit AdamW rounding them "
+                                            "stochastically (4 bytes a parameter less): --pure_bf16",
+                   applies=lambda current, pure_bf16, bf16_allowed: (current.name == "adamw_4bit" and bf16_allowed
+                                                                     and not pure_bf16), order=3)),
     plain_state=plain_state,
     restored_state=restored_state,
 ))

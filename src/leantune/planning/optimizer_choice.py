@@ -17,6 +17,7 @@ import torch
 from leantune.checkpointing.modes import AUTO
 from leantune.config import ConfigError, RunConfig, in_backward_conflicts
 from leantune.optimizers import AUTO as AUTO_OPTIMIZER, Rung, ladder, optimizer_entry
+from leantune.models.compiling import compiler_found
 from leantune.optional import installed
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.per_rank import describe_host_offload, host_offload_alternative
@@ -40,7 +41,8 @@ def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
 
 
 def _runs_here(entry, device: torch.device) -> bool:
-    return device.type in entry.devices and (entry.package is None or installed(entry.package))
+    return (device.type in entry.devices and (entry.package is None or installed(entry.package))
+            and (not entry.compiles or compiler_found(device.type)))
 
 
 def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:
