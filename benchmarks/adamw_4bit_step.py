@@ -2,7 +2,7 @@
 
     python benchmarks/adamw_4bit_step.py      # prints a table, writes docs/results/adamw_4bit_step.json
 
-One weight of 16M elements (float32, then bfloat16) is stepped once to create its state and compile
+One weight of 64M elements (float32, then bfloat16) is stepped once to create its state and compile
 the update, then again with the process's peak resident memory reset (``/proc/self/clear_refs``):
 the second step's peak over the memory resident before it is what the update's buffers took. The
 planner's stand-in (``leantune.optimizers.torchao_4bit.STEP_BYTES_PER_ELEMENT``) allocates that
@@ -41,7 +41,7 @@ def step_bytes_per_element(rows: int, dtype: torch.dtype) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=16384, help="rows of 1024 elements in the weight stepped")
+    parser.add_argument("--rows", type=int, default=65536, help="rows of 1024 elements in the weight stepped")
     parser.add_argument("--out", default="docs/results/adamw_4bit_step.json")
     args = parser.parse_args()
     rows = [{"dtype": str(dtype).removeprefix("torch."), "elements": args.rows * 1024,

@@ -1,6 +1,6 @@
 """The prepared check for leantune's first GPU: what one device call can tell us, most valuable first, as JSON.
 
-    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR]   # one CUDA GPU, under 8 minutes
+    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR] [--torchao_wheels DIR]   # one GPU, 8 min
     python benchmarks/gpu_check.py --dry_run --out /tmp/gpu_check            # the CPU: every part, tiny shapes
     python benchmarks/gpu_check.py --list                                    # each part and its limit (s)
 
@@ -26,7 +26,8 @@ stay too. OUT gets three files, rewritten after every part: ``gpu_check.json`` (
 status, seconds and findings), ``gpu_check.txt`` (the table printed at the end) and
 ``logs.tar.gz`` (every log, cut to its last lines if the archive would pass 12 MiB). bitsandbytes
 is not in the GPU machine's image: ``--bitsandbytes_wheels DIR`` installs it from a wheel
-directory; without it the QLoRA run is skipped with one line. In the dry run FSDP's CPU offload
+directory; without it the QLoRA run is skipped with one line (``--torchao_wheels DIR`` likewise
+for torchao, without which the 4-bit AdamW test is skipped). In the dry run FSDP's CPU offload
 (CUDA only) is left out, and everything else runs.
 """
 
@@ -77,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--part_limit_s", type=float, help="every part's time limit, instead of its own")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument("--bitsandbytes_wheels", type=Path, help="a directory holding a bitsandbytes wheel")
+    parser.add_argument("--torchao_wheels", type=Path, help="a directory holding a torchao wheel (adamw_4bit's test)")
     parser.add_argument("--list", action="store_true", help="print each part's name and time limit (s), then stop")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: run this one part in this process
     args = parser.parse_args(argv)
@@ -87,19 +89,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def has_bitsandbytes(wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
-    """Install bitsandbytes from ``wheels`` when given, into ``work_dir/site`` (put on every child's path: the
+def has_package(package: str, wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
+    """Install ``package`` from ``wheels`` when given, into ``work_dir/site`` (put on every child's path: the
     image's own environment stays as it is); whether it imports, and a line saying what happened."""
     if wheels is not None:
         site = work_dir / "site"
         result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade",
-                                 "--target", str(site), "--find-links", str(wheels), "bitsandbytes"],
+                                 "--target", str(site), "--find-links", str(wheels), package],
                                 capture_output=True, text=True)
-        os.environ["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], str(site)])
+        if str(site) not in os.environ["PYTHONPATH"].split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], str(site)])
         if result.returncode != 0:
-            return False, f"bitsandbytes: installing from {wheels} failed: {result.stderr.strip()[-300:]}"
-    found = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True).returncode == 0
-    return found, "bitsandbytes: installed" if found else "bitsandbytes: not installed (give --bitsandbytes_wheels)"
+            return False, f"{package}: installing from {wheels} failed: {result.stderr.strip()[-300:]}"
+    found = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True).returncode == 0
+    return found, f"{package}: installed" if found else f"{package}: not installed (give --{package}_wheels)"
+
+
+def has_bitsandbytes(wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
+    return has_package("bitsandbytes", wheels, work_dir)
 
 
 def run_part_here(args: argparse.Namespace) -> int:
@@ -244,8 +251,10 @@ def main(argv=None) -> int:
         (args.work_dir / folder).mkdir(parents=True)
     bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels, args.work_dir)
     print(bnb_line, flush=True)
+    _, torchao_line = has_package("torchao", args.torchao_wheels, args.work_dir)
+    print(torchao_line, flush=True)
     Check(args.work_dir, args.dry_run).build_model()  # once, counted in the budget
-    result = {"dry_run": args.dry_run, "bitsandbytes": bnb_line, "machine": platform.node(), "argv": sys.argv[1:],
+    result = {"dry_run": args.dry_run, "bitsandbytes": bnb_line, "torchao": torchao_line, "machine": platform.node(), "argv": sys.argv[1:],
               "parts": {}}
     for name in args.parts.split(","):
         left = args.budget_s - (time.perf_counter() - started)

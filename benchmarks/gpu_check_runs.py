@@ -162,13 +162,15 @@ def pytest_record(name: str, check: Check, args: list[str]) -> dict:
     """A pytest run over the repository's tests, its log under WORK/logs."""
     log = check.logs / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    rc = STOPPED
+    rc, findings = STOPPED, check.logs / f"{name}-findings"  # a test's measured figures (LEANTUNE_FINDINGS_DIR)
     try:
         with log.open("w") as sink:
             rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], stdout=sink,
-                                 stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+                                 stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                                 env={**os.environ, "LEANTUNE_FINDINGS_DIR": str(findings)})
     finally:  # also when the part is stopped at its limit: what pytest got to is kept
         lines = log.read_text(errors="replace").splitlines()
-        record = {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:]}
+        record = {"run": name, "rc": rc, "summary": lines[-1] if lines else "", "log_tail": lines[-_LOG_TAIL_LINES:],
+                  "findings": {path.stem: json.loads(path.read_text()) for path in sorted(findings.glob("*.json"))}}
         check._save_progress(record)
     return record

@@ -16,6 +16,14 @@ TEST_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, max_position_embeddings=2048)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _dynamo_forgotten_after_each_module():
+    """What dynamo keeps of a module's compiled code (torchao's compiled optimizer updates, compiled layers: caches,
+    recompile guards) is dropped after it, so the next module's compiled code starts as in a fresh process."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_leantune_home(tmp_path_factory):
     """Tests never touch ~/.cache/leantune (and transformers draws no progress bars into captured output)."""

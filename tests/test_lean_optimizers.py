@@ -18,13 +18,12 @@ from leantune.planning.fake_step import trace_step
 from leantune.training.in_backward import OptimizerInBackward
 from leantune.optimizers import ENTRIES
 from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
-from leantune.optional import installed
+from leantune.planning.optimizer_choice import _runs_here
 
 CPU = torch.device("cpu")
 bnb = pytest.importorskip("bitsandbytes")
 # every registered optimizer that runs here: a new one is covered by the tests below without a line here
-CPU_OPTIMIZERS = [name for name, entry in ENTRIES.items()
-                  if "cpu" in entry.devices and (entry.package is None or installed(entry.package))]
+CPU_OPTIMIZERS = [name for name, entry in ENTRIES.items() if _runs_here(entry, CPU)]
 
 
 def _state_bytes(optimizer) -> int:

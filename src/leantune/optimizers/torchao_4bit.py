@@ -28,8 +28,8 @@ MIN_4BIT_SIZE = 4096  # torchao's threshold (bitsandbytes'): smaller weights kee
 BLOCK = 128  # elements per float32 scale; a weight whose size is not a multiple keeps full moments
 CODE_BOOK = 16  # float32 entries of each moment's code book
 # Bytes a 4-bit weight's element its compiled update allocates while it runs (inductor's buffers: codes,
-# blocks, indices), measured on the CPU: 26 to 27 for float32 weights, 25 for bfloat16
-# (benchmarks/adamw_4bit_step.py). Planned for a GPU too, as an upper bound until gpu_check measures it.
+# blocks, indices), measured on the CPU: 26 to 27, float32 or bfloat16 weights (benchmarks/adamw_4bit_step.py).
+# Planned for a GPU too, an assumption until gpu_check measures it there.
 STEP_BYTES_PER_ELEMENT = 27
 SUBCLASS = "OptimState4bit"
 
@@ -107,9 +107,11 @@ register(OptimizerEntry(
     rungs=(Rung("4-bit AdamW", "adamw_4bit", False, True, 5),
            Rung("4-bit AdamW, bfloat16 weights (stochastic rounding)", "adamw_4bit", True, True, 3)),
     state_bytes=1,
-    advice=(Advice(text=lambda device_type: "4-bit AdamW moments, about 1 byte a parameter instead of 8: "
-                                            "--optimizer adamw_4bit",
-                   applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 1, order=2),
+    # not over 8-bit moments: what 4-bit saves on them its update's buffers can take back (the ladder's plans)
+    advice=(Advice(text=lambda device_type: "4-bit AdamW moments, about 1 byte a parameter instead of 8 (its "
+                                            f"update needs {STEP_BYTES_PER_ELEMENT} bytes an element of the weight "
+                                            "it steps while it runs): --optimizer adamw_4bit",
+                   applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 2, order=2),
             Advice(text=lambda device_type: "bfloat16 weights and gradients, 4-bit AdamW rounding them "
                                             "stochastically (4 bytes a parameter less): --pure_bf16",
                    applies=lambda current, pure_bf16, bf16_allowed: (current.name == "adamw_4bit" and bf16_allowed
