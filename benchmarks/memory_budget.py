@@ -9,7 +9,7 @@ the bundled dataset packed into full rows, and LoRA or full fine-tuning, it runs
 
 * leantune with checkpointing ``none``, ``full`` and ``selective_ops``: the planner predicts the
   largest batch that fits (``largest_batch``), then real steps confirm it
-  (``leantune.planning.search.largest_fitting_batch``: the answer fits, the next batch does not);
+  (``batch_search.largest_fitting_batch``: the answer fits, the next batch does not);
 * leantune with ``--activation_checkpointing_mode auto --auto_batch_size``: the mode and batch it
   picks for the budget, as a run would (planner, then its one-step confirmation), measured too;
 * the Hugging Face Trainer with activation checkpointing off and on (``budget_hf_trainer.py``),
@@ -49,7 +49,7 @@ from leantune.config import ConfigError, RunConfig  # noqa: E402
 from leantune.memory.oom import is_out_of_memory  # noqa: E402
 from leantune.memory.step_peak import DOESNT_FIT, StepPeakMeter  # noqa: E402
 from leantune.models.presets import PRESETS as SHAPES  # noqa: E402
-from leantune.planning.search import largest_fitting_batch  # noqa: E402
+from batch_search import largest_fitting_batch  # noqa: E402
 from leantune.precision import choose_device, choose_precision  # noqa: E402
 
 MIB = 2**20

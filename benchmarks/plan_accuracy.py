@@ -73,7 +73,7 @@ import torch
 from leantune.cli_args import parse_run_config
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import target_precision, trace_step
-from leantune.planning.measure import profiled_peak_bytes
+from measure_peak import profiled_peak_bytes
 
 PRESET_FLAGS = {"tiny": ["--batch_size_training", "2", "--context_length", "128"],
                 "small": ["--batch_size_training", "1", "--context_length", "256"]}
@@ -112,7 +112,7 @@ def measure_case(preset: str, kind: str, mode: str, precision: str, loss: str, c
 
 def measure_gpu_case(kind: str, mode: str, batch: int, context: int) -> dict:
     """Llama-3.2-1B's predicted peak against the allocator's on a real GPU (``--device cuda``)."""
-    from leantune.planning.measure import cuda_peak_bytes
+    from measure_peak import cuda_peak_bytes
     from leantune.planning.plan import plan_modes
 
     flags = ["--model_name", "Llama-3.2-1B", "--batch_size_training", str(batch), "--context_length", str(context)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +24,12 @@ from leantune.models import quantized
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import prepare_step, trace_step
 from leantune.planning.flops import count_token_flops
-from leantune.planning.measure import profiled_peak_bytes
 from leantune.precision import choose_precision
 
 from helpers import assert_same_gradients, gradients, make_batch, with_lora
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the measuring tools
+from measure_peak import profiled_peak_bytes  # noqa: E402
 from test_checkpointing_modes import POLICIES
 
 bnb = pytest.importorskip("bitsandbytes")
