@@ -105,10 +105,6 @@ def has_package(package: str, wheels: Path | None, work_dir: Path) -> tuple[bool
     return found, f"{package}: installed" if found else f"{package}: not installed (give --{package}_wheels)"
 
 
-def has_bitsandbytes(wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
-    return has_package("bitsandbytes", wheels, work_dir)
-
-
 def run_part_here(args: argparse.Namespace) -> int:
     """The child's side: one part, its findings written to WORK/parts/NAME.json."""
     check = Check(args.work_dir, args.dry_run, has_bitsandbytes=os.environ.get("GPU_CHECK_BNB") == "1", part=args.part)
@@ -249,7 +245,7 @@ def main(argv=None) -> int:
     for folder in ("logs", "parts", "runs"):
         shutil.rmtree(args.work_dir / folder, ignore_errors=True)  # an earlier check's findings are not this one's
         (args.work_dir / folder).mkdir(parents=True)
-    bnb, bnb_line = has_bitsandbytes(args.bitsandbytes_wheels, args.work_dir)
+    bnb, bnb_line = has_package("bitsandbytes", args.bitsandbytes_wheels, args.work_dir)
     print(bnb_line, flush=True)
     _, torchao_line = has_package("torchao", args.torchao_wheels, args.work_dir)
     print(torchao_line, flush=True)

@@ -33,6 +33,12 @@ def quiet_loggers(*names: str) -> Iterator[None]:
             logger.setLevel(level)
 
 
+def import_bitsandbytes():
+    """``bitsandbytes``, without its warning about a CPU inference kernel from the hub: training never uses
+    that kernel, so the warning would only mislead (``kernels``: the hub's kernel loader)."""
+    return import_quietly("bitsandbytes", "kernels")
+
+
 def import_quietly(package: str, *loggers: str):
     """``package`` imported with its own logger and ``loggers`` held at ERROR (see the module's docstring)."""
     with quiet_loggers(package, *loggers):

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
-from leantune.models.quantized import bitsandbytes_installed, import_bitsandbytes
+from leantune.models.quantized import bitsandbytes_installed
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
+from leantune.optional import import_bitsandbytes
 
 
 class ModelLoadError(RuntimeError):

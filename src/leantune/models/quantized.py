@@ -17,7 +17,7 @@ import torch
 
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.tracker import carried_tensors
-from leantune.optional import import_quietly, installed
+from leantune.optional import import_bitsandbytes, installed
 from leantune.precision import Precision
 
 
@@ -30,12 +30,6 @@ def require_bitsandbytes(flag: str, alternative: str) -> None:
     if not bitsandbytes_installed():
         raise ConfigError(f"{flag}: needs bitsandbytes (pip install 'leantune[lowbit]', or pip install "
                           f"bitsandbytes); {alternative}")
-
-
-def import_bitsandbytes():
-    """``bitsandbytes``, imported without its warning about a CPU inference kernel from the hub: training
-    never uses that kernel (``prepare_quantized_for_training``), so the warning would only mislead."""
-    return import_quietly("bitsandbytes", "kernels")  # kernels: the hub's kernel loader
 
 
 def compute_dtype(quant: QuantizationConfig, precision: Precision) -> torch.dtype:

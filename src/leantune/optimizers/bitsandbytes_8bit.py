@@ -19,8 +19,8 @@ import contextlib
 
 import torch
 
-from leantune.optimizers.registry import Advice, OptimizerEntry, Rung, register
-from leantune.optional import import_quietly
+from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, register
+from leantune.optional import import_bitsandbytes
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
 BLOCK = 256  # elements per float32 scale of the 8-bit moments
@@ -31,20 +31,18 @@ NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
 
 def bitsandbytes_adamw(optimizer: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """bitsandbytes' ``AdamW8bit`` or ``PagedAdamW8bit`` over ``params``, with the layout above."""
-    bitsandbytes = import_quietly("bitsandbytes", "kernels")  # kernels: the hub's kernel loader, not used here
-    cls = getattr(bitsandbytes.optim, NAMES[optimizer])
+    cls = getattr(import_bitsandbytes().optim, NAMES[optimizer])
     return cls(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
 
 
-class EightBitAdamWStandIn(torch.optim.Optimizer):
+class EightBitAdamWStandIn(PlannedStep):
     """What the planner steps instead of ``AdamW8bit``: its state layout and in-place step, on fake tensors.
 
-    The update itself is not computed (the weights of a traced step carry no values); the state is
-    created on the first step, as bitsandbytes creates it.
+    The state is created on the first step, as bitsandbytes creates it.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, paged: bool = False):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        super().__init__(params, lr, weight_decay)
         self.paged = paged
         self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -59,20 +57,7 @@ class EightBitAdamWStandIn(torch.optim.Optimizer):
         return [state[key] for param, state in self.state.items() if param.numel() >= PAGED_MIN_SIZE
                 for key in ("state1", "state2") if state.get(key) is not None and state[key].dtype == torch.uint8]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state.update(self._new_state(param))
-                state["step"] += 1
-                param.add_(param.grad, alpha=0.0)  # in place, as the fused kernel writes the weight
-        return None
-
-    def _new_state(self, param: torch.Tensor) -> dict:
+    def new_state(self, param: torch.Tensor) -> dict:
         if param.numel() < MIN_8BIT_SIZE:
             return dict(step=0, state1=torch.zeros_like(param, dtype=torch.float32),
                         state2=torch.zeros_like(param, dtype=torch.float32))

@@ -70,6 +70,36 @@ class OptimizerEntry:
     loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict
 
 
+class PlannedStep(torch.optim.Optimizer):
+    """What the planner steps in place of a library optimizer that cannot run on fake tensors: the library's
+    state, made on a weight's first step (``new_state``), and its in-place write of the weight; the update
+    itself is not computed (a traced step's weights carry no values). ``while_updating``: what the library's
+    update allocates for a weight while it runs (nothing by default)."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    def new_state(self, param: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def while_updating(self, param: torch.Tensor) -> None:
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state.update(self.new_state(param))
+                state["step"] += 1
+                self.while_updating(param)
+                param.add_(param.grad, alpha=0.0)  # in place, as the library's kernel writes the weight
+        return None
+
+
 ENTRIES: dict[str, OptimizerEntry] = {}
 ALIASES = {"AdamW": "adamw"}  # llama-cookbook's spelling
 

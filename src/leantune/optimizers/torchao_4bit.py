@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from leantune.optimizers.registry import Advice, OptimizerEntry, Rung, register
+from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, register
 from leantune.optional import import_quietly
 
 MIN_4BIT_SIZE = 4096  # torchao's threshold (bitsandbytes'): smaller weights keep full moments
@@ -45,30 +45,20 @@ def quantized(param: torch.Tensor) -> bool:
     return param.numel() >= MIN_4BIT_SIZE and param.numel() % BLOCK == 0
 
 
-class FourBitAdamWStandIn(torch.optim.Optimizer):
-    """What the planner steps instead of ``AdamW4bit``: its state's storages and in-place update, on fake tensors."""
+class FourBitAdamWStandIn(PlannedStep):
+    """What the planner steps instead of ``AdamW4bit``: its state's storages, its compiled update's buffers and
+    its in-place update, on fake tensors."""
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+    def new_state(self, param: torch.Tensor) -> dict:
+        state = {"step": torch.zeros((), dtype=torch.float32)}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state.update(_moment(moment, param))
+        return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    for moment in ("exp_avg", "exp_avg_sq"):
-                        state.update(_moment(moment, param))
-                state["step"] += 1
-                if quantized(param):  # the compiled update's buffers, alive while it runs
-                    buffers = torch.empty(param.numel() * STEP_BYTES_PER_ELEMENT, dtype=torch.uint8,
-                                          device=param.device)
-                    del buffers
-                param.add_(param.grad, alpha=0.0)  # in place, as the compiled update writes the weight
-        return None
+    def while_updating(self, param: torch.Tensor) -> None:
+        if quantized(param):  # the compiled update's buffers, alive while it runs
+            buffers = torch.empty(param.numel() * STEP_BYTES_PER_ELEMENT, dtype=torch.uint8, device=param.device)
+            del buffers
 
 
 def _moment(name: str, param: torch.Tensor) -> dict:
