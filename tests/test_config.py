@@ -8,6 +8,7 @@ import pytest
 
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
+from leantune.optimizers import ENTRIES as OPTIMIZERS
 
 COOKBOOK_COMMAND = (
     "--model_name M --enable_activation_checkpointing --enable_memory_monitoring --use_peft --peft_method lora "
@@ -155,6 +156,11 @@ def parser_flags() -> list[str]:
 
     return [action.option_strings[0][2:] for action in build_parser()._actions
             if action.option_strings and action.option_strings[0] != "-h"]
+
+
+# an optimizer's own switch (registry entry's ``switch``) sets --optimizer to its entry
+FLAG_VALUES.update({entry.switch: ([f"--{entry.switch}"], {"optimizer": entry.name})
+                    for entry in OPTIMIZERS.values() if entry.switch})
 
 
 @pytest.mark.parametrize("flag", parser_flags())

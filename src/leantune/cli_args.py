@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Sequence
 
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
-from leantune.config import SECTIONS, ConfigError, QuantizationConfig, RunConfig
+from leantune.config import SECTIONS, ConfigError, QuantizationConfig, RunConfig, TrainingConfig
+from leantune.optimizers import ENTRIES as OPTIMIZERS
 
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
@@ -90,6 +92,10 @@ def build_parser(prog: str = "leantune finetune") -> HfArgumentParser:
                                  "accelerator memory as it can: on one GPU or the CPU, or sharded over several GPUs "
                                  "with FSDP2 under torchrun (--enable_fsdp).")
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag: value pairs; flags override it.")
+    for entry in OPTIMIZERS.values():
+        if entry.switch:  # a switch of the optimizer's own, e.g. --optimizer_cpu_offload
+            parser.add_argument(f"--{entry.switch}", type=string_to_bool, nargs="?", const=True, default=False,
+                                metavar="BOOL", help=f"The same as --optimizer {entry.name}.")
     for action in parser._actions:
         negative = next((option for option in action.option_strings if option.startswith("--no_")), None)
         if negative:
@@ -117,7 +123,19 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
         args=file_args + argv, return_remaining_strings=True, look_for_args_file=False)
     if remaining:
         raise ConfigError(_unknown_flags_message(remaining, parser))
-    return RunConfig(*sections[:len(SECTIONS)])
+    sections, extras = sections[:len(SECTIONS)], sections[len(SECTIONS):]
+    _apply_optimizer_switches(next(s for s in sections if isinstance(s, TrainingConfig)), *extras)
+    return RunConfig(*sections)
+
+
+def _apply_optimizer_switches(training: TrainingConfig, extras: argparse.Namespace | None = None) -> None:
+    """An optimizer's own switch given: ``--optimizer`` becomes its entry (from AdamW, the default, only)."""
+    for entry in OPTIMIZERS.values():
+        if entry.switch and getattr(extras, entry.switch, False):
+            if training.optimizer not in ("adamw", entry.name):
+                raise ConfigError(f"--{entry.switch}: not with --optimizer {training.optimizer} (it is --optimizer "
+                                  f"{entry.name}); drop one")
+            training.optimizer = entry.name
 
 
 def _take_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:

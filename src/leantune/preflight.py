@@ -52,7 +52,7 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
     """The optimizer's library and device (its registry entry's), and a quantized base's bitsandbytes."""
     entry = optimizer_entry(cfg.training.optimizer) if cfg.training.optimizer != AUTO else None
     if entry is not None and device_type not in entry.devices:
-        raise ConfigError(f"--optimizer {entry.name}: {entry.devices_why}, and this run is on {device_type}; "
+        raise ConfigError(f"{entry.flag}: {entry.devices_why}, and this run is on {device_type}; "
                           f"{entry.elsewhere}")
     if entry is not None and entry.package and not installed(entry.package):
         raise ConfigError(f"--optimizer {entry.name}: needs {entry.package} ({entry.install}); {entry.alternative}")

@@ -339,8 +339,11 @@ class RunConfig:
         tc = self.training
         unsharded = tc.optimizer == AUTO_OPTIMIZER or not optimizer_entry(tc.optimizer).sharded
         if self.distributed.enable_fsdp and (unsharded or tc.pure_bf16):
-            flag = "--pure_bf16" if tc.pure_bf16 else f"--optimizer {tc.optimizer}"
+            flag = ("--pure_bf16" if tc.pure_bf16 else "--optimizer auto" if tc.optimizer == AUTO_OPTIMIZER
+                    else optimizer_entry(tc.optimizer).flag)
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
+        for flag, why in ([] if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer).conflicts_in(tc)):
+            raise ConfigError(f"{optimizer_entry(tc.optimizer).flag}: not with {flag}: {why}; drop one")
         if tc.optimizer_in_backward and in_backward_conflicts(self):
             raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*in_backward_conflicts(self)[0]))
 

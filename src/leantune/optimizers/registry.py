@@ -4,7 +4,8 @@ An entry says all that the rest of leantune needs to know of its optimizer: how 
 parameter groups, what the planner steps in its place on fake tensors (when the library cannot
 run on them), the library it needs and where it runs, whether it trains FSDP2's sharded
 parameters, its rungs on ``--optimizer auto``'s ladder, its clause in the out-of-memory advice, how
-its state is saved when it is more than plain tensors, and how a saved state loads into it. The
+its state is saved when it is more than plain tensors, and how a saved state loads into it, the
+flags it cannot work with, and a switch of its own. The
 config's choices and help, ``training.optim``, preflight's checks, the ladder, the advice and the
 training state read these; none of them names an optimizer.
 
@@ -68,6 +69,18 @@ class OptimizerEntry:
     plain_state: Optional[Callable[[Any], Any]] = None  # a state value -> plain tensors and values, for saving
     restored_state: Optional[Callable[[Any], Any]] = None  # the reverse, after loading
     loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict
+    own_state: bool = False  # saved and loaded by its own state_dict, keyed by weight position (one process)
+    switch: str = ""  # a flag of its own that selects it, besides --optimizer NAME (``cli_args`` adds it)
+    conflicts: tuple[tuple[str, str], ...] = ()  # (a training flag it cannot work with, why)
+
+    @property
+    def flag(self) -> str:
+        """How the user asked for it, for error lines."""
+        return f"--{self.switch}" if self.switch else f"--optimizer {self.name}"
+
+    def conflicts_in(self, training: Any) -> list[tuple[str, str]]:
+        """Its ``conflicts`` that are set in ``training`` (a section whose attributes are the flags)."""
+        return [(f"--{flag}", why) for flag, why in self.conflicts if getattr(training, flag)]
 
 
 class PlannedStep(torch.optim.Optimizer):
@@ -149,6 +162,12 @@ def plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) ->
 def restored_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     convert = entry_of(optimizer).restored_state
     return state_dict if convert is None else _map_state(state_dict, convert)
+
+
+def saves_own_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Its state is saved as its own ``state_dict()`` gives it, not by torch keyed by parameter name (whose
+    mapping needs the optimizer to hold the model's own parameters)."""
+    return entry_of(optimizer).own_state
 
 
 def loading_into(optimizer: torch.optim.Optimizer) -> ContextManager:

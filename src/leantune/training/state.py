@@ -9,9 +9,8 @@ gradient scaler, every RNG state, the position in the data and the step counters
     tokenizer files, optimizer.pt, scheduler.pt, scaler.pt (fp16 only), rng_state.pth,
     trainer_state.json                                            (written last)
 
-It is written into a hidden staging directory and renamed into place, so ``checkpoint-STEP``
-either holds a complete state or does not exist; a crash mid-write leaves only a hidden
-directory that the next save removes.
+It is written into a hidden staging directory and renamed into place, so ``checkpoint-STEP`` either
+holds a complete state or does not exist; a crash mid-write leaves a hidden directory the next save removes.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
 from leantune.models.structure import unwrap_model
-from leantune.optimizers import loading_into, plain_optimizer_state, restored_optimizer_state
+from leantune.optimizers import loading_into, plain_optimizer_state, restored_optimizer_state, saves_own_state
 from leantune.training.checkpoint_files import load_checkpoint_file
 from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight
 
@@ -48,8 +47,7 @@ TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "
                     "lora_alpha", "lora_dropout", "lora_target_modules", "dataset", "data_path",
                     "custom_dataset_file", "column_map", "chat_template", "assistant_turns", "batching_strategy",
                     "packed_examples", "overlong_examples", "context_length", "val_fraction", "batch_size_training",
-                    "gradient_accumulation_steps", "seed",
-                    "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
+                    "gradient_accumulation_steps", "seed", "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
                     "mixed_precision", "model_dtype", "loss_chunk_size", "optimizer", "pure_bf16",
                     "optimizer_in_backward", "quantization", "quant_type", "use_double_quant", "compute_dtype")
 
@@ -255,10 +253,12 @@ class TrainingStateStore:
         optimizer = restored_optimizer_state(parts.optimizer, load_checkpoint_file(path / "optimizer.pt") if reads else {})
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
-        with loading_into(parts.optimizer):
-            set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer,
-                                     options=StateDictOptions(full_state_dict=distributed,
-                                                              broadcast_from_rank0=distributed))
+        if saves_own_state(parts.optimizer):
+            parts.optimizer.load_state_dict(optimizer)
+        else:
+            with loading_into(parts.optimizer):
+                set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer, options=StateDictOptions(
+                    full_state_dict=distributed, broadcast_from_rank0=distributed))
         parts.scheduler.load_state_dict(load_checkpoint_file(path / "scheduler.pt"))
         if parts.scaler is not None:
             if not (path / "scaler.pt").is_file():
@@ -293,8 +293,8 @@ def _gather(parts: StateParts) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     distributed = parts.dist.sharded
-    optimizer = get_optimizer_state_dict(parts.loss_model, parts.optimizer,
-                                         options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
+    optimizer = parts.optimizer.state_dict() if saves_own_state(parts.optimizer) else get_optimizer_state_dict(
+        parts.loss_model, parts.optimizer, options=StateDictOptions(full_state_dict=distributed, cpu_offload=True))
     optimizer = plain_optimizer_state(parts.optimizer, optimizer)  # loadable with weights_only=True
     weights = None  # one process: save_pretrained reads the model itself
     if distributed:

@@ -255,7 +255,8 @@ class TrainStep:
         """
         if self.in_backward is not None:
             return self.in_backward.gradient_norm()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # the model's trained weights, in the optimizer's order: an optimizer may step host copies (CPU offload)
+        params = [p for p in self.loss_model.parameters() if p.requires_grad]
         if self.clip is None:
             if self.scaler is not None:
                 return None
