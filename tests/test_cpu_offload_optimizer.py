@@ -1,0 +1,212 @@
+"""torchao's CPU-offloaded AdamW (``--optimizer_cpu_offload``), added as one registry entry: refused on the CPU
+naming both flags, planned without device state, saved and resumed exactly, on the ladder and in the advice.
+
+torchao's optimizer runs on CUDA only (its copies go on a CUDA stream). Where a test runs it here, the stream,
+its events and pinned memory are stood in (``stood_in_cuda``): every copy is then synchronous, which is what the
+stream's waits make of them on a GPU. The ``gpu``-marked test runs it for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from leantune import finetuning
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.models.presets import model_config
+from leantune.optimizers import ENTRIES, build, ladder, saves_own_state
+from leantune.optimizers.torchao_cpu_offload import MIN_OFFLOADED_SIZE
+from leantune.planning.fake_step import trace_step
+from leantune.training.checkpoint_files import load_checkpoint_file
+
+pytest.importorskip("torchao")
+NAME = "adamw_cpu_offload"
+SHAPES = [(128, 64), (64,), (MIN_OFFLOADED_SIZE,)]  # offloaded, kept on the device, offloaded (the edge)
+
+
+class _Stream:
+    """A CUDA stream whose work is done by the time it is queued."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def stood_in_cuda(monkeypatch):
+    import torchao.optim.cpu_offload as cpu_offload
+
+    empty_like = torch.empty_like
+    monkeypatch.setattr(cpu_offload, "get_available_devices", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **{**kw, "pin_memory": False}))
+    # the entry may run here while these stand in for CUDA
+    monkeypatch.setitem(ENTRIES, NAME, dataclasses.replace(ENTRIES[NAME], devices=("cpu", "cuda")))
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+
+
+def _step(optimizer, params, step):
+    torch.manual_seed(100 + step)
+    for p in params:
+        (p * torch.randn_like(p)).sum().backward()  # the gradient's hook copies it to the host
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_it_steps_as_torchs_fused_adamw_and_keeps_no_large_weights_state_on_the_device(stood_in_cuda):
+    params, reference = _params(), _params()
+    optimizer = build(NAME, params, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    torch_adamw = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        _step(optimizer, params, step)
+        _step(torch_adamw, reference, step)
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))
+    # the state the memory tracker counts on the device: the small weight's only
+    assert [tuple(p.shape) for p in optimizer.state] == [(64,)]
+    assert optimizer.defaults["lr"] == 1e-2 and saves_own_state(optimizer)
+
+
+def test_a_saved_state_loads_weights_only_and_continues_exactly(stood_in_cuda, tmp_path):
+    params = _params()
+    optimizer = build(NAME, params, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    for step in range(3):
+        _step(optimizer, params, step)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed = build(NAME, copies, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    resumed.load_state_dict(load_checkpoint_file(tmp_path / "optimizer.pt"))
+    for step in range(3, 6):
+        _step(optimizer, params, step)
+        _step(resumed, copies, step)
+    assert all(torch.equal(a, b) for a, b in zip(params, copies))
+
+
+def test_the_gradient_norm_is_the_gpus_gradients_not_the_host_copies(stood_in_cuda):
+    from leantune.precision import Precision
+    from leantune.training.step import TrainStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64)
+    optimizer = build(NAME, list(model.parameters()), lr=1e-2, weight_decay=0.0, device_type="cuda")
+    step = TrainStep(model, optimizer, Precision(torch.device("cpu"), torch.float32, None, False, ""))
+    (model(torch.randn(4, 128)) ** 2).sum().backward()
+    for host_copy in optimizer.param_d2h_map.values():  # on a GPU the copies may still be in flight
+        host_copy.grad.zero_()
+    assert torch.equal(step.gradient_norm(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
+def _run(model_dir, out, *flags, resume=False):
+    argv = ["--model_name", str(model_dir), *flags, "--max_train_step", "12", "--num_epochs", "1",
+            "--context_length", "64", "--lr", "1e-3", "--batch_size_training", "2", "--run_validation", "false",
+            "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", "2", "--output_dir",
+            str(out)] + ["--resume_from_checkpoint", "latest"] * resume
+    lines = []
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    return [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]], lines
+
+
+def test_a_run_trains_as_adamw_and_its_resume_gives_the_losses_of_one_never_stopped(
+        stood_in_cuda, tiny_model_dir, tmp_path):
+    whole, lines = _run(tiny_model_dir, tmp_path / "whole", "--optimizer_cpu_offload", "--gradient_accumulation_steps", "2")
+    assert any(line.startswith("optimizer: torchao's CPUOffloadOptimizer (--optimizer adamw_cpu_offload)")
+               for line in lines)
+    adamw, _ = _run(tiny_model_dir, tmp_path / "adamw", "--gradient_accumulation_steps", "2")
+    assert whole == pytest.approx(adamw, rel=1e-5) and whole[-1] < whole[0]
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed, _ = _run(tiny_model_dir, tmp_path / "resumed", "--optimizer_cpu_offload",
+                      "--gradient_accumulation_steps", "2", resume=True)
+    assert len(whole) == 6 and resumed[-4:] == whole[-4:]
+
+
+def test_on_the_cpu_it_is_refused_naming_both_flags(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        finetuning.run(parse_run_config(["--model_name", str(tiny_model_dir), "--optimizer_cpu_offload",
+                                         "--output_dir", str(tmp_path)]), log=lambda line: None)
+    assert "--optimizer_cpu_offload" in str(err.value) and "--device cuda" in str(err.value)
+    assert "this run is on cpu" in str(err.value)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--gradient_clipping"], "--gradient_clipping"), (["--optimizer_in_backward"], "--optimizer_in_backward"),
+    (["--optimizer", "adamw_8bit"], "--optimizer adamw_8bit"), (["--enable_fsdp"], "--enable_fsdp")])
+def test_flags_it_cannot_work_with_are_refused_naming_both(flags, named):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--optimizer_cpu_offload", *flags])
+    assert str(err.value).startswith("--optimizer_cpu_offload") and named in str(err.value)
+
+
+def test_the_switch_and_the_name_mean_the_same_and_false_leaves_adamw():
+    assert parse_run_config(["--optimizer_cpu_offload"]).training.optimizer == NAME
+    assert parse_run_config(["--optimizer_cpu_offload", "true", "--optimizer", NAME]).training.optimizer == NAME
+    assert parse_run_config(["--optimizer_cpu_offload", "false"]).training.optimizer == "adamw"
+
+
+def test_its_plan_keeps_no_optimizer_state_for_the_offloaded_weights():
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64", "--device", "cuda"]
+    traces = {name: trace_step(parse_run_config([*argv, "--optimizer", name]), model_config("tiny"),
+                               torch.device("cuda"), "none").breakdown for name in ("adamw", NAME)}
+    assert traces[NAME]["optimizer_state"] < traces["adamw"]["optimizer_state"] / 50  # small weights' only
+    assert traces[NAME]["gradient"] == traces["adamw"]["gradient"]  # the GPU keeps the gradients
+
+
+def test_its_rung_sits_by_its_bytes_and_only_a_cuda_run_may_take_it():
+    from leantune.planning.optimizer_choice import rungs_for
+
+    names = [(rung.optimizer, rung.pure_bf16) for rung in ladder()]
+    assert names.index(("anyprecision", True)) < names.index((NAME, False)) < names.index(("adamw_8bit", False))
+    auto = parse_run_config(["--optimizer", "auto"])
+    assert NAME in [rung.optimizer for rung in rungs_for(auto, torch.device("cuda"))]
+    assert NAME not in [rung.optimizer for rung in rungs_for(auto, torch.device("cpu"))]
+    clipped = parse_run_config(["--optimizer", "auto", "--gradient_clipping"])
+    assert NAME not in [rung.optimizer for rung in rungs_for(clipped, torch.device("cuda"))]
+
+
+def test_the_out_of_memory_advice_names_it_on_a_gpu_only():
+    from leantune.memory.oom import _optimizer_fixes
+
+    adamw = parse_run_config([])
+    assert any("--optimizer_cpu_offload" in fix for fix in _optimizer_fixes(adamw, torch.device("cuda")))
+    assert not any("--optimizer_cpu_offload" in fix for fix in _optimizer_fixes(adamw, torch.device("cpu")))
+    # not to an 8-bit run: stepped in backward it needs 6 bytes a parameter, offloaded AdamW 8
+    eight_bit = parse_run_config(["--optimizer", "adamw_8bit"])
+    assert not any("--optimizer_cpu_offload" in fix for fix in _optimizer_fixes(eight_bit, torch.device("cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_it_steps_as_fused_adamw_and_holds_no_large_weights_state_on_the_gpu():
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, device=cuda)) for shape in SHAPES]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = build(NAME, params, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    torch_adamw = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        grads = [torch.randn_like(p) for p in params]
+        for group, optim in ((params, optimizer), (reference, torch_adamw)):
+            for p, g in zip(group, grads):
+                (p * g).sum().backward()  # the gradient hook copies it to the host
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+    # the host steps fused CPU AdamW, the reference fused CUDA AdamW: equal within float32 rounding
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(params, reference))
+    assert all(state["exp_avg"].device.type == "cuda" for state in optimizer.state.values())
+    assert all(p.numel() < MIN_OFFLOADED_SIZE for p in optimizer.state)
