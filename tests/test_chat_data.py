@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -10,8 +11,8 @@ import pytest
 from leantune import finetuning
 from leantune.config import DataConfig
 from leantune.data import build_datasets
-from leantune.data.chat import conversation, encode_chat, encode_chats
-from leantune.data.records import DatasetError
+from leantune.formats.chat import conversation, encode_chat, encode_chats
+from leantune.formats.records import DatasetError
 from leantune.labels import IGNORE_INDEX
 
 # Meta's Llama 3 layout (headers, the content trimmed, <|eot_id|>) and ChatML (Qwen's: content as it is,
@@ -160,3 +161,19 @@ def test_a_template_that_rewrites_earlier_turns_once_a_later_one_follows_is_refu
     last = encode_chat(conversation(chat, "chat.jsonl:7"), tokenizer, "chat.jsonl:7", STRIPS_EARLIER_REASONING,
                        last_only=True)
     assert tokenizer.decode([t for t in last["labels"] if t != IGNORE_INDEX]).startswith("god")
+
+
+def test_the_tokenization_cache_keeps_chat_templates_and_turns_apart(tokenizer, tmp_path, monkeypatch):
+    """The format's own flags are in the cache's key: another --chat_template or --assistant_turns tokenizes again."""
+    monkeypatch.setenv("LEANTUNE_HOME", str(tmp_path / "home"))  # an empty cache
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n")
+    tokenizer = _with_template(tokenizer, "llama3")
+    runs = {"tokenizer's": DataConfig(dataset="chat_dataset", data_path=str(path), val_fraction=0),
+            "chatml": DataConfig(dataset="chat_dataset", data_path=str(path), val_fraction=0, chat_template=CHATML),
+            "last turn": DataConfig(dataset="chat_dataset", data_path=str(path), val_fraction=0,
+                                    assistant_turns="last")}
+    examples = {name: build_datasets(config, tokenizer, seed=0)[0][0] for name, config in runs.items()}
+    uncached = {name: build_datasets(dataclasses.replace(config, dataset_cache=False), tokenizer, seed=0)[0][0]
+                for name, config in runs.items()}
+    assert examples == uncached and len({json.dumps(example) for example in examples.values()}) == 3

@@ -165,6 +165,21 @@ def test_every_registered_mode_is_offered_documented_and_built_from_its_flags():
     assert sorted(CheckpointingConfig.MODE_FLAGS) == sorted(f for cls in MODES.values() for f in cls.own_flags)
 
 
+def test_a_policy_class_registers_its_mode_as_it_is_defined(monkeypatch):
+    """Adding a mode is its class alone: defining it puts it in the registry, in definition order; a name
+    defined twice is refused; a subclass without a name of its own stays its parent's mode."""
+    from leantune.checkpointing import policies
+
+    monkeypatch.setattr(policies, "MODES", dict(MODES))
+    every_third = type("EveryThird", (policies.CheckpointPolicy,), {"name": "every_third", "summary": "one in 3",
+                                                                    "selects_layer": lambda self, i: i % 3 == 0})
+    assert list(policies.MODES)[-1] == "every_third" and policies.MODES["every_third"] is every_third
+    type("Quieter", (every_third,), {})
+    assert policies.MODES["every_third"] is every_third
+    with pytest.raises(ValueError, match="'every_third' defined twice"):
+        type("Again", (policies.CheckpointPolicy,), {"name": "every_third"})
+
+
 def _mode_config(name: str):
     own = [f for flag in MODES[name].own_flags for f in (f"--{flag}", OWN_FLAG_VALUES[flag])]
     return parse_run_config(["--model_name", "tiny", "--context_length", "128", "--batch_size_training", "2",

@@ -9,7 +9,7 @@ import pytest
 from leantune import finetuning
 from leantune.config import DataConfig
 from leantune.data import build_datasets
-from leantune.data.records import DatasetError
+from leantune.formats.records import DatasetError
 
 # A dataset file as the cookbook's custom datasets are written: rows of input_ids, attention_mask and labels
 # (here tensors in an iterable for the train split, as a datasets.Dataset with a torch format gives them, and

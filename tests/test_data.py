@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from leantune.config import DataConfig
+from leantune.config import ConfigError, DataConfig
 from leantune.data import IGNORE_INDEX, build_datasets, format_prompt, make_dataloader, make_rows, split_records
 from leantune.data.packing import fit_to_context, pack_concatenated
-from leantune.data.formats import encode_alpaca, encode_custom, encode_pair
-from leantune.data.records import DatasetError, read_records
 from leantune.data.synthetic import ASSET_PATH, generate
+from leantune.formats import FORMATS, DatasetFormat, format_choices
+from leantune.formats.alpaca import encode_alpaca
+from leantune.formats.custom import encode_custom
+from leantune.formats.encoding import encode_pair
+from leantune.formats.records import DatasetError, read_records, require_fields
 
 
 def test_alpaca_prompt_format():
@@ -134,3 +138,41 @@ def test_build_datasets_on_the_bundled_data(tokenizer):
     train, val = build_datasets(DataConfig(), tokenizer, seed=42)
     assert (len(train), len(val)) == (2850, 150)
     assert all(len(ex["input_ids"]) == len(ex["labels"]) for ex in train[:50])
+
+
+def test_the_dataset_flag_offers_every_registered_format_and_its_help_names_each():
+    from leantune.cli_args import build_parser
+
+    action = next(a for a in build_parser()._actions if "--dataset" in a.option_strings)
+    assert tuple(action.choices) == format_choices() == tuple(FORMATS)
+    assert all(f"{name}: {entry.summary}" in action.help for name, entry in FORMATS.items())
+
+
+def test_a_format_registered_alone_is_read_checked_and_encoded(monkeypatch, tokenizer, tmp_path):
+    """What the data pipeline and the config's checks know of a format is its entry: a new one needs nothing else."""
+    def encode_lines(records, tok, source, data):
+        for record in records:
+            require_fields(record, ("line",), source)
+        return [encode_pair(tok, "" if data.assistant_turns == "last" else "> ", record["line"]) for record in records]
+
+    monkeypatch.setitem(FORMATS, "lines_dataset", DatasetFormat(
+        name="lines_dataset", summary="one line a record", fields=("line",), encode=encode_lines,
+        needs_data="pass --data_path FILE.jsonl", options=("assistant_turns",)))
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(10)))
+    train, val = build_datasets(DataConfig(dataset="lines_dataset", data_path=str(path), column_map="line=text",
+                                           assistant_turns="last", val_fraction=0.1, dataset_cache=False),
+                                tokenizer, seed=0)
+    assert len(train) == 9 and len(val) == 1 and train[0]["_source"].startswith("lines.jsonl:")
+    with pytest.raises(ConfigError, match="--column_map: text: not a field lines_dataset reads; its fields are line"):
+        DataConfig(dataset="lines_dataset", data_path=str(path), column_map="text=line")
+    with pytest.raises(ConfigError, match="--data_path: lines_dataset needs data: pass --data_path FILE.jsonl"):
+        DataConfig(dataset="lines_dataset")
+    with pytest.raises(ConfigError, match="--assistant_turns: applies to --dataset chat_dataset or lines_dataset, "
+                                          "not alpaca_dataset"):
+        DataConfig(assistant_turns="last")
+    monkeypatch.setitem(FORMATS, "alpaca_dataset", dataclasses.replace(FORMATS["alpaca_dataset"],
+                                                                       hub_dataset="someone/alpaca"))
+    from leantune.data import records_source
+
+    assert records_source(DataConfig()).kind == "hub" and records_source(DataConfig()).location == "someone/alpaca"

@@ -4,19 +4,20 @@ llama-cookbook's samsum_dataset, and the tokenization cache."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import datasets
 import pytest
 
-from leantune import data as data_module
 from leantune import finetuning
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, DataConfig
 from leantune.data import IGNORE_INDEX, build_datasets
 from leantune.data import cache as cache_module
 from leantune.data.cache import cache_dir
-from leantune.data.records import DatasetError
+from leantune.formats import FORMATS
+from leantune.formats.records import DatasetError
 
 ALPACA = [{"instruction": f"Reverse the word {w}", "input": "", "output": w[::-1]}
           for w in ("cat", "house", "river", "stone", "cloud", "apple", "tiger", "lemon", "piano", "grape")]
@@ -107,8 +108,8 @@ def test_tokenized_examples_come_from_the_cache_until_the_data_or_tokenizer_chan
     def refuse(*args):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setitem(data_module.ENCODERS, "alpaca_dataset", refuse)
-    monkeypatch.setitem(data_module.ENCODERS, "custom_dataset", refuse)
+    for name in ("alpaca_dataset", "custom_dataset"):
+        monkeypatch.setitem(FORMATS, name, dataclasses.replace(FORMATS[name], encode=refuse))
     assert build_datasets(config, tokenizer, seed=0, log=lines.append) == first
     assert lines == [f"data cache: 10 tokenized examples of data.parquet read back ({cache_dir()}; "
                      "--no_dataset_cache tokenizes again)"]

@@ -27,8 +27,7 @@ LAYERS = (
     ("builders", ("leantune.builders",)),
     ("training", ("leantune.training",)),
     ("components", ("leantune.data", "leantune.distributed", "leantune.memory", "leantune.models",
-                    "leantune.report", "leantune.loss", "leantune.precision", "leantune.labels", "leantune.io",
-                    "leantune.cli_args")),
+                    "leantune.report", "leantune.loss", "leantune.precision", "leantune.io", "leantune.cli_args")),
     ("config", ("leantune.config",)),
     # The registry of checkpointing modes and their policies: the config's mode choices and checks are
     # read from it, so it sits below the config (and knows no flag type: it reads a section by name).
@@ -36,6 +35,9 @@ LAYERS = (
     # The registry of optimizers, each module one optimizer's entry: the config's choices and help are read
     # from it, so it sits below the config too.
     ("optimizers", ("leantune.optimizers",)),
+    # The registry of dataset formats, each module one format's entry (with the label conventions it encodes
+    # with): the config's choices, help and checks are read from it, so it sits below the config as well.
+    ("formats", ("leantune.formats", "leantune.labels")),
     # The package's own __init__ (``leantune``) runs before any of its modules, so it imports only this layer:
     # optional libraries, found and imported quietly.
     ("root", ("leantune.optional",)),

@@ -7,8 +7,9 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 from __future__ import annotations
 
 from leantune.config import RunConfig
-from leantune.data import HUB_DATASETS, DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
+from leantune.data import DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
+from leantune.formats import format_entry
 
 
 class RunData:
@@ -61,5 +62,5 @@ class RunData:
 
 def data_source(cfg: RunConfig, bundled: str = "the bundled dataset") -> str:
     """Where the run's records come from, as its messages name it (``bundled``: the bundled set's name)."""
-    hub = HUB_DATASETS.get(cfg.data.dataset)
+    hub = format_entry(cfg.data.dataset).hub_dataset
     return cfg.data.data_path or cfg.data.custom_dataset_file or (f"{hub} (the hub)" if hub else bundled)

@@ -4,18 +4,15 @@ Each policy class declares what the rest of leantune needs to know about its mod
 help, whether the planner plans it and for which targets, how much it recomputes by design, whose
 FLOPs it has, which flags it reads and how it is built from the config). The config's checks, the
 planner, the OOM advice and the FLOP count read these declarations; none of them lists the modes
-again. Adding a mode is one class in ``policies.py`` and one line here.
+again. Adding a mode is one class in ``policies.py``: it registers itself as it is defined.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from leantune.checkpointing.policies import (CheckpointPolicy, EveryNLayers, FullCheckpointing, LayerMix,
-                                             OffloadCheckpointing, SelectiveOps)
+from leantune.checkpointing.policies import MODES, CheckpointPolicy, FullCheckpointing
 
-MODES: dict[str, type[CheckpointPolicy]] = {
-    cls.name: cls for cls in (FullCheckpointing, EveryNLayers, SelectiveOps, OffloadCheckpointing, LayerMix)}
 DEFAULT = FullCheckpointing.name  # what --enable_activation_checkpointing alone turns on
 NONE = "none"  # no checkpointing: what the planner calls the run without it
 AUTO = "auto"  # not a policy: the planner picks one of the others (``leantune.planning.choose``)

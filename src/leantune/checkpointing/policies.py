@@ -18,6 +18,11 @@ from leantune.checkpointing.selective import mark_recomputed_linears, selective_
 from leantune.models.structure import decoder_layers
 
 
+# Every mode, by name, in the order its class is defined: a policy class registers itself (``__init_subclass__``),
+# so adding a mode is its class alone (``leantune.checkpointing.modes`` reads this).
+MODES: dict[str, type["CheckpointPolicy"]] = {}
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """Checkpoint every decoder layer (the base policy, ``full``)."""
@@ -35,6 +40,13 @@ class CheckpointPolicy:
     own_flags: ClassVar[tuple[str, ...]] = ()  # the checkpointing flags only this mode reads
     implied_by: ClassVar[Optional[str]] = None  # a flag whose presence alone selects this mode
     compiles: ClassVar[bool] = True  # torch.compile can trace it with the layer (--compile)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ or cls.name not in MODES:  # a mode of its own (full inherits the base's name)
+            if MODES.get(cls.name, cls) is not cls:
+                raise ValueError(f"checkpointing mode {cls.name!r} defined twice")
+            MODES[cls.name] = cls
 
     @classmethod
     def from_config(cls, ac) -> "CheckpointPolicy":

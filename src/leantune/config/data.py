@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 from leantune.config.checks import _help, _require
+from leantune.formats import FORMATS, format_choices, format_entry, format_help
 
-
-# The fields each dataset kind reads from a record: what --column_map may map a column to.
-FIELDS = {"alpaca_dataset": ("instruction", "input", "output"), "custom_dataset": ("prompt", "completion", "text"),
-          "chat_dataset": ("messages", "conversations"), "samsum_dataset": ("dialogue", "summary")}
+DatasetName = Literal[format_choices()]  # --dataset's values, from the registry of formats
 
 
 def parse_column_map(spec: Optional[str], dataset: Optional[str] = None) -> dict[str, str]:
@@ -22,26 +20,19 @@ def parse_column_map(spec: Optional[str], dataset: Optional[str] = None) -> dict
     if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
         raise ValueError(f"expected FIELD=COLUMN pairs separated by commas (e.g. instruction=question,"
                          f"output=answer), got {spec!r}")
-    fields, columns = [f for f, _ in pairs], [c for _, c in pairs]
-    if len(set(fields)) < len(fields) or len(set(columns)) < len(columns):
+    named, columns = [f for f, _ in pairs], [c for _, c in pairs]
+    if len(set(named)) < len(named) or len(set(columns)) < len(columns):
         raise ValueError(f"a field or column is named twice in {spec!r}")
-    unknown = [f for f in fields if dataset in FIELDS and f not in FIELDS[dataset]]
+    reads = FORMATS[dataset].fields if dataset in FORMATS else None
+    unknown = [f for f in named if reads is not None and f not in reads]
     if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not a field {dataset} reads; its fields are "
-                         f"{', '.join(FIELDS[dataset])}")
+        raise ValueError(f"{', '.join(unknown)}: not a field {dataset} reads; its fields are {', '.join(reads)}")
     return dict(pairs)
 
 
 @dataclass
 class DataConfig:
-    dataset: Literal["alpaca_dataset", "custom_dataset", "chat_dataset", "samsum_dataset"] = field(
-        default="alpaca_dataset", metadata=_help(
-        "alpaca_dataset: instruction/input/output records (the bundled set without --data_path); "
-        "custom_dataset: {prompt, completion} or {text} records from --data_path, or llama-cookbook's Python "
-        "dataset file (--custom_dataset.file); chat_dataset: {messages: [{role, content}]} or ShareGPT "
-        "{conversations: [{from, value}]} records in the tokenizer's chat template, the loss on the assistant's "
-        "turns (the bundled set as one-question chats without --data_path); samsum_dataset: llama-cookbook's "
-        "{dialogue, summary} records, the loss on the summary (its hub dataset without --data_path)."))
+    dataset: DatasetName = field(default="alpaca_dataset", metadata=_help(format_help()))
     chat_template: Optional[str] = field(default=None, metadata=_help(
         "chat_dataset: a Jinja chat template (a file, or its text) to use instead of the tokenizer's."))
     assistant_turns: Literal["all", "last"] = field(default="all", metadata=_help(
@@ -88,16 +79,17 @@ class DataConfig:
             _require(False, "column_map", str(err))
         _require(not (self.column_map and self.custom_dataset_file), "column_map",
                  "applies to records read from --data_path, not to --custom_dataset.file (its function makes the rows)")
-        custom = self.dataset == "custom_dataset"
-        _require(not custom or bool(self.data_path or self.custom_dataset_file), "data_path",
-                 "custom_dataset needs data: pass --data_path FILE.jsonl, or --custom_dataset.file FILE.py")
+        custom, needs_data = self.dataset == "custom_dataset", format_entry(self.dataset).needs_data
+        _require(not needs_data or bool(self.data_path or self.custom_dataset_file), "data_path",
+                 f"{self.dataset} needs data: {needs_data}")
         _require(not (self.data_path and self.custom_dataset_file), "custom_dataset.file",
                  "conflicts with --data_path (each names the data); drop one")
         _require(custom or not self.custom_dataset_file, "custom_dataset.file",
                  f"applies to --dataset custom_dataset, not {self.dataset}; add --dataset custom_dataset")
         _require(self.packed_examples == "apart" or self.batching_strategy == "packing", "packed_examples",
                  f"applies to --batching_strategy packing, not {self.batching_strategy}; drop it")
-        for flag, changed in (("chat_template", self.chat_template is not None),
-                              ("assistant_turns", self.assistant_turns != "all")):
-            _require(not changed or self.dataset == "chat_dataset", flag,
-                     f"applies to --dataset chat_dataset, not {self.dataset}; add --dataset chat_dataset")
+        defaults = {f.name: f.default for f in fields(self)}
+        for flag in dict.fromkeys(flag for entry in FORMATS.values() for flag in entry.options):
+            owners = [name for name, entry in FORMATS.items() if flag in entry.options]  # the formats it is for
+            _require(getattr(self, flag) == defaults[flag] or self.dataset in owners, flag,
+                     f"applies to --dataset {' or '.join(owners)}, not {self.dataset}; add --dataset {owners[0]}")

@@ -9,18 +9,15 @@ from typing import Callable, Optional
 from leantune.config import DataConfig
 from leantune.config.data import parse_column_map
 from leantune.data.batching import make_dataloader
-from leantune.data.chat import alpaca_as_chat, encode_chats, read_template
 from leantune.data.cache import cache_dir, cache_key, cached_examples, tokenizer_fingerprint
 from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
-from leantune.data.formats import IGNORE_INDEX, encode_alpaca, encode_custom, encode_samsum, format_prompt
 from leantune.data.packing import Fitting, NothingToLearn, make_rows
-from leantune.data.records import DatasetError
 from leantune.data.sources import Source, locate, read_source, rename_columns
 from leantune.data.synthetic import ASSET_PATH
-
-ENCODERS = {"alpaca_dataset": encode_alpaca, "custom_dataset": encode_custom, "samsum_dataset": encode_samsum}
-# llama-cookbook's datasets by name, without --data_path: read from the hub (when online)
-HUB_DATASETS = {"samsum_dataset": "knkarthick/samsum"}
+from leantune.formats import format_entry
+from leantune.formats.alpaca import format_prompt
+from leantune.formats.records import DatasetError
+from leantune.labels import IGNORE_INDEX
 
 __all__ = ["DatasetError", "Fitting", "IGNORE_INDEX", "NothingToLearn", "build_datasets", "format_prompt",
            "make_dataloader", "make_rows", "split_records"]
@@ -53,8 +50,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
     if not cfg.dataset_cache:
         return split_records(encode(), cfg.val_fraction, seed)
     key = cache_key({"source": source.identity(), "dataset": cfg.dataset, "columns": cfg.column_map,
-                     "template": read_template(cfg.chat_template), "turns": cfg.assistant_turns,
-                     "tokenizer": tokenizer_fingerprint(tokenizer)})
+                     **format_entry(cfg.dataset).cache_settings(cfg), "tokenizer": tokenizer_fingerprint(tokenizer)})
     examples, hit = cached_examples(key, encode)
     if hit and log is not None:
         log(f"data cache: {len(examples)} tokenized examples of {source.name} read back ({cache_dir()}; "
@@ -63,24 +59,22 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
 
 
 def records_source(cfg: DataConfig) -> Source:
-    """Where ``cfg``'s records are: ``--data_path``, llama-cookbook's hub dataset for its name, or the bundled set."""
+    """Where ``cfg``'s records are: ``--data_path``, the format's hub dataset (llama-cookbook's for its name), or
+    the bundled set."""
     if cfg.data_path:
         return locate(cfg.data_path)
-    if cfg.dataset in HUB_DATASETS:
-        return Source(HUB_DATASETS[cfg.dataset], "hub")
-    return Source(str(ASSET_PATH), "records")
+    hub_dataset = format_entry(cfg.dataset).hub_dataset
+    return Source(hub_dataset, "hub") if hub_dataset else Source(str(ASSET_PATH), "records")
 
 
 def _encode(cfg: DataConfig, tokenizer, source: Source) -> list:
     """Every record of ``source`` encoded; what is wrong inside one is said before counting problems, as every
     record is encoded before the split."""
+    entry = format_entry(cfg.dataset)
     records = rename_columns(read_source(source), parse_column_map(cfg.column_map), source.name)
-    encode = ENCODERS.get(cfg.dataset)
-    if cfg.dataset == "chat_dataset":
-        records = records if cfg.data_path else [alpaca_as_chat(r) for r in records]
-        encode = functools.partial(encode_chats, template=read_template(cfg.chat_template),
-                                   last_only=cfg.assistant_turns == "last")
-    return _with_sources(encode(records, tokenizer, source.location), records, source.name)
+    if not cfg.data_path and entry.from_bundled is not None:
+        records = [entry.from_bundled(record) for record in records]
+    return _with_sources(entry.encode(records, tokenizer, source.location, cfg), records, source.name)
 
 
 def _with_sources(examples: list, records: list, name: str) -> list:

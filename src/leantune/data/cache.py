@@ -27,10 +27,11 @@ FORMAT_VERSION = 1  # raised when the cache file's layout changes
 
 @functools.cache
 def code_fingerprint() -> str:
-    """A hash of the code that reads and encodes records (this package's modules and the label conventions):
-    a changed encoder never reads examples an older one made."""
+    """A hash of the code that reads and encodes records (this package's modules, the dataset formats and the
+    label conventions): a changed encoder never reads examples an older one made."""
     here = Path(__file__).parent
-    files = sorted(here.glob("*.py")) + [here.parent / "labels.py", here.parent / "config" / "data.py"]
+    files = (sorted(here.glob("*.py")) + sorted((here.parent / "formats").glob("*.py"))
+             + [here.parent / "labels.py", here.parent / "config" / "data.py"])
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 

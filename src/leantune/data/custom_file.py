@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from leantune.data.records import DatasetError
+from leantune.formats.records import DatasetError
 from leantune.labels import IGNORE_INDEX
 
 DEFAULT_FUNCTION = "get_custom_dataset"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leantune.data.records import DatasetError, read_records
+from leantune.formats.records import DatasetError, read_records
 
 DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from leantune.data.formats import format_prompt
+from leantune.formats.alpaca import format_prompt
 from leantune.data.synthetic import generate
 from leantune.io import leantune_home
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from leantune.data.records import DatasetError
+from leantune.formats.records import DatasetError
+from leantune.formats.registry import DatasetFormat, register
 from leantune.labels import IGNORE_INDEX
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -127,3 +128,22 @@ def alpaca_as_chat(record: dict) -> dict:
     question = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": record["output"]}],
             "_line": record.get("_line", "?")}
+
+
+def encode_chat_dataset(records: list[dict], tokenizer, source, data) -> list[dict]:
+    """``encode_chats`` with the data section's ``--chat_template`` and ``--assistant_turns``."""
+    return encode_chats(records, tokenizer, source, template=read_template(data.chat_template),
+                        last_only=data.assistant_turns == "last")
+
+
+register(DatasetFormat(
+    name="chat_dataset",
+    summary="{messages: [{role, content}]} or ShareGPT {conversations: [{from, value}]} records in the tokenizer's "
+            "chat template, the loss on the assistant's turns (the bundled set as one-question chats without "
+            "--data_path)",
+    fields=("messages", "conversations"),
+    encode=encode_chat_dataset,
+    from_bundled=alpaca_as_chat,
+    options=("chat_template", "assistant_turns"),
+    cache_settings=lambda data: {"template": read_template(data.chat_template), "turns": data.assistant_turns},
+))
