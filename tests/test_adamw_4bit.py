@@ -90,6 +90,23 @@ def test_a_resumed_run_gives_the_losses_of_one_never_stopped(tiny_model_dir, tmp
     assert len(whole) == 6 and resumed[-4:] == whole[-4:] and whole[-1] < whole[0]
 
 
+def test_its_bf16_rung_trains_under_bf16_autocast_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """The GPU default of the rung ``--optimizer adamw_4bit --pure_bf16 --optimizer_in_backward``, on a CPU
+    stand-in (bfloat16 weights under bfloat16 autocast): it follows the float32-weight run (stochastic rounding
+    keeps the small updates) and a resumed run gives the steps of one never stopped."""
+    from leantune.precision import Precision
+
+    flags = ("--optimizer", "adamw_4bit", "--optimizer_in_backward")
+    reference, _ = _run(tiny_model_dir, tmp_path / "float32", *flags, save_steps=0)
+    stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
+    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    whole, _ = _run(tiny_model_dir, tmp_path / "whole", *flags, "--pure_bf16")
+    assert len(whole) == 6 and whole == pytest.approx(reference, rel=1e-2)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed, _ = _run(tiny_model_dir, tmp_path / "resumed", *flags, "--pure_bf16", resume=True)
+    assert resumed[-4:] == whole[-4:]
+
+
 def test_its_plan_keeps_about_one_byte_a_parameter_of_state():
     """torchao compiles its step, which runs under no tracker: the plan's state is the stand-in's (held to
     torchao's bytes above), about 1/8 of AdamW's float32 moments and half of 8-bit AdamW's."""

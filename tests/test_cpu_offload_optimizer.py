@@ -166,6 +166,20 @@ def test_its_plan_keeps_no_optimizer_state_for_the_offloaded_weights():
     assert traces[NAME]["gradient"] == traces["adamw"]["gradient"]  # the GPU keeps the gradients
 
 
+def test_its_plan_states_the_host_memory_it_takes():
+    import transformers
+
+    from leantune.planning.plan import plan_modes
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config("tiny"))
+    offloaded = sum(p.numel() for p in model.parameters() if p.numel() >= MIN_OFFLOADED_SIZE)
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64",
+                            "--device", "cuda", "--optimizer_cpu_offload"])
+    plan = plan_modes(cfg, model_config("tiny"), torch.device("cuda"), ["full"], None)[0]
+    assert (plan.host_bytes, plan.pinned_host_bytes) == (16 * offloaded, 8 * offloaded)
+
+
 def test_its_rung_sits_by_its_bytes_and_only_a_cuda_run_may_take_it():
     from leantune.planning.optimizer_choice import rungs_for
 

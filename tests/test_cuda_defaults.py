@@ -27,7 +27,7 @@ def test_the_default_gpu_budget_is_its_free_memory_less_5_percent_plus_the_conte
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (20 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: asked.append(device) or 34 * MIB)
-    budget = budget_bytes(parse_run_config([]), GPU)
+    budget = budget_bytes(parse_run_config([]).memory, GPU)
     assert budget == int(20 * GIB * 0.95) + CUDA_CONTEXT_BYTES + 34 * MIB
     # 95% of 20 GiB free, plus the 512 MiB context and the 34 MiB reserved (the start-up's workspace) already in use
     assert budget == 20_401_094_656 + 536_870_912 + 35_651_584
@@ -37,10 +37,10 @@ def test_the_default_gpu_budget_is_its_free_memory_less_5_percent_plus_the_conte
 def test_a_given_budget_wins_and_without_a_usable_gpu_there_is_no_default(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("the driver was asked"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert budget_bytes(parse_run_config(["--memory_budget_gb", "2.5"]), GPU) == int(2.5 * GIB)
-    assert budget_bytes(parse_run_config([]), torch.device("cpu")) is None
+    assert budget_bytes(parse_run_config(["--memory_budget_gb", "2.5"]).memory, GPU) == int(2.5 * GIB)
+    assert budget_bytes(parse_run_config([]).memory, torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert budget_bytes(parse_run_config([]), GPU) is None
+    assert budget_bytes(parse_run_config([]).memory, GPU) is None
 
 
 # ------------------------------------------------------------------ the snapshot

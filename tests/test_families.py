@@ -66,7 +66,7 @@ def _ours_and_own(path, kind, loss, autocast=None):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.1)
-    loss_model = loss_model_for(model, cfg)
+    loss_model = loss_model_for(model, cfg.training)
     ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
     context = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
     with context:
@@ -143,7 +143,7 @@ def _own_first_batch_loss(path, cfg) -> float:
     from leantune.builders.loaders import RunData
     from leantune.models.loading import load_tokenizer
 
-    loader, _ = RunData(cfg, load_tokenizer(cfg.model), log=lambda _line: None).loaders(cfg)
+    loader, _ = RunData(cfg.data, cfg.training, load_tokenizer(cfg.model), log=lambda _line: None).loaders(cfg.training)
     batch = next(iter(loader))
     with torch.no_grad():
         return float(_loaded(path)(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
@@ -157,7 +157,7 @@ def test_checkpointing_gives_exactly_the_plain_gradients(family_dir, family, mod
         cfg = _flags(family_dir(family), "full", *flags)
         model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
         ids, labels = make_batch(model.config.vocab_size, seq=24)
-        loss_model_for(model, cfg)(ids, labels).backward()
+        loss_model_for(model, cfg.training)(ids, labels).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:

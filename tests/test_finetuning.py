@@ -192,7 +192,8 @@ def test_padding_strategy_and_custom_dataset(tiny_model_dir, tmp_path, write_jso
     assert results["steps"] == 3
     # what the run trained on: each row one example, padded at its end to the batch's longest and no further
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    loader, _ = RunData(parse_run_config(argv), tokenizer, log=lambda _line: None).loaders(parse_run_config(argv))
+    cfg = parse_run_config(argv)
+    loader, _ = RunData(cfg.data, cfg.training, tokenizer, log=lambda _line: None).loaders(cfg.training)
     texts = {f"Say {i}: {i}" for i in range(40)} | {"hello"}
     for batch in list(loader)[:3]:
         mask, ids, labels = batch["attention_mask"], batch["input_ids"], batch["labels"]

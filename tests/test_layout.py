@@ -187,9 +187,25 @@ def test_the_console_script_loads_each_command_when_it_runs():
     assert result.stdout.strip() == "[]", result.stderr[-2000:]
 
 
-def test_an_optimizer_module_imports_the_registry_not_its_package():
-    """``leantune.optimizers`` imports each of its modules (``importlib``, which the graph above cannot see): a
+@pytest.mark.parametrize("package", ["leantune.optimizers", "leantune.formats"])
+def test_a_registry_module_imports_the_registry_not_its_package(package):
+    """A registry package imports each of its modules (``importlib``, which the graph above cannot see): a
     module importing the package back would be a cycle that works only by the order inside its ``__init__``."""
-    back = [f"{name} imports {target}" for name in MODULES if name.startswith("leantune.optimizers.")
-            for target in GRAPH[name] if target == "leantune.optimizers"]
+    back = [f"{name} imports {target}" for name in MODULES if name.startswith(f"{package}.")
+            for target in GRAPH[name] if target == package]
     assert back == []
+
+
+# Functions that take the whole RunConfig rather than the sections they read (docs/architecture.md says which
+# and why): the count may fall, never rise. A component gets its own section.
+MAX_WHOLE_CONFIG_FUNCTIONS = 68
+
+
+def test_functions_taking_the_whole_run_config_do_not_grow():
+    whole = [f"{name}.{node.name}" for name, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.FunctionDef) and any(
+                 arg.annotation is not None and "RunConfig" in ast.unparse(arg.annotation)
+                 for arg in node.args.args + node.args.kwonlyargs)]
+    assert len(whole) <= MAX_WHOLE_CONFIG_FUNCTIONS, (
+        f"{len(whole)} functions take the whole RunConfig (at most {MAX_WHOLE_CONFIG_FUNCTIONS}): give a new "
+        "function the config sections it reads")

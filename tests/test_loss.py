@@ -114,8 +114,9 @@ def test_a_trained_float32_head_gets_chunks_of_a_quarter_of_its_gradient(full_fi
         model = LlamaForCausalLM(config).to(torch.bfloat16 if pure_bf16 else torch.float32)
     model.requires_grad_(full_finetuning)
     assert auto_chunk_size(128_256, 128_256 * 2048 * 4) == 512
-    assert loss_function(parse_run_config(flags), model).chunk_size == expected
-    assert loss_function(parse_run_config(["--loss_chunk_size", "256"]), model).chunk_size == 256  # asked for
+    cfg = parse_run_config(flags)
+    assert loss_function(model, cfg.training.loss_chunk_size, cfg.distributed.enable_fsdp).chunk_size == expected
+    assert loss_function(model, 256).chunk_size == 256  # asked for
 
 
 def test_chunk_size_must_be_positive():

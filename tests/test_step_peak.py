@@ -58,5 +58,6 @@ def test_on_a_gpu_the_allocator_is_read_and_the_budget_counts_reserved_plus_the_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * MIB, 80_000 * MIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * MIB)
-    assert budget_bytes(parse_run_config([]), torch.device("cuda", 0)) == int(1000 * MIB * 0.95) + 898 * MIB + 2 * MIB
+    expected = int(1000 * MIB * 0.95) + 898 * MIB + 2 * MIB
+    assert budget_bytes(parse_run_config([]).memory, torch.device("cuda", 0)) == expected
     assert gpu_constants.context_bytes(torch.device("cuda", 1)) == 512 * MIB  # not measured there: the assumption

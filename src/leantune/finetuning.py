@@ -86,9 +86,9 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     memory, model, tokenizer, loaders = _load(memory, facts, (resume, saved), precision, dist, log, traces)
     cfg = memory.cfg
     loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
-    monitor = build_monitor(cfg, device, dist, stack, log)
+    monitor = build_monitor(cfg.memory, cfg.output, device, dist, stack, log)
     log(f"precision: {precision.note}")
-    loss_model = loss_model_for(model, cfg)
+    loss_model = loss_model_for(model, cfg.training, cfg.distributed.enable_fsdp)
     log(describe_loss(loss_model.loss_fn))
     if dist.sharded:
         shard(loss_model, cfg, dist, device, precision, log, peak_before=loaded_peak)
@@ -96,7 +96,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
     if cfg.training.compile:  # after the checks, which run once and need no compiling
         log(compile_decoder_layers(model))
-    step = build_train_step(cfg, loss_model, precision, dist, log)  # after sharding: the optimizer holds shards
+    step = build_train_step(cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
     log(describe_optimizer(cfg.training, step.optimizer))
     predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, dist.world_size) or (None, None)
     # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
@@ -132,8 +132,8 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     """
     cfg, (path, saved) = memory.cfg, resume
     tokenizer = load_tokenizer(cfg.model)
-    data = RunData(cfg, tokenizer, log, dist)
-    loaders = data.loaders(cfg)
+    data = RunData(cfg.data, cfg.training, tokenizer, log, dist)
+    loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer,
                                    timed_next=len(memory.candidates) >= 2)
@@ -144,7 +144,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     if confirmed.cfg.training.batch_size_training != cfg.training.batch_size_training:
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name
             check_compatible(saved, confirmed.cfg, path, dist.world_size)
-        loaders = data.loaders(confirmed.cfg)
+        loaders = data.loaders(confirmed.cfg.training)
     return confirmed, model, tokenizer, loaders
 
 
@@ -177,7 +177,7 @@ def run(cfg: RunConfig, log=print) -> dict:
             built = True
             stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
             if cfg.output.overwrite_output_dir and dist.is_main:
-                clear_previous_run(cfg, log)
+                clear_previous_run(cfg.output, log)
             results = trainer.train()
             trainer.save()
     except BaseException as err:

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from leantune.builders.own_loss import check_own_loss
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, OutputConfig, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.compiling import check_can_compile
 from leantune.models.facts import ModelFacts, run_model_facts
@@ -96,13 +96,13 @@ def _refuse_same_dir(out: Path, other: Optional[str], flag: str) -> None:
                           "Pick another --output_dir")
 
 
-def clear_previous_run(cfg: RunConfig, log: Callable[[str], None] = print) -> None:
+def clear_previous_run(output: OutputConfig, log: Callable[[str], None] = print) -> None:
     """``--overwrite_output_dir``: the old run's training states and model go, once the new run is set up.
 
     Not earlier: a new run refused for a bad flag or file must not have deleted anything.
     Its logs and metrics stay until the new run's replace them.
     """
-    out = Path(cfg.output.output_dir)
+    out = Path(output.output_dir)
     removed = TrainingStateStore(out).remove_all()
     models = [path for path in out.glob("*") if path.name in MODEL_FILES or path.name == "adapter_config.json"
               or (path.name.startswith("model-") and path.suffix == ".safetensors")]

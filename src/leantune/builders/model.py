@@ -26,9 +26,10 @@ from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
 
-def loss_function(cfg: RunConfig, model: torch.nn.Module):
-    """``model``'s loss as ``cfg`` asks for it: chunked cross-entropy unless `--loss_chunk_size 0` asks for the
-    plain loss, either applying what the model's forward does to its logits (read from its config)."""
+def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], sharded: bool = False):
+    """``model``'s loss: chunked cross-entropy of ``--loss_chunk_size`` tokens (None: sized to the head) unless 0
+    asks for the plain loss, either applying what the model's forward does to its logits (read from its config).
+    ``sharded``: under FSDP."""
     hf_model = unwrap_model(model)
     head = hf_model.get_output_embeddings().weight
     transform = logit_transform(hf_model.config)
@@ -36,8 +37,8 @@ def loss_function(cfg: RunConfig, model: torch.nn.Module):
     # Not under FSDP, whose mixed precision (bf16 on a GPU) gives the forward a bfloat16 copy of the head
     # (its gradient is then made by blocks).
     summed = head.numel() * 4 if (head.requires_grad and head.dtype == torch.float32
-                                  and not cfg.distributed.enable_fsdp) else 0
-    chunk = effective_chunk_size(cfg.training.loss_chunk_size, head.shape[0], summed)
+                                  and not sharded) else 0
+    chunk = effective_chunk_size(loss_chunk_size, head.shape[0], summed)
     return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 
 

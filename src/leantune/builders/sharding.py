@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, DistributedConfig, RunConfig
 from leantune.distributed.context import DistContext, init_distributed, launched_world_size
 from leantune.distributed.fsdp import load_from_rank0, shard_model
 from leantune.precision import Precision, choose_device
@@ -22,13 +22,13 @@ def start_distributed(cfg: RunConfig) -> DistContext:
         raise ConfigError(f"--enable_fsdp: launched with {world} processes; add --enable_fsdp to train one model "
                           "sharded over them (or launch one process)")
     device = choose_device(cfg.model)
-    check_offload_device(cfg, device.type)
+    check_offload_device(cfg.distributed, device.type)
     return init_distributed(device.type, sharded=dc.enable_fsdp, cpu_offload=dc.fsdp_cpu_offload)
 
 
-def check_offload_device(cfg: RunConfig, device_type: str, fix: str = "Drop the flag") -> None:
+def check_offload_device(dc: DistributedConfig, device_type: str, fix: str = "Drop the flag") -> None:
     """--fsdp_cpu_offload moves shards from a GPU to the host: refused where the run is on the CPU already."""
-    if cfg.distributed.fsdp_cpu_offload and device_type == "cpu":
+    if dc.fsdp_cpu_offload and device_type == "cpu":
         raise ConfigError("--fsdp_cpu_offload: moves the shards from GPUs to host memory; training on the CPU, "
                           f"they are there already. {fix}")
 

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.config import RunConfig
+from leantune.config import TrainingConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.builders.model import loss_function
 from leantune.precision import Precision
@@ -15,23 +15,22 @@ from leantune.training.optim import build_optimizer
 from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
 
 
-def loss_model_for(model: torch.nn.Module, cfg: RunConfig) -> CausalLMLoss:
-    """``model`` joined with the loss ``cfg`` asks for, applying what the model's forward does to its
-    logits (read from its config), as the module FSDP shards as its root."""
-    return CausalLMLoss(model, loss_function(cfg, model))
+def loss_model_for(model: torch.nn.Module, tc: TrainingConfig, sharded: bool = False) -> CausalLMLoss:
+    """``model`` joined with the loss the training section asks for, applying what the model's forward does to
+    its logits (read from its config), as the module FSDP shards as its root (``sharded``: under FSDP)."""
+    return CausalLMLoss(model, loss_function(model, tc.loss_chunk_size, sharded))
 
 
-def build_train_step(cfg: RunConfig, loss_model: CausalLMLoss, precision: Precision,
+def build_train_step(tc: TrainingConfig, loss_model: CausalLMLoss, precision: Precision,
                      dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print,
                      check_finite: bool = True, device_type: Optional[str] = None) -> TrainStep:
-    """The optimizer step ``cfg`` describes, over ``loss_model``'s trainable parameters.
+    """The optimizer step the training section describes, over ``loss_model``'s trainable parameters.
 
     Built after sharding (the optimizer must hold the shards). ``check_finite`` off where the
     step only measures memory (random weights, fake tensors); ``device_type``: the device the run
     is for, the precision's unless the planner traces another's
     (``leantune.training.optim.build_optimizer``).
     """
-    tc = cfg.training
     optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type)
     nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log, tc.optimizer_in_backward) if check_finite else None
     clip = tc.gradient_clipping_threshold if tc.gradient_clipping else None

@@ -25,6 +25,7 @@ from leantune.optional import import_quietly
 
 MIN_OFFLOADED_SIZE = 4096  # torchao's default minimal_size: smaller weights step on the device
 HOST_BYTES_PER_PARAMETER = 16  # pinned weight and gradient copies and AdamW's two float32 moments
+PINNED_BYTES_PER_PARAMETER = 8  # the copies are pinned; the moments torch's AdamW makes are not
 
 
 def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type: str) -> torch.optim.Optimizer:
@@ -42,7 +43,14 @@ def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type
 
 class OffloadedAdamWStandIn(PlannedStep):
     """What the planner steps instead of ``CPUOffloadOptimizer``: AdamW's moments on the device for the weights
-    it keeps there, none for the offloaded ones, and the in-place copy back of every weight."""
+    it keeps there, none for the offloaded ones, and the in-place copy back of every weight; the host memory
+    the offloaded ones take it states (``host_state_bytes``)."""
+
+    def host_state_bytes(self) -> tuple[int, int]:
+        """(host bytes, of which pinned) for the offloaded float32 weights: copies, gradients and moments."""
+        offloaded = sum(p.numel() for group in self.param_groups for p in group["params"]
+                        if p.numel() >= MIN_OFFLOADED_SIZE)
+        return HOST_BYTES_PER_PARAMETER * offloaded, PINNED_BYTES_PER_PARAMETER * offloaded
 
     def new_state(self, param: torch.Tensor) -> dict:
         if param.numel() >= MIN_OFFLOADED_SIZE:

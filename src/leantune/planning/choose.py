@@ -39,13 +39,13 @@ class MemoryPlan:
 
 def needs_plan(cfg: RunConfig) -> bool:
     return (cfg.checkpointing.activation_checkpointing_mode == AUTO or cfg.memory.auto_batch_size
-            or needs_optimizer_choice(cfg))
+            or needs_optimizer_choice(cfg.training))
 
 
 def _budget(cfg: RunConfig, device: torch.device) -> int:
-    budget = budget_bytes(cfg, device)
+    budget = budget_bytes(cfg.memory, device)
     if budget is None:
-        wants = ("--optimizer auto" if needs_optimizer_choice(cfg) else "--activation_checkpointing_mode auto"
+        wants = ("--optimizer auto" if needs_optimizer_choice(cfg.training) else "--activation_checkpointing_mode auto"
                  if cfg.checkpointing.activation_checkpointing_mode == AUTO else "--auto_batch_size")
         raise ConfigError(f"--memory_budget_gb: {wants} on the CPU needs a budget (there is no device memory to "
                           "read); pass e.g. --memory_budget_gb 8")
@@ -55,7 +55,8 @@ def _budget(cfg: RunConfig, device: torch.device) -> int:
 def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log,
                      traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
     """The mode, or per-layer mix, with the least recompute that fits at the configured batch."""
-    plans = plan_modes(cfg, config, device, modes_to_plan(cfg, device), budget, traces)
+    plans = plan_modes(cfg, config, device, modes_to_plan(cfg.checkpointing, device, cfg.training.compile), budget,
+                       traces)
     table = format_table(plans, budget)
     chosen = choose_mode(plans)
     if chosen is None:
@@ -87,7 +88,8 @@ def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: s
                            traces: Optional[StepTraces] = None):
     batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
     if batch == 0:
-        raise ConfigError(f"--auto_batch_size: not even batch {batch_candidates(cfg)[0]} x {cfg.data.context_length} "
+        smallest = batch_candidates(cfg.memory)[0]
+        raise ConfigError(f"--auto_batch_size: not even batch {smallest} x {cfg.data.context_length} "
                           f"fits --memory_budget_gb ({format_bytes(budget)}) with checkpointing {mode}; shorten "
                           "--context_length, or use --activation_checkpointing_mode auto or --use_peft")
     return batch, plan
@@ -127,7 +129,7 @@ def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: 
                           traces: Optional[StepTraces] = None) -> dict[str, tuple[int, ModePlan]]:
     """Each mode's largest batch that fits ``budget`` (modes with none left out), with its plan."""
     found = {}
-    for mode in modes_to_plan(cfg, device):
+    for mode in modes_to_plan(cfg.checkpointing, device, cfg.training.compile):
         if mode != OFFLOAD:
             batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
             if batch:
@@ -141,7 +143,7 @@ def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: 
 
 def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
                  traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
-    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg), budget, traces)
+    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg.checkpointing), budget, traces)
     return with_batch(cfg, batch), plan
 
 
@@ -158,11 +160,12 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     budget = _budget(cfg, device)
     if cfg.training.compile:
         log(COMPILE_NOTE)
-    if needs_optimizer_choice(cfg):  # first: the mode and the batch are chosen for the optimizer it picks
+    if needs_optimizer_choice(cfg.training):  # first: the mode and the batch are chosen for the optimizer it picks
         cfg = choose_optimizer(cfg, config, device, budget, log, traces)
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
     if not (auto_mode or cfg.memory.auto_batch_size):
-        return MemoryPlan(cfg, plan_modes(cfg, config, device, [run_mode(cfg)], budget, traces)[0], budget)
+        mode = run_mode(cfg.checkpointing)
+        return MemoryPlan(cfg, plan_modes(cfg, config, device, [mode], budget, traces)[0], budget)
     candidates = {}
     if auto_mode and cfg.memory.auto_batch_size:
         candidates = mode_batch_candidates(cfg, config, device, budget, traces)
@@ -172,11 +175,12 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     else:
         cfg, plan = choose_batch(cfg, config, device, budget, log, traces)
     if len(candidates) >= 2:  # the choice is made once the weights load, by timing them (one line then)
-        log(f"auto: the plan's first choice is {run_mode(cfg)} at batch {cfg.training.batch_size_training} (the "
+        log(f"auto: the plan's first choice is {run_mode(cfg.checkpointing)} at batch "
+            f"{cfg.training.batch_size_training} (the "
             "least recompute per token); each candidate is timed in real steps once the weights load")
     elif cfg.memory.auto_batch_size:
         log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
-            f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg)}), "
+            f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg.checkpointing)}), "
             f"{cfg.training.gradient_accumulation_steps} batches per optimizer step")
     return MemoryPlan(cfg, plan, budget, candidates)
 
@@ -191,7 +195,7 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
     if device.type != "cuda":
         return None
     try:
-        return plan_modes(cfg, config, device, [run_mode(cfg)], traces=traces)[0]
+        return plan_modes(cfg, config, device, [run_mode(cfg.checkpointing)], traces=traces)[0]
     except RanksDiverged:
         raise
     except Exception as err:  # planning is an aid here; it must never stop a run that would work

@@ -14,7 +14,7 @@ import torch
 
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, ModelConfig, RunConfig
 from leantune.builders.own_loss import check_own_loss
 from leantune.builders.sharding import check_offload_device
 from leantune.models.facts import plan_model_facts
@@ -34,9 +34,9 @@ MAX_CONTEXT_HELP = (
     "whose max_context field is that length, with the winning plan beside it.")
 
 
-def plan_target(cfg: RunConfig) -> torch.device:
+def plan_target(mc: ModelConfig) -> torch.device:
     """The device a plan is for: ``--device cuda`` plans for a GPU even on a machine without one."""
-    wanted = cfg.model.device
+    wanted = mc.device
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(wanted)
@@ -55,7 +55,8 @@ def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
 
 def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None, budget: int | None) -> list:
     """Each mode's plan: one process's, or one rank's of ``world_size`` under FSDP (derived from it)."""
-    plans = plan_modes(cfg, config, target, modes_to_plan(cfg, target), None if world_size else budget)
+    plans = plan_modes(cfg, config, target, modes_to_plan(cfg.checkpointing, target, cfg.training.compile),
+                       None if world_size else budget)
     if world_size:
         offload = cfg.distributed.fsdp_cpu_offload
         shapes = sharding_shapes(cfg, config, target, world_size, offload)
@@ -67,7 +68,7 @@ def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None,
 
 def _search(cfg: RunConfig, config, target: torch.device, budget: int | None, as_json: bool) -> int:
     """``--max_context``: the longest context that fits, printed (or as one JSON object)."""
-    budget = check_search_flags(cfg, budget)
+    budget = check_search_flags(cfg.checkpointing, budget)
     out = sys.stderr if as_json else sys.stdout
     print(f"longest context within {budget / GIB:.2f} GiB, batch {cfg.training.batch_size_training}, each lever "
           "combination the flags allow:", file=out)
@@ -95,12 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         world_size, argv = _take_world_size(argv)
         cfg = parse_run_config(argv)
-        target = plan_target(cfg)
+        target = plan_target(cfg.model)
         facts = plan_model_facts(cfg.model, target.type, compiled=cfg.training.compile)
         check_own_loss(cfg, facts)  # a model leantune would refuse to train is not planned either
         config = facts.config
-        budget = budget_bytes(cfg, target)
-        if needs_optimizer_choice(cfg):
+        budget = budget_bytes(cfg.memory, target)
+        if needs_optimizer_choice(cfg.training):
             if budget is None:
                 raise ConfigError("--memory_budget_gb: --optimizer auto chooses by a budget; on the CPU pass one, "
                                   "e.g. --memory_budget_gb 8")
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world_size and not cfg.distributed.enable_fsdp:
             raise ConfigError("--world_size: the processes FSDP shards over; add --enable_fsdp (without it leantune "
                               "trains on one process)")
-        check_offload_device(cfg, target.type, fix="Plan it for a GPU with --device cuda")
+        check_offload_device(cfg.distributed, target.type, fix="Plan it for a GPU with --device cuda")
         if max_context:
             if world_size:
                 raise ConfigError("--max_context: searches one process's context; drop --enable_fsdp/--world_size")

@@ -36,7 +36,7 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     device = precision.device
 
     def run(batch: int) -> int:
-        loss_model = loss_model_for(model, cfg)  # the run's own loss, as builders.step joins it
+        loss_model = loss_model_for(model, cfg.training, cfg.distributed.enable_fsdp)  # the run's own loss
         vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
         # --optimizer_in_backward frees each gradient once its weight has stepped: so does this step
         # (without stepping), or it would hold the full set of gradients the run never does
@@ -83,14 +83,15 @@ def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Ca
         return memory
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the failed step's blocks, now free, back to the device
-    candidates = [b for b in batch_candidates(cfg) if b <= max(1, batch * 3 // 4)]
+    candidates = [b for b in batch_candidates(cfg.memory) if b <= max(1, batch * 3 // 4)]
     if not candidates or candidates[-1] == batch:
         raise ConfigError(f"--auto_batch_size: batch {batch} {problem} in a real step and there is no smaller batch "
                           "to try; shorten --context_length or raise --memory_budget_gb")
     smaller = with_batch(cfg, candidates[-1])
     log(f"batch size: a real step at {batch} {problem}, over the {format_bytes(budget)} budget (the prediction "
         f"missed what a real step holds); backing off once to {candidates[-1]}")
-    return MemoryPlan(smaller, plan_modes(smaller, config, device, [run_mode(smaller)], budget, traces)[0], budget)
+    plan = plan_modes(smaller, config, device, [run_mode(smaller.checkpointing)], budget, traces)[0]
+    return MemoryPlan(smaller, plan, budget)
 
 
 def confirm_the_batch(memory: MemoryPlan, model: torch.nn.Module, config, precision: Precision, log=print,

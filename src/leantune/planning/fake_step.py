@@ -65,6 +65,7 @@ class StepTrace:
     # per stage: the bytes by category at its largest moment with N decoder-layer inputs alive, for each N seen
     stage_moments: dict = dataclasses.field(default_factory=dict)
     reserved_expandable_bytes: int = 0  # what the allocator would reserve with expandable segments on
+    host_state_bytes: tuple[int, int] = (0, 0)  # an optimizer's state kept in host memory (bytes, of which pinned)
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -207,7 +208,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
     model, report = prepare_model(model, run_cfg, precision, place=place)
-    train_step = build_train_step(run_cfg, loss_model_for(model, run_cfg), precision, check_finite=False,
+    loss_model = loss_model_for(model, run_cfg.training, run_cfg.distributed.enable_fsdp)
+    train_step = build_train_step(run_cfg.training, loss_model, precision, check_finite=False,
                                   device_type=target.type)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
@@ -292,7 +294,8 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      sum(batch["input_ids"].numel() for batch in step.window),
                      sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
                      tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments),
-                     tracker.allocator.reserved_expandable if tracker.allocator is not None else 0)
+                     tracker.allocator.reserved_expandable if tracker.allocator is not None else 0,
+                     getattr(optimizer, "host_state_bytes", lambda: (0, 0))())
 
 
 def _by_stage(moments: dict) -> dict:

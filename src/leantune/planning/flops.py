@@ -37,7 +37,7 @@ def count_token_flops(cfg: RunConfig, config, device: torch.device,
         cfg = dataclasses.replace(cfg, quant=QuantizationConfig())
     without = traced(traces, cfg, config, target, NONE)
     model = without.flops / without.tokens
-    mode = flops_mode(run_mode(cfg))  # offloading moves bytes, not FLOPs
+    mode = flops_mode(run_mode(cfg.checkpointing))  # offloading moves bytes, not FLOPs
     if mode == NONE:
         return TokenFlops(model=model, hardware=model)
     recomputed = traced(traces, cfg, config, target, mode)

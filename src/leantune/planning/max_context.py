@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from leantune.checkpointing.modes import AUTO, NONE
-from leantune.config import ConfigError, RunConfig
+from leantune.config import CheckpointingConfig, ConfigError, RunConfig
 from leantune.memory.allocator_model import expandable_segments_on
 from leantune.models.facts import position_limit, text_config
 from leantune.models.tiled_mlp import tile_tokens
@@ -132,7 +132,7 @@ def describe_levers(levers: dict) -> str:
     return text + (" with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" if levers["expandable_segments"] else "")
 
 
-def _without_tiling(cfg, config, target, budget, traces, best: ContextResult) -> Optional[ContextResult]:
+def _without_tiling(cfg: RunConfig, config, target, budget, traces, best: ContextResult) -> Optional[ContextResult]:
     """The winner with ``--tiled_mlp off``, when ``auto`` tiled at its context and it fits untiled too."""
     if best.plan is None or best.levers["tiled_mlp"] != "auto" or not tile_tokens(
             "auto", best.max_context, text_config(config).hidden_size):
@@ -142,13 +142,13 @@ def _without_tiling(cfg, config, target, budget, traces, best: ContextResult) ->
     return ContextResult(levers, best.max_context, plan, best.memory_allows, 1) if plan.fits else None
 
 
-def _plan(cfg, config, target, budget, traces, levers: dict, context: int) -> ModePlan:
+def _plan(cfg: RunConfig, config, target, budget, traces, levers: dict, context: int) -> ModePlan:
     run = with_levers(cfg, levers, context)
     return plan_modes(run, config, target, [levers["activation_checkpointing_mode"]], budget, traces,
                       expandable=levers["expandable_segments"])[0]
 
 
-def _longest(cfg, config, target, budget, traces, levers, limit) -> ContextResult:
+def _longest(cfg: RunConfig, config, target, budget, traces, levers, limit) -> ContextResult:
     step = CONTEXT_STEP if limit >= 16 * CONTEXT_STEP else 128
     top = limit // step * step
     plans: dict[int, ModePlan] = {}
@@ -200,12 +200,12 @@ def _round_up(value: int, step: int) -> int:
     return math.ceil(value / step) * step
 
 
-def check_search_flags(cfg: RunConfig, budget: Optional[int]) -> int:
+def check_search_flags(ac: CheckpointingConfig, budget: Optional[int]) -> int:
     """The budget a search needs (``ConfigError`` naming the flag when it is missing)."""
     if budget is None:
         raise ConfigError("--max_context: the longest context that fits a budget; pass --memory_budget_gb G "
                           "(on a machine without a GPU, or to plan for another card)")
-    if cfg.checkpointing.activation_checkpointing_mode == NONE:
+    if ac.activation_checkpointing_mode == NONE:
         raise ConfigError("--max_context: searches with activation checkpointing; drop --activation_checkpointing_mode "
                           "none")
     return budget

@@ -23,7 +23,7 @@ import torch
 
 from leantune.checkpointing import (apply_activation_checkpointing, inspect_checkpointing, policy_from_config,
                                     remove_activation_checkpointing)
-from leantune.config import RunConfig
+from leantune.config import CheckpointingConfig, RunConfig
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.confirm import confirm_step
 from leantune.planning.fake_step import run_config_for_mode
@@ -52,10 +52,10 @@ def keep_saved_choice(memory: MemoryPlan, saved: Optional[dict], log=print) -> M
     return MemoryPlan(with_batch(run_config_for_mode(memory.cfg, mode), batch), plan, memory.budget)
 
 
-def use_checkpointing_of(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> None:
-    """Put ``cfg``'s checkpointing on ``model`` in place of what it has (none included)."""
+def use_checkpointing_of(model: torch.nn.Module, ac: CheckpointingConfig, precision: Precision) -> None:
+    """Put the checkpointing section's policy on ``model`` in place of what it has (none included)."""
     remove_activation_checkpointing(model)
-    policy = policy_from_config(cfg.checkpointing)
+    policy = policy_from_config(ac)
     if policy is not None:
         apply_activation_checkpointing(model, policy, precision.device)
 
@@ -76,7 +76,7 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
     smallest = min(batch for batch, _ in memory.candidates.values())
     tokens_per_s: dict[str, Optional[float]] = {}
     for index, (mode, candidate) in enumerate(configs.items()):
-        use_checkpointing_of(model, candidate, precision)
+        use_checkpointing_of(model, candidate.checkpointing, precision)
         step = step_for(model, candidate, precision, measured=False)
         if index == 0 and _time(step, smallest, cfg.data.context_length, device, clock, steps=1) is None:
             break  # not even the warm-up fits: nothing to time; the batch check backs off
@@ -84,7 +84,7 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
                                    clock)
     fitted = {mode: rate for mode, rate in tokens_per_s.items() if rate is not None}
     if not fitted:
-        use_checkpointing_of(model, cfg, precision)
+        use_checkpointing_of(model, cfg.checkpointing, precision)
         log(f"auto: no candidate's step fitted to be timed; the plan's first choice stands, "
             f"{inspect_checkpointing(model).summary_line()}")
         return MemoryPlan(cfg, memory.plan, memory.budget)
@@ -93,7 +93,7 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
     if first in fitted and fitted[best] <= fitted[first] * (1 + MARGIN):
         best = first
     batch, plan = memory.candidates[best]
-    use_checkpointing_of(model, configs[best], precision)
+    use_checkpointing_of(model, configs[best].checkpointing, precision)
     log(f"auto: each mode timed at its largest fitting batch (the faster of {TIMED_STEPS} real steps): " + ", ".join(
         f"{mode} {configs[mode].training.batch_size_training} "
         f"({f'{rate:,.0f} tokens/s' if rate is not None else 'out of memory'})" for mode, rate in tokens_per_s.items()))

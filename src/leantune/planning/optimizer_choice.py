@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from leantune.checkpointing.modes import AUTO
-from leantune.config import ConfigError, RunConfig, in_backward_conflicts
+from leantune.config import ConfigError, RunConfig, TrainingConfig, in_backward_conflicts
 from leantune.optimizers import AUTO as AUTO_OPTIMIZER, Rung, ladder, optimizer_entry
 from leantune.models.compiling import compiler_found
 from leantune.optional import installed
@@ -61,8 +61,9 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
     smallest with ``--auto_batch_size``, which then grows it on the chosen rung).
     """
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
-    modes = [m for m in modes_to_plan(cfg, device) if m != OFFLOAD] if auto_mode else [run_mode(cfg)]
-    probe = with_batch(cfg, batch_candidates(cfg)[0]) if cfg.memory.auto_batch_size else cfg
+    every = modes_to_plan(cfg.checkpointing, device, cfg.training.compile)
+    modes = [m for m in every if m != OFFLOAD] if auto_mode else [run_mode(cfg.checkpointing)]
+    probe = with_batch(cfg, batch_candidates(cfg.memory)[0]) if cfg.memory.auto_batch_size else cfg
     tried: list[tuple[Rung, ModePlan]] = []
     for rung in rungs_for(cfg, device):
         least = min(plan_modes(with_rung(probe, rung), config, device, modes, traces=traces),
@@ -99,5 +100,5 @@ def _log_ladder(tried: list[tuple[Rung, ModePlan]], budget: int, log) -> None:
         log(f"  {rung.name:50} {format_bytes(plan.peak_bytes):>12} ({plan.mode}, {rung.flags})")
 
 
-def needs_optimizer_choice(cfg: RunConfig) -> bool:
-    return cfg.training.optimizer == AUTO_OPTIMIZER
+def needs_optimizer_choice(tc: TrainingConfig) -> bool:
+    return tc.optimizer == AUTO_OPTIMIZER

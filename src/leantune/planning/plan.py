@@ -17,7 +17,7 @@ from leantune.checkpointing.modes import AUTO, NONE, planned_modes, recompute_ra
 from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned_bytes
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
 from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
-from leantune.config import ConfigError, RunConfig
+from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig
 from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES
 from leantune.models.facts import check_context_length
@@ -90,7 +90,7 @@ class ModePlan:
     recompute_flops: int = 0  # flops beyond the same step without checkpointing
     fits: Optional[bool] = None
     paged_state_bytes: int = 0  # paged_adamw_8bit's state: CUDA managed memory, not in peak_bytes (see plan_from_trace)
-    host_bytes: int = 0  # --fsdp_cpu_offload: a rank's shards, gradients and optimizer state in host memory
+    host_bytes: int = 0  # in host memory: --fsdp_cpu_offload's shards, gradients and state, or an optimizer's state
     pinned_host_bytes: int = 0  # the pinned part of host_bytes
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
 
@@ -114,6 +114,7 @@ def plan_from_trace(mode: str, trace: StepTrace, cfg: RunConfig, target: torch.d
         plan.fragmentation_bytes = allocator_overhead(trace, expandable)
         plan.peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes + plan.fragmentation_bytes
         plan.optimizer_step_peak_bytes += plan.cuda_context_bytes + plan.cublas_workspace_bytes
+    plan.host_bytes, plan.pinned_host_bytes = trace.host_state_bytes  # an optimizer stepping on the host
     if trace.paged_state_bytes and target.type == "cuda":
         # A paged optimizer's large moments are CUDA managed memory, outside the caching allocator:
         # on the device while there is room, moved to the host by the driver when there is not.
@@ -204,15 +205,15 @@ def offload_pinned_bytes(full: StepTrace, max_pinned_bytes: int) -> int:
     return moved * PinnedBufferPool.size_class(full.layer_input_bytes) if moved else 0
 
 
-def offload_cap_bytes(cfg: RunConfig) -> int:
+def offload_cap_bytes(ac: CheckpointingConfig) -> int:
     """The pinned pool's cap the run would use: the flag, else a quarter of this host's RAM."""
-    gb = cfg.checkpointing.activation_offload_max_pinned_gb
+    gb = ac.activation_offload_max_pinned_gb
     return int(gb * GIB) if gb is not None else default_max_pinned_bytes()
 
 
-def check_plan_inputs(cfg: RunConfig, config, budget_bytes: Optional[int]) -> None:
+def check_plan_inputs(context_length: int, config, budget_bytes: Optional[int]) -> None:
     """Refuse what cannot be planned, naming the flag: a context beyond the model's, a negative budget."""
-    check_context_length(config, cfg.data.context_length)
+    check_context_length(config, context_length)
     if budget_bytes is not None and budget_bytes <= 0:
         raise ConfigError("--memory_budget_gb: must be a positive number of GiB")
 
@@ -225,7 +226,7 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     ``traces``: the run's traced steps, shared with its other callers (each step is traced once).
     ``expandable``: the allocator's segments as with ``expandable_segments:True``, whatever the settings say.
     """
-    check_plan_inputs(cfg, config, budget_bytes)
+    check_plan_inputs(cfg.data.context_length, config, budget_bytes)
     if OFFLOAD in modes and target.type != "cuda":
         raise ConfigError(f"--activation_checkpointing_mode {OFFLOAD}: moves activations off a GPU; plan it for one "
                           "with --device cuda")
@@ -237,11 +238,12 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     pinned = 0
     if OFFLOAD in modes:
         full = found.get("full") or traced(traces, cfg, config, target, "full")
-        found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg))
-        pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg))
+        found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg.checkpointing))
+        pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
     plans = {mode: plan_from_trace(mode, trace, cfg, target, expandable) for mode, trace in found.items()}
-    if pinned:
-        plans[OFFLOAD].host_bytes = plans[OFFLOAD].pinned_host_bytes = pinned
+    if pinned:  # beside any optimizer state on the host
+        plans[OFFLOAD].host_bytes += pinned
+        plans[OFFLOAD].pinned_host_bytes += pinned
     baseline = plans[NONE].flops if NONE in plans else None
     ordered = [plans[m] for m in modes if m in plans]
     for plan in ordered:
@@ -316,9 +318,9 @@ def with_batch(cfg: RunConfig, batch: int) -> RunConfig:
     return dataclasses.replace(cfg, training=training)
 
 
-def batch_candidates(cfg: RunConfig, limit: int = 1024) -> list[int]:
+def batch_candidates(memory: MemoryConfig, limit: int = 1024) -> list[int]:
     """The batch sizes a search may pick: divisors of ``--target_global_batch_size``, else 1..limit."""
-    target = cfg.memory.target_global_batch_size
+    target = memory.target_global_batch_size
     return [d for d in range(1, target + 1) if target % d == 0] if target else list(range(1, limit + 1))
 
 
@@ -330,7 +332,7 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budge
     gives it). Doubling along the candidates finds one that does not fit, bisection the boundary:
     about 2·log2(batch) traces.
     """
-    candidates = batch_candidates(cfg)
+    candidates = batch_candidates(cfg.memory)
 
     def plan_at(index: int) -> ModePlan:
         return plan_modes(with_batch(cfg, candidates[index]), config, target, [mode], budget_bytes, traces)[0]
@@ -352,26 +354,26 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budge
     return (candidates[good], good_plan) if good >= 0 else (0, None)
 
 
-def budget_bytes(cfg: RunConfig, target: torch.device) -> Optional[int]:
+def budget_bytes(memory: MemoryConfig, target: torch.device) -> Optional[int]:
     """``--memory_budget_gb`` in bytes; by default on a usable GPU its free memory less 5%, plus what of every
     plan this process already holds: its context (as measured at start-up, as the batch check counts it), and
     what its allocator reserved (the cuBLAS workspace the start-up measurement made)."""
-    if cfg.memory.memory_budget_gb is not None:
-        return int(cfg.memory.memory_budget_gb * GIB)
+    if memory.memory_budget_gb is not None:
+        return int(memory.memory_budget_gb * GIB)
     if target.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(target)
         return int(free * 0.95) + context_bytes(target) + torch.cuda.memory_reserved(target)
     return None
 
 
-def run_mode(cfg: RunConfig) -> str:
+def run_mode(ac: CheckpointingConfig) -> str:
     """The checkpointing mode the flags would train with (``none`` without checkpointing)."""
-    return cfg.checkpointing.mode or NONE
+    return ac.mode or NONE
 
 
-def modes_to_plan(cfg: RunConfig, target: torch.device) -> list[str]:
-    """The mode asked for, or every mode (offload only for a GPU target, and not with --compile)."""
-    asked = cfg.checkpointing.activation_checkpointing_mode
+def modes_to_plan(ac: CheckpointingConfig, target: torch.device, compiled: bool = False) -> list[str]:
+    """The mode asked for, or every mode (offload only for a GPU target, and not ``compiled``: --compile)."""
+    asked = ac.activation_checkpointing_mode
     if asked and asked != AUTO:
         return [asked]
-    return planned_modes(on_gpu=target.type == "cuda", compiled=cfg.training.compile)
+    return planned_modes(on_gpu=target.type == "cuda", compiled=compiled)

@@ -70,7 +70,7 @@ COMPILE_NOTE = ("note: --compile: planned as the eager step (compiled graphs are
 def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePlan], budget: Optional[int],
                log=print) -> None:
     log(describe_run(cfg, config, target))
-    log(format_table(plans, budget, marked=run_mode(cfg)))
+    log(format_table(plans, budget, marked=run_mode(cfg.checkpointing)))
     log("predicted: one training step with the optimizer state present, traced on fake tensors by leantune's own "
         "training code; bytes by what they hold at the moment of the peak.")
     if target.type == "cuda":
@@ -109,8 +109,9 @@ def print_search(search, log=print) -> None:
     log(f"max context: {search.max_context:,} tokens with {levers} ({best.plan.peak_bytes / GIB:.2f} GiB planned; "
         f"search {search.seconds:.0f} s)")
     if best.plan.pinned_host_bytes:
-        log(f"  offload's pinned pool holds {best.plan.pinned_host_bytes / GIB:.2f} GiB of layer inputs there: the "
-            "host needs that much pinnable memory (--activation_offload_max_pinned_gb caps it)")
+        log(f"  {best.plan.pinned_host_bytes / GIB:.2f} GiB of pinned host memory (offload's pool of layer inputs, "
+            "which --activation_offload_max_pinned_gb caps, and an optimizer's copies on the host): the host needs "
+            "that much pinnable memory")
     if search.max_context + 1024 > search.position_limit and best.memory_allows > search.max_context:
         log(f"  the model's positions end at {search.position_limit:,}; memory alone would allow about "
             f"{best.memory_allows:,} (extrapolated): --rope_scaling_factor extends the positions")
