@@ -23,15 +23,15 @@ def loss_model_for(model: torch.nn.Module, tc: TrainingConfig, sharded: bool = F
 
 def build_train_step(tc: TrainingConfig, loss_model: CausalLMLoss, precision: Precision,
                      dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print,
-                     check_finite: bool = True, device_type: Optional[str] = None) -> TrainStep:
+                     check_finite: bool = True, device_type: Optional[str] = None, planned: bool = False) -> TrainStep:
     """The optimizer step the training section describes, over ``loss_model``'s trainable parameters.
 
     Built after sharding (the optimizer must hold the shards). ``check_finite`` off where the
     step only measures memory (random weights, fake tensors); ``device_type``: the device the run
-    is for, the precision's unless the planner traces another's
-    (``leantune.training.optim.build_optimizer``).
+    is for, the precision's unless the planner traces another's; ``planned``: the planner's step on fake
+    tensors (the optimizer's stand-in, ``leantune.training.optim.build_optimizer``).
     """
-    optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type)
+    optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type, planned)
     nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log, tc.optimizer_in_backward) if check_finite else None
     clip = tc.gradient_clipping_threshold if tc.gradient_clipping else None
     in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None

@@ -5,12 +5,26 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from leantune.memory.stats import MIB, describe_unavailable, memory_stats, reset_peak_stats
 from leantune.memory.trace import RssSampler
+
+class MemoryLog(Protocol):
+    """What the training loop records memory through: ``MemoryMonitor``, or ``CurrentMemoryProbe`` when
+    ``--enable_memory_monitoring`` is off (so the loop never tests the flag)."""
+
+    rows: Sequence[dict]  # the records written (none for the probe)
+
+    def record(self, step: int, phase: str = "train", breakdown: Optional[Callable[[], dict]] = None,
+               **extra) -> dict: ...
+
+    def summary_lines(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
 
 # Fields whose maximum over the run is the number a user wants in the summary.
 _PEAK_FIELDS = ("cpu_rss_peak_mib", "peak_allocated_mib", "peak_active_mib", "peak_reserved_mib", "device_used_mib")

@@ -210,7 +210,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     model, report = prepare_model(model, run_cfg, precision, place=place)
     loss_model = loss_model_for(model, run_cfg.training, run_cfg.distributed.enable_fsdp)
     train_step = build_train_step(run_cfg.training, loss_model, precision, check_finite=False,
-                                  device_type=target.type)
+                                  device_type=target.type, planned=fake)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     window = [_full_batch(run_cfg, vocab, fakes) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]

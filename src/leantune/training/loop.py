@@ -20,12 +20,16 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from leantune.config import RunConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import reshard
 from leantune.labels import count_targets
+from leantune.memory.monitor import MemoryLog
 from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.compiling import compile_line
@@ -49,13 +53,13 @@ class TrainingParts:
     """Everything a run trains with, built before the loop starts (``leantune.builders``)."""
 
     model: torch.nn.Module
-    tokenizer: object
-    train_loader: object
-    val_loader: Optional[object]
+    tokenizer: PreTrainedTokenizerBase
+    train_loader: DataLoader
+    val_loader: Optional[DataLoader]
     precision: Precision
-    monitor: object  # a MemoryMonitor, or a CurrentMemoryProbe that logs nothing
+    monitor: MemoryLog  # a MemoryMonitor, or a CurrentMemoryProbe that logs nothing
     step: TrainStep  # the loss model, the optimizer and the GradScaler are its
-    scheduler: object
+    scheduler: LRScheduler
     state_store: Optional[TrainingStateStore] = None  # where training states go (None: they are not saved)
     loggers: MetricLoggers = field(default_factory=MetricLoggers)
     token_flops: Optional[TokenFlops] = None  # with peak_tflops: MFU and HFU per step
@@ -326,7 +330,7 @@ class Trainer:
                  f"{self.progress.batches_in_epoch} batches into it")
 
     def _oom_report(self, err: BaseException) -> str:
-        last = self.monitor.rows[-1] if getattr(self.monitor, "rows", None) else None
+        last = self.monitor.rows[-1] if self.monitor.rows else None
         return oom_report(err, self.cfg, self.device, self.activity, last, self.parts.predicted_peak_bytes)
 
     def write_metrics(self) -> Optional[Path]:

@@ -8,7 +8,6 @@ change here.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from leantune.config import TrainingConfig
 from leantune.optimizers import AUTO, build
@@ -18,10 +17,11 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str,
+                    planned: bool = False) -> torch.optim.Optimizer:
     """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``) for a ``device_type`` run.
 
-    On the planner's fake tensors the entry's stand-in, where it has one. With
+    ``planned``: for the planner's step on fake tensors, which says so: the entry's stand-in, where it has one. With
     ``--optimizer_in_backward`` each weight gets a group of its own (``training.in_backward`` steps
     one group at a time).
     """
@@ -31,7 +31,7 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
     params = trainable_parameters(model)
     groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
     return build(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay, device_type=device_type,
-                 planned=bool(params) and is_fake(params[0]))
+                 planned=planned)
 
 
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
