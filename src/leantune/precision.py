@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from leantune.config import ConfigError, ModelConfig, RunConfig
+from leantune.config import ConfigError, ModelConfig, RunConfig, TrainingConfig
 
 
 def choose_device(cfg: ModelConfig) -> torch.device:
@@ -58,9 +58,9 @@ class Precision:
         return torch.amp.GradScaler(self.device.type) if self.loss_scaling else None
 
 
-def pure_bf16_allowed(cfg: RunConfig) -> bool:
-    """Whether ``--pure_bf16`` could be added to ``cfg`` (the conflicts ``RunConfig`` refuses, by name, when given)."""
-    return not cfg.training.use_fp16 and cfg.model.model_dtype in ("auto", "bfloat16")
+def pure_bf16_allowed(mc: ModelConfig, tc: TrainingConfig) -> bool:
+    """Whether ``--pure_bf16`` could be added to a run (the conflicts ``RunConfig`` refuses, by name, when given)."""
+    return not tc.use_fp16 and mc.model_dtype in ("auto", "bfloat16")
 
 
 AMPERE = (8, 0)  # the compute capability native bfloat16 and the flash attention kernels need

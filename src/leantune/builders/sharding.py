@@ -48,7 +48,7 @@ def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: t
     if low_cpu:
         load_from_rank0(loss_model, rank0_state, dist, device)
         del rank0_state
-    log(describe_sharding(cfg, dist))
+    log(describe_sharding(cfg.distributed, cfg.training.batch_size_training, dist))
     if device.type == "cuda":
         log(sharded_memory_line(device, peak_before))
 
@@ -67,9 +67,10 @@ def sharded_memory_line(device: torch.device, peak_before: int = 0) -> str:
             f"peak {peak / 2**20:,.0f} MiB while loading and sharding")
 
 
-def describe_sharding(cfg: RunConfig, dist: DistContext) -> str:
-    """The start-up line that says FSDP is in force, over how many processes, with which offload."""
-    dc, batch, world = cfg.distributed, cfg.training.batch_size_training, dist.world_size
+def describe_sharding(dc: DistributedConfig, batch: int, dist: DistContext) -> str:
+    """The start-up line that says FSDP is in force, over how many processes (``batch`` rows each), with which
+    offload."""
+    world = dist.world_size
     processes = f"{world} processes" if world > 1 else "1 process"
     where = ("parameters, gradients and optimizer state in host memory (CPU offload), one layer at a time on "
              "the device" if dc.fsdp_cpu_offload else "the shards on the device")

@@ -84,7 +84,7 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     if not tc.optimizer_in_backward and not in_backward_conflicts(cfg):
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
-    bf16_allowed = pure_bf16_allowed(cfg)
+    bf16_allowed = pure_bf16_allowed(cfg.model, cfg.training)
     current = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer)  # auto: advised as AdamW
     advised = [advice for entry in ENTRIES.values() for advice in entry.advice
                if (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices

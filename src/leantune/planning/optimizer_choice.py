@@ -32,7 +32,7 @@ LADDER = tuple(ladder())
 def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
     """The rungs this run may take: those its other flags allow and its own optimizer flags ask for."""
     tc = cfg.training
-    half_weights_allowed = pure_bf16_allowed(cfg)
+    half_weights_allowed = pure_bf16_allowed(cfg.model, cfg.training)
     in_backward_allowed = not in_backward_conflicts(cfg)
     return [rung for rung in LADDER
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
