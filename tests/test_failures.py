@@ -33,7 +33,7 @@ def fail_at(monkeypatch, method: str, step: int, error):
 
 def fail_in_batch(monkeypatch, call: int, error):
     """Make the training step's forward and backward of its ``call``-th batch raise ``error``."""
-    original, calls = TrainStep.loss_step, []
+    original, calls = TrainStep.forward_backward, []
 
     def patched(self, *args, **kwargs):
         calls.append(None)
@@ -41,7 +41,7 @@ def fail_in_batch(monkeypatch, call: int, error):
             raise error
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(TrainStep, "loss_step", patched)
+    monkeypatch.setattr(TrainStep, "forward_backward", patched)
 
 
 def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file(
@@ -288,16 +288,16 @@ def test_an_overflow_under_the_grad_scaler_is_routine_not_a_bad_step(tiny_model_
     update and halves its scale; the run neither warns nor counts a non-finite step nor stops (the
     allowance is 0)."""
     monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: FP16)
-    loss_step, calls = TrainStep.loss_step, []
+    forward_backward, calls = TrainStep.forward_backward, []
 
     def overflowing(self, batch, normaliser):
-        loss = loss_step(self, batch, normaliser)
+        loss = forward_backward(self, batch, normaliser)
         calls.append(None)
         if len(calls) == 2:  # step 2: one gradient overflows after backward, the loss stays finite
             next(p for p in self.loss_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
         return loss
 
-    monkeypatch.setattr(TrainStep, "loss_step", overflowing)
+    monkeypatch.setattr(TrainStep, "forward_backward", overflowing)
     monkeypatch.setattr(Trainer, "_after_step", _remember_scale(Trainer._after_step, scales := []))
     lines: list[str] = []
     results = finetuning.run(parse_run_config(["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "4",

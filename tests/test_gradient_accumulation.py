@@ -113,7 +113,7 @@ def test_per_batch_means_would_give_other_gradients(tiny_model_dir, flags):
 
     per_batch_mean.optimizer.zero_grad(set_to_none=True)
     for batch in (first, second):  # what a per-batch-mean trainer would do with this window
-        per_batch_mean.loss_step(batch, normaliser=2 * count_targets(batch["labels"]))
+        per_batch_mean.forward_backward(batch, normaliser=2 * count_targets(batch["labels"]))
     single.run([_concat(first, second)])
     wrong, right = _grads(per_batch_mean), _grads(single)
 

@@ -218,7 +218,7 @@ class TrainStep:
         normaliser = max(targets, 1) / self.dist.world_size
         loss_total = torch.zeros((), device=self.device)
         for batch in window:
-            loss_total += self.loss_step(batch, normaliser=normaliser)
+            loss_total += self.forward_backward(batch, normaliser=normaliser)
         # one wait for the device, before the optimizer may apply what is checked
         loss_sum, grad_norm = host_floats(loss_total, self.gradient_norm())
         input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
@@ -242,7 +242,7 @@ class TrainStep:
             torch.cuda.synchronize(self.device)
         return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped)
 
-    def loss_step(self, batch: dict, normaliser: float) -> torch.Tensor:
+    def forward_backward(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
         input_ids, labels, positions, segments = model_inputs(batch, self.device)
         return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
