@@ -1,5 +1,5 @@
-"""The training loop: ``train()`` → ``train_epoch()`` → ``train_step()`` (a ``TrainStep``) → ``forward_backward()``
-for each batch of the step's window.
+"""The training loop: ``train()`` → ``train_epoch()`` → ``train_step()`` (a ``TrainStep``) →
+``forward_backward()`` for each batch of the step's window.
 
 The trainer receives everything already built (``TrainingParts``: model, loaders, precision,
 memory monitor, the step with its optimizer, the scheduler) and never tests a feature flag:
