@@ -154,26 +154,17 @@ class PlainCrossEntropy:
 def effective_chunk_size(requested: Optional[int], vocab_size: int, summed_head_grad_bytes: int = 0) -> int:
     """``--loss_chunk_size`` as a run uses it: unset means chunked (``auto_chunk_size``); 0 is the plain loss.
 
-    Chunked by default, with or without checkpointing: without checkpointing the plain loss's logits
-    are about a third of what a row of a LoRA step holds (``benchmarks/memory_budget.py``). In float32
-    and bfloat16 it computes nothing twice; whether it is as fast as the plain loss on a GPU for full
-    fine-tuning is measured by ``benchmarks/gpu_check.py`` (``full_finetuning``), not yet claimed.
-    Under float16 loss scaling the chunks are recomputed in backward (one more LM-head matmul per
-    token): ``0`` avoids that where memory is ample.
+    Chunked by default, with or without checkpointing: the plain loss's logits are about a third of what a
+    row of a LoRA step holds (measured by ``benchmarks/memory_budget.py``). Under float16 loss scaling the chunks
+    are recomputed in backward (one more LM-head matmul a token): ``0`` avoids that where memory is ample.
     """
     return auto_chunk_size(vocab_size, summed_head_grad_bytes) if requested is None else requested
 
 
 def auto_chunk_size(vocab_size: int, summed_head_grad_bytes: int = 0) -> int:
     """Tokens per chunk (a multiple of 128): a chunk's float32 logits take about 64 MiB, or a quarter of
-    ``summed_head_grad_bytes`` when that is more.
-
-    ``summed_head_grad_bytes``: the float32 head gradient the chunks add into (full fine-tuning with
-    a float32 head). Each chunk reads and writes that whole gradient once, so a fixed 128-token chunk
-    at Llama 3's vocabulary costs the 1B's 1 GiB gradient 64 passes for a 4 x 2048 step (about 128 GiB
-    of memory traffic; off CUDA, also 64 roundings of its partial sums under autocast). A quarter of the gradient
-    makes it 16 passes of 512 tokens, for chunk temporaries of about half the gradient's size, which
-    the plan counts like any other.
+    ``summed_head_grad_bytes`` (the float32 head gradient the chunks add into) when that is more: each chunk
+    reads and writes that whole gradient, so bigger chunks make fewer passes (docs/gpu_readiness.md, row 8).
     """
     target = max(_CHUNK_LOGITS_BYTES, summed_head_grad_bytes // 4)
     return max(128, (target // (4 * vocab_size)) // 128 * 128)
