@@ -106,7 +106,7 @@ def make_case(args, kind: str, mode: str, loss: str, device: torch.device) -> Ca
     shape = PRESETS[args.preset]["shape"]
     model, report = prepare_model(random_model(shape, precision.weight_dtype, device, args.seed), cfg, precision)
     layers = f"{report.checkpointed_layers}/{report.total_layers}" if mode != "none" else "-"
-    return Case(kind, mode, loss, model, loss_function(model, cfg.training.loss_chunk_size), precision,
+    return Case(kind, mode, loss, model, loss_function(model, cfg.training.loss_chunk_size, sharded=False), precision,
                 precision.make_scaler(), layers)
 
 

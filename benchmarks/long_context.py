@@ -90,7 +90,8 @@ def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> 
     return_host_memory(cfg.memory.return_host_memory, "cpu", context)  # as ``leantune finetune`` does at start-up
     precision = choose_precision(cfg, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None, tokenizer="no tokenizer: the row is made of ids")
-    step = build_train_step(cfg.training, loss_model_for(model, cfg.training), precision, check_finite=False)
+    loss_model = loss_model_for(model, cfg.training, sharded=False)
+    step = build_train_step(cfg.training, loss_model, precision, check_finite=False)
     row = one_row(context, model.get_output_embeddings().weight.shape[0])
     return _timed(lambda: step.run([row]), steps)
 

@@ -85,7 +85,8 @@ def measured_step(cfg) -> dict:
     facts = run_model_facts(cfg.model)
     precision = choose_precision(cfg, CPU)
     model, _ = build_model(cfg, precision, log=QUIET, facts=facts)
-    step = build_train_step(cfg.training, loss_model_for(model, cfg.training), precision, check_finite=False,
+    loss_model = loss_model_for(model, cfg.training, sharded=False)
+    step = build_train_step(cfg.training, loss_model, precision, check_finite=False,
                             device_type="cpu")
     shape = (cfg.training.batch_size_training, cfg.data.context_length)
     ids = torch.randint(0, facts.config.vocab_size, shape, generator=torch.Generator().manual_seed(0))

@@ -38,7 +38,7 @@ def measure_activations(cfg, batch: int, seq: int) -> tuple[int, int]:
     precision = choose_precision(cfg, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None)
     lm_head = unwrap_model(model).get_output_embeddings()
-    loss_fn = loss_function(model, cfg.training.loss_chunk_size)
+    loss_fn = loss_function(model, cfg.training.loss_chunk_size, sharded=False)
     ids = torch.randint(3, lm_head.weight.shape[0], (batch, seq))
     meter = ActivationMeter.for_model(model)
     after_forward = []

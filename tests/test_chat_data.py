@@ -177,3 +177,10 @@ def test_the_tokenization_cache_keeps_chat_templates_and_turns_apart(tokenizer, 
     uncached = {name: build_datasets(dataclasses.replace(config, dataset_cache=False), tokenizer, seed=0)[0][0]
                 for name, config in runs.items()}
     assert examples == uncached and len({json.dumps(example) for example in examples.values()}) == 3
+    # a template file edited in place: its text is in the key, not only its path
+    template = tmp_path / "template.jinja"
+    template.write_text(CHATML)
+    from_file = DataConfig(dataset="chat_dataset", data_path=str(path), val_fraction=0, chat_template=str(template))
+    assert build_datasets(from_file, tokenizer, seed=0)[0][0] == examples["chatml"]
+    template.write_text(LLAMA3)
+    assert build_datasets(from_file, tokenizer, seed=0)[0][0] == examples["tokenizer's"]

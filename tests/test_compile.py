@@ -93,9 +93,9 @@ def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
     assert planned_modes(on_gpu=True, compiled=True) == [m for m in planned_modes(on_gpu=True) if m != "offload"]
     auto = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"]
     gpu = torch.device("cuda")
-    assert "offload" in modes_to_plan(parse_run_config(auto).checkpointing, gpu)
+    assert "offload" in modes_to_plan(parse_run_config(auto).checkpointing, gpu, compiled=False)
     compiled = parse_run_config([*auto, "--compile"])
-    assert "offload" not in modes_to_plan(compiled.checkpointing, gpu, compiled.training.compile)
+    assert "offload" not in modes_to_plan(compiled.checkpointing, gpu, compiled=compiled.training.compile)
 
 
 def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):

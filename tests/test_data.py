@@ -171,6 +171,8 @@ def test_a_format_registered_alone_is_read_checked_and_encoded(monkeypatch, toke
     with pytest.raises(ConfigError, match="--assistant_turns: applies to --dataset chat_dataset or lines_dataset, "
                                           "not alpaca_dataset"):
         DataConfig(assistant_turns="last")
+    with pytest.raises(ConfigError, match="--dataset: 'poems' is not a dataset format; choose from alpaca_dataset"):
+        DataConfig(dataset="poems")
     monkeypatch.setitem(FORMATS, "alpaca_dataset", dataclasses.replace(FORMATS["alpaca_dataset"],
                                                                        hub_dataset="someone/alpaca"))
     from leantune.data import records_source

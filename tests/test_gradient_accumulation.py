@@ -56,7 +56,7 @@ def _trainers(tiny_model_dir, flags: list[str]) -> tuple[TrainStep, TrainStep]:
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.05)
     assert not any(m.p for m in model.modules() if isinstance(m, torch.nn.Dropout))  # same masks: none
-    loss_fn = loss_function(model, cfg.training.loss_chunk_size)
+    loss_fn = loss_function(model, cfg.training.loss_chunk_size, sharded=False)
 
     def make(m):
         return build_train_step(cfg.training, CausalLMLoss(m, loss_fn), precision, log=lambda _line: None)

@@ -115,8 +115,9 @@ def test_a_trained_float32_head_gets_chunks_of_a_quarter_of_its_gradient(full_fi
     model.requires_grad_(full_finetuning)
     assert auto_chunk_size(128_256, 128_256 * 2048 * 4) == 512
     cfg = parse_run_config(flags)
-    assert loss_function(model, cfg.training.loss_chunk_size, cfg.distributed.enable_fsdp).chunk_size == expected
-    assert loss_function(model, 256).chunk_size == 256  # asked for
+    chunked = loss_function(model, cfg.training.loss_chunk_size, sharded=cfg.distributed.enable_fsdp)
+    assert chunked.chunk_size == expected
+    assert loss_function(model, 256, sharded=False).chunk_size == 256  # asked for
 
 
 def test_chunk_size_must_be_positive():

@@ -51,4 +51,4 @@ def test_readme_plan_command_parses():
     cfg = parse_run_config(argv)
     assert cfg.model.model_name == "meta-llama/Llama-3.1-8B-Instruct" and cfg.memory.memory_budget_gb == 24
     target = plan_target(cfg.model)
-    assert target.type == "cuda" and "offload" in modes_to_plan(cfg.checkpointing, target)
+    assert target.type == "cuda" and "offload" in modes_to_plan(cfg.checkpointing, target, compiled=False)

@@ -88,7 +88,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
     monitor = build_monitor(cfg.memory, cfg.output, device, dist, stack, log)
     log(f"precision: {precision.note}")
-    loss_model = loss_model_for(model, cfg.training, cfg.distributed.enable_fsdp)
+    loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)
     log(describe_loss(loss_model.loss_fn))
     if dist.sharded:
         shard(loss_model, cfg, dist, device, precision, log, peak_before=loaded_peak)

@@ -26,7 +26,7 @@ from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
 
-def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], sharded: bool = False):
+def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], *, sharded: bool):
     """``model``'s loss: chunked cross-entropy of ``--loss_chunk_size`` tokens (None: sized to the head) unless 0
     asks for the plain loss, either applying what the model's forward does to its logits (read from its config).
     ``sharded``: under FSDP."""

@@ -207,7 +207,7 @@ def _compare(cfg: RunConfig, model: torch.nn.Module, generator: torch.Generator,
     ids, labels = _batch(generator)
     architecture, stand_in = type(model).__name__, model.get_decoder()
     try:
-        loss = loss_function(model, cfg.training.loss_chunk_size, cfg.distributed.enable_fsdp)
+        loss = loss_function(model, cfg.training.loss_chunk_size, sharded=cfg.distributed.enable_fsdp)
         ours_model = CausalLMLoss(model, loss)
         own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
     except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared

@@ -15,10 +15,10 @@ from leantune.training.optim import build_optimizer
 from leantune.training.step import CausalLMLoss, NonFiniteCheck, TrainStep
 
 
-def loss_model_for(model: torch.nn.Module, tc: TrainingConfig, sharded: bool = False) -> CausalLMLoss:
+def loss_model_for(model: torch.nn.Module, tc: TrainingConfig, *, sharded: bool) -> CausalLMLoss:
     """``model`` joined with the loss the training section asks for, applying what the model's forward does to
     its logits (read from its config), as the module FSDP shards as its root (``sharded``: under FSDP)."""
-    return CausalLMLoss(model, loss_function(model, tc.loss_chunk_size, sharded))
+    return CausalLMLoss(model, loss_function(model, tc.loss_chunk_size, sharded=sharded))
 
 
 def build_train_step(tc: TrainingConfig, loss_model: CausalLMLoss, precision: Precision,

@@ -342,8 +342,9 @@ class RunConfig:
             flag = ("--pure_bf16" if tc.pure_bf16 else "--optimizer auto" if tc.optimizer == AUTO_OPTIMIZER
                     else optimizer_entry(tc.optimizer).flag)
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
-        for flag, why in ([] if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer).conflicts_in(tc)):
-            raise ConfigError(f"{optimizer_entry(tc.optimizer).flag}: not with {flag}: {why}; drop one")
+        entry = None if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer)
+        for flag, why in ([] if entry is None else optimizer_conflicts(entry, tc, self.model.model_dtype)):
+            raise ConfigError(f"{entry.flag}: not with {flag}: {why}; drop one")
         if tc.optimizer_in_backward and in_backward_conflicts(self):
             raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*in_backward_conflicts(self)[0]))
 
@@ -352,6 +353,16 @@ class RunConfig:
         return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
 
 
+
+
+def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str) -> list[tuple[str, str]]:
+    """The flags an optimizer ``entry`` cannot work with that a run sets, each with why: its training conflicts,
+    and where it refuses --use_fp16, --model_dtype float16 too (float16 weights train with the same loss scaler)."""
+    found = entry.conflicts_in(tc)
+    why = dict(entry.conflicts).get("use_fp16")
+    if why and model_dtype == "float16" and not tc.use_fp16:
+        found.append(("--model_dtype float16", why))
+    return found
 
 
 def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -364,6 +375,8 @@ def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
          "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
         (tc.gradient_clipping, "--gradient_clipping", "the global gradient norm is known only after every weight has stepped"),
         (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
+        (cfg.model.model_dtype == "float16" and not tc.use_fp16, "--model_dtype float16",
+         "float16 weights train with a loss scaler, which must see every gradient before any step; use bfloat16"),
         (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
          "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "
          "skipped (a non-finite step stops the run, nothing saved from it)"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal, Optional
 
 from leantune.config.checks import _help, _require
@@ -70,6 +70,8 @@ class DataConfig:
         return self.batching_strategy == "packing" and self.packed_examples == "apart"
 
     def __post_init__(self):
+        _require(self.dataset in FORMATS, "dataset", f"{self.dataset!r} is not a dataset format; choose from "
+                 f"{', '.join(FORMATS)}")
         _require(self.context_length >= 2, "context_length", f"must be at least 2 (got {self.context_length})")
         _require(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1) (got {self.val_fraction})")
         _require(self.num_workers_dataloader >= 0, "num_workers_dataloader", "must be 0 or more")
@@ -88,7 +90,7 @@ class DataConfig:
                  f"applies to --dataset custom_dataset, not {self.dataset}; add --dataset custom_dataset")
         _require(self.packed_examples == "apart" or self.batching_strategy == "packing", "packed_examples",
                  f"applies to --batching_strategy packing, not {self.batching_strategy}; drop it")
-        defaults = {f.name: f.default for f in fields(self)}
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(self)}
         for flag in dict.fromkeys(flag for entry in FORMATS.values() for flag in entry.options):
             owners = [name for name, entry in FORMATS.items() if flag in entry.options]  # the formats it is for
             _require(getattr(self, flag) == defaults[flag] or self.dataset in owners, flag,

@@ -49,8 +49,10 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
     encode = functools.partial(_encode, cfg, tokenizer, source)
     if not cfg.dataset_cache:
         return split_records(encode(), cfg.val_fraction, seed)
+    entry = format_entry(cfg.dataset)  # its own flags, and what it derives from them (a template file's text)
     key = cache_key({"source": source.identity(), "dataset": cfg.dataset, "columns": cfg.column_map,
-                     **format_entry(cfg.dataset).cache_settings(cfg), "tokenizer": tokenizer_fingerprint(tokenizer)})
+                     "options": {flag: getattr(cfg, flag) for flag in entry.options},
+                     "format": entry.cache_settings(cfg), "tokenizer": tokenizer_fingerprint(tokenizer)})
     examples, hit = cached_examples(key, encode)
     if hit and log is not None:
         log(f"data cache: {len(examples)} tokenized examples of {source.name} read back ({cache_dir()}; "

@@ -145,5 +145,5 @@ register(DatasetFormat(
     encode=encode_chat_dataset,
     from_bundled=alpaca_as_chat,
     options=("chat_template", "assistant_turns"),
-    cache_settings=lambda data: {"template": read_template(data.chat_template), "turns": data.assistant_turns},
+    cache_settings=lambda data: {"template": read_template(data.chat_template)},  # the file's text, not its path
 ))

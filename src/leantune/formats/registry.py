@@ -29,8 +29,8 @@ class DatasetFormat:
     hub_dataset: Optional[str] = None  # without --data_path, this hub dataset (llama-cookbook's for the name)
     from_bundled: Optional[Callable[[dict], dict]] = None  # the bundled Alpaca records in its shape
     needs_data: str = ""  # it has no records of its own: how to give them (the config's error says it)
-    options: tuple[str, ...] = ()  # data flags meant for this format alone (refused with another)
-    cache_settings: Callable[[Any], dict] = lambda data: {}  # what of the data section changes its examples
+    options: tuple[str, ...] = ()  # data flags meant for this format alone (refused with another; in the cache key)
+    cache_settings: Callable[[Any], dict] = lambda data: {}  # what else changes its examples: the cache key's too
 
 
 FORMATS: dict[str, DatasetFormat] = {}

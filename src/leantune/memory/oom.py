@@ -11,7 +11,7 @@ import torch
 
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
-from leantune.config import ConfigError, DistributedConfig, RunConfig, in_backward_conflicts
+from leantune.config import ConfigError, DistributedConfig, RunConfig, in_backward_conflicts, optimizer_conflicts
 from leantune.optimizers import AUTO, ENTRIES, optimizer_entry
 from leantune.precision import pure_bf16_allowed
 
@@ -88,6 +88,7 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     current = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer)  # auto: advised as AdamW
     advised = [advice for entry in ENTRIES.values() for advice in entry.advice
                if (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
+               and not optimizer_conflicts(entry, tc, cfg.model.model_dtype)
                and advice.applies(current, tc.pure_bf16, bf16_allowed)]
     fixes += [advice.text(device.type) for advice in sorted(advised, key=lambda advice: advice.order)]
     return fixes

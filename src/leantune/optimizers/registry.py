@@ -75,7 +75,7 @@ class OptimizerEntry:
 
     @property
     def flag(self) -> str:
-        """How the user asked for it, for error lines."""
+        """How error lines name it: its switch where it has one (``--optimizer NAME`` means the same)."""
         return f"--{self.switch}" if self.switch else f"--optimizer {self.name}"
 
     def conflicts_in(self, training: Any) -> list[tuple[str, str]]:
@@ -147,9 +147,15 @@ def build(name: str, groups: list, *, lr: float, weight_decay: float, device_typ
 
 
 def ladder() -> list[Rung]:
-    """Every entry's rungs, most bytes a parameter first (the order of cost to quality: docs/optimizers.md)."""
+    """Every entry's rungs, most bytes a parameter first (the order of cost to quality: docs/optimizers.md); at
+    equal bytes, float32 weights before bfloat16 ones (which cost quality, not time)."""
     rungs = [rung for entry in ENTRIES.values() for rung in entry.rungs]
-    return sorted(rungs, key=lambda rung: -rung.bytes_per_parameter)
+    return sorted(rungs, key=lambda rung: (-rung.bytes_per_parameter, rung.pure_bf16))
+
+
+def pinned_size(nbytes: int) -> int:
+    """What the pinned host allocator takes for ``nbytes``: the next power of two (its default rounding)."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
 
 
 def plain_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

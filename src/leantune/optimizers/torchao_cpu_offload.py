@@ -18,14 +18,16 @@ only, and the in-place write of each weight (the copy back).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, register
+from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, pinned_size, register
 from leantune.optional import import_quietly
 
 MIN_OFFLOADED_SIZE = 4096  # torchao's default minimal_size: smaller weights step on the device
-HOST_BYTES_PER_PARAMETER = 16  # pinned weight and gradient copies and AdamW's two float32 moments
-PINNED_BYTES_PER_PARAMETER = 8  # the copies are pinned; the moments torch's AdamW makes are not
+# A float32 weight's host memory: its pinned copy and gradient copy, and AdamW's two moments (not pinned)
+HOST_BYTES_PER_PARAMETER = 16
 
 
 def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type: str) -> torch.optim.Optimizer:
@@ -38,7 +40,29 @@ def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type
     # defaults, and the state the memory tracker counts on the device) is the on-device part
     optimizer.defaults = {"lr": lr, "weight_decay": weight_decay, "fused": True}
     optimizer.state = optimizer.d_opt.state if optimizer.d_opt is not None else {}
+    optimizer.zero_grad = _forgetting_copies(optimizer, optimizer.zero_grad)
     return optimizer
+
+
+def _forgetting_copies(optimizer, original_zero_grad):
+    """``zero_grad`` that also drops the gradient copies a step did not use: a skipped (non-finite) step
+    leaves them queued, and a weight without a gradient next step would be stepped with them."""
+    def zero_grad(set_to_none: bool = True) -> None:
+        optimizer.stream.synchronize()  # no copy still reads a gradient about to be freed
+        optimizer.queue.clear()
+        original_zero_grad(set_to_none)
+    return zero_grad
+
+
+@contextlib.contextmanager
+def _rebinding_groups(optimizer):
+    """Around loading a saved state: torch's ``load_state_dict`` gives the on-device optimizer new group and
+    state objects, which torchao's ``param_groups`` (what the schedule sets the learning rate in) and leantune's
+    ``state`` must then be."""
+    yield
+    if optimizer.d_opt is not None:
+        optimizer.d_param_groups = optimizer.d_opt.param_groups
+        optimizer.state = optimizer.d_opt.state
 
 
 class OffloadedAdamWStandIn(PlannedStep):
@@ -47,10 +71,12 @@ class OffloadedAdamWStandIn(PlannedStep):
     the offloaded ones take it states (``host_state_bytes``)."""
 
     def host_state_bytes(self) -> tuple[int, int]:
-        """(host bytes, of which pinned) for the offloaded float32 weights: copies, gradients and moments."""
-        offloaded = sum(p.numel() for group in self.param_groups for p in group["params"]
-                        if p.numel() >= MIN_OFFLOADED_SIZE)
-        return HOST_BYTES_PER_PARAMETER * offloaded, PINNED_BYTES_PER_PARAMETER * offloaded
+        """(host bytes, of which pinned) for the offloaded weights: each one's copy and gradient copy, pinned
+        (as the pinned allocator rounds them), and AdamW's two moments, in the weight's dtype."""
+        sizes = [p.numel() * p.element_size() for group in self.param_groups for p in group["params"]
+                 if p.numel() >= MIN_OFFLOADED_SIZE]
+        pinned = sum(2 * pinned_size(size) for size in sizes)
+        return pinned + 2 * sum(sizes), pinned
 
     def new_state(self, param: torch.Tensor) -> dict:
         if param.numel() >= MIN_OFFLOADED_SIZE:
@@ -62,7 +88,8 @@ class OffloadedAdamWStandIn(PlannedStep):
 register(OptimizerEntry(
     name="adamw_cpu_offload",
     summary="torchao's CPU-offloaded AdamW, also --optimizer_cpu_offload (no optimizer state on the GPU: it is in "
-            f"host memory, {HOST_BYTES_PER_PARAMETER} bytes a parameter pinned, and steps on the CPU; CUDA only)",
+            f"host memory, {HOST_BYTES_PER_PARAMETER} bytes a float32 parameter, half of them pinned, and steps on "
+            "the CPU; CUDA only)",
     build=offloaded_adamw,
     stand_in=lambda groups, *, lr, weight_decay, device_type: OffloadedAdamWStandIn(groups, lr, weight_decay),
     package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
@@ -73,13 +100,14 @@ register(OptimizerEntry(
     state_bytes=0,
     rungs=(Rung("AdamW, its state on the host (torchao)", "adamw_cpu_offload", False, False, 8,
                 f"AdamW steps on the CPU: slower steps, and {HOST_BYTES_PER_PARAMETER} bytes a trained parameter "
-                "of pinned host memory"),),
+                "of host memory, half of them pinned"),),
     advice=(Advice(text=lambda device_type: "AdamW's state in host memory, stepped on the CPU (no optimizer state "
-                                            f"on the GPU; {HOST_BYTES_PER_PARAMETER} bytes a parameter of pinned "
-                                            "host memory, slower steps): --optimizer_cpu_offload",
+                                            f"on the GPU; {HOST_BYTES_PER_PARAMETER} bytes a parameter of host "
+                                            "memory, half of them pinned; slower steps): --optimizer_cpu_offload",
                    applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 2 and not pure_bf16,
                    order=4),),
     own_state=True,
+    loading=_rebinding_groups,
     switch="optimizer_cpu_offload",
     conflicts=(("gradient_clipping", "each gradient is copied to the host as soon as backward completes it, before "
                                      "the clipping would scale it"),

@@ -55,8 +55,8 @@ def _budget(cfg: RunConfig, device: torch.device) -> int:
 def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log,
                      traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
     """The mode, or per-layer mix, with the least recompute that fits at the configured batch."""
-    plans = plan_modes(cfg, config, device, modes_to_plan(cfg.checkpointing, device, cfg.training.compile), budget,
-                       traces)
+    modes = modes_to_plan(cfg.checkpointing, device, compiled=cfg.training.compile)
+    plans = plan_modes(cfg, config, device, modes, budget, traces)
     table = format_table(plans, budget)
     chosen = choose_mode(plans)
     if chosen is None:
@@ -129,7 +129,7 @@ def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: 
                           traces: Optional[StepTraces] = None) -> dict[str, tuple[int, ModePlan]]:
     """Each mode's largest batch that fits ``budget`` (modes with none left out), with its plan."""
     found = {}
-    for mode in modes_to_plan(cfg.checkpointing, device, cfg.training.compile):
+    for mode in modes_to_plan(cfg.checkpointing, device, compiled=cfg.training.compile):
         if mode != OFFLOAD:
             batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
             if batch:

@@ -55,7 +55,7 @@ def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
 
 def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None, budget: int | None) -> list:
     """Each mode's plan: one process's, or one rank's of ``world_size`` under FSDP (derived from it)."""
-    plans = plan_modes(cfg, config, target, modes_to_plan(cfg.checkpointing, target, cfg.training.compile),
+    plans = plan_modes(cfg, config, target, modes_to_plan(cfg.checkpointing, target, compiled=cfg.training.compile),
                        None if world_size else budget)
     if world_size:
         offload = cfg.distributed.fsdp_cpu_offload

@@ -36,7 +36,7 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     device = precision.device
 
     def run(batch: int) -> int:
-        loss_model = loss_model_for(model, cfg.training, cfg.distributed.enable_fsdp)  # the run's own loss
+        loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)  # the run's own loss
         vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
         # --optimizer_in_backward frees each gradient once its weight has stepped: so does this step
         # (without stepping), or it would hold the full set of gradients the run never does

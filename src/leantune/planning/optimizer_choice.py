@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import psutil
 import torch
 
 from leantune.checkpointing.modes import AUTO
-from leantune.config import ConfigError, RunConfig, TrainingConfig, in_backward_conflicts
+from leantune.config import ConfigError, RunConfig, TrainingConfig, in_backward_conflicts, optimizer_conflicts
 from leantune.optimizers import AUTO as AUTO_OPTIMIZER, Rung, ladder, optimizer_entry
 from leantune.models.compiling import compiler_found
 from leantune.optional import installed
@@ -38,7 +39,7 @@ def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
             and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)
             and _runs_here(optimizer_entry(rung.optimizer), device)
-            and not optimizer_entry(rung.optimizer).conflicts_in(tc)]
+            and not optimizer_conflicts(optimizer_entry(rung.optimizer), tc, cfg.model.model_dtype)]
 
 
 def _runs_here(entry, device: torch.device) -> bool:
@@ -61,7 +62,7 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
     smallest with ``--auto_batch_size``, which then grows it on the chosen rung).
     """
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
-    every = modes_to_plan(cfg.checkpointing, device, cfg.training.compile)
+    every = modes_to_plan(cfg.checkpointing, device, compiled=cfg.training.compile)
     modes = [m for m in every if m != OFFLOAD] if auto_mode else [run_mode(cfg.checkpointing)]
     probe = with_batch(cfg, batch_candidates(cfg.memory)[0]) if cfg.memory.auto_batch_size else cfg
     tried: list[tuple[Rung, ModePlan]] = []
@@ -69,7 +70,7 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
         least = min(plan_modes(with_rung(probe, rung), config, device, modes, traces=traces),
                     key=lambda plan: plan.peak_bytes)
         tried.append((rung, least))
-        if least.peak_bytes <= budget:
+        if least.peak_bytes <= budget and least.host_bytes <= host_memory_available():  # a rung stepping on the host
             _log_ladder(tried, budget, log)
             log(f"optimizer ladder: auto chose {rung.name} ({rung.flags}), the first that fits {format_bytes(budget)}")
             if rung.warning:
@@ -94,10 +95,17 @@ def _host_offload_hint(cfg: RunConfig, config, device: torch.device, budget: int
         describe_host_offload(offloaded)
 
 
+def host_memory_available() -> int:
+    """This machine's host memory free for a run's host-side state (what the kernel reports available)."""
+    return psutil.virtual_memory().available
+
+
 def _log_ladder(tried: list[tuple[Rung, ModePlan]], budget: int, log) -> None:
     log(f"optimizer ladder (least-memory checkpointing mode of each, budget {format_bytes(budget)}):")
     for rung, plan in tried:
-        log(f"  {rung.name:50} {format_bytes(plan.peak_bytes):>12} ({plan.mode}, {rung.flags})")
+        host = (f", {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(host_memory_available())} "
+                "available)" if plan.host_bytes else "")
+        log(f"  {rung.name:50} {format_bytes(plan.peak_bytes):>12} ({plan.mode}, {rung.flags}){host}")
 
 
 def needs_optimizer_choice(tc: TrainingConfig) -> bool:

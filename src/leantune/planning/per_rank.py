@@ -29,6 +29,7 @@ from leantune.config import CheckpointingConfig, ConfigError, DistributedConfig,
 from leantune.models.facts import meta_model
 from leantune.models.loading import attach_lora
 from leantune.models.structure import decoder_layers
+from leantune.optimizers import pinned_size
 from leantune.planning.fake_step import StepTraces, target_precision
 from leantune.planning.plan import FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes
 
@@ -82,12 +83,9 @@ class _Sizes:
     def pinned(self, params) -> int:
         """Offloaded shards of parameters and of the trainable ones' gradients, each rounded up to a
         power of two by the pinned-memory allocator (its default rounding)."""
-        def rounded(nbytes: int) -> int:
-            return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
-
         shards = [_split(p.numel() * p.element_size(), self.world_size) for p in params]
         grads = [size for p, size in zip(params, shards) if p.requires_grad]
-        return sum(rounded(n) for n in shards + grads)
+        return sum(pinned_size(n) for n in shards + grads)
 
 
 def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: int,

@@ -371,7 +371,7 @@ def run_mode(ac: CheckpointingConfig) -> str:
     return ac.mode or NONE
 
 
-def modes_to_plan(ac: CheckpointingConfig, target: torch.device, compiled: bool = False) -> list[str]:
+def modes_to_plan(ac: CheckpointingConfig, target: torch.device, *, compiled: bool) -> list[str]:
     """The mode asked for, or every mode (offload only for a GPU target, and not ``compiled``: --compile)."""
     asked = ac.activation_checkpointing_mode
     if asked and asked != AUTO:

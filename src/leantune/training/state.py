@@ -253,10 +253,10 @@ class TrainingStateStore:
         optimizer = restored_optimizer_state(parts.optimizer, load_checkpoint_file(path / "optimizer.pt") if reads else {})
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
-        if saves_own_state(parts.optimizer):
-            parts.optimizer.load_state_dict(optimizer)
-        else:
-            with loading_into(parts.optimizer):
+        with loading_into(parts.optimizer):
+            if saves_own_state(parts.optimizer):
+                parts.optimizer.load_state_dict(optimizer)
+            else:
                 set_optimizer_state_dict(parts.loss_model, parts.optimizer, optimizer, options=StateDictOptions(
                     full_state_dict=distributed, broadcast_from_rank0=distributed))
         parts.scheduler.load_state_dict(load_checkpoint_file(path / "scheduler.pt"))
