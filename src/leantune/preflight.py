@@ -55,9 +55,9 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
         raise ConfigError(f"{entry.flag}: {entry.devices_why}, and this run is on {device_type}; "
                           f"{entry.elsewhere}")
     if entry is not None and entry.package and not installed(entry.package):
-        raise ConfigError(f"--optimizer {entry.name}: needs {entry.package} ({entry.install}); {entry.alternative}")
+        raise ConfigError(f"{entry.flag}: needs {entry.package} ({entry.install}); {entry.alternative}")
     if entry is not None and entry.compiles:
-        check_can_compile(device_type, f"--optimizer {entry.name}", entry.alternative.removeprefix("or "))
+        check_can_compile(device_type, entry.flag, entry.alternative.removeprefix("or "))
     if cfg.quant.enabled:
         require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
         compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one
