@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from leantune.loss import causal_lm_loss_sum
@@ -76,3 +78,38 @@ def llama_training_flops(config, seq: int, loss_tokens: int | None = None) -> in
     linear = 6 * layers * per_layer * seq + 6 * vocab * d * (seq if loss_tokens is None else loss_tokens)
     attention = layers * 7 * 2 * heads * seq * seq * head_dim
     return linear + attention
+
+
+class ImmediateStreams:
+    """Stand-ins for the activation offloader's CUDA streams (``checkpointing.offload.CudaStreams``): every copy is
+    done when issued, so waits, events and stream contexts are no-ops and host buffers need no pinning. The CPU
+    tests run the offloader's own pack, prefetch and copy-back code with these."""
+
+    pins = False
+
+    def side_stream(self):
+        return self
+
+    def current(self):
+        return self
+
+    def on(self, stream):
+        return contextlib.nullcontext()
+
+    def event(self):
+        return self
+
+    def used_on(self, tensor, stream) -> None:
+        pass
+
+    def holds(self, tensor) -> bool:
+        return True
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass

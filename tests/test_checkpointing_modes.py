@@ -15,15 +15,15 @@ from leantune.cli_args import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 
-from helpers import activation_bytes, assert_same_gradients, gradients, make_batch, with_lora
+from helpers import ImmediateStreams, activation_bytes, assert_same_gradients, gradients, make_batch, with_lora
 
 POLICIES = {
     "full": lambda: FullCheckpointing(),
     "every_n": lambda: EveryNLayers(n=2),
     "every_n_reentrant": lambda: EveryNLayers(n=2, use_reentrant=True),
     "selective_ops": lambda: SelectiveOps(),
-    # simulate: the offloader's bookkeeping with host copies, on a CPU-only machine
-    "offload": lambda: OffloadCheckpointing(min_bytes=0, simulate=True),
+    # the offloader's bookkeeping with host copies on a CPU-only machine: its streams stood in
+    "offload": lambda: OffloadCheckpointing(min_bytes=0, streams=ImmediateStreams()),
     "layer_mix": lambda: LayerMix(layers=("full", "selective_ops")),  # the test model has two layers
 }
 
@@ -66,7 +66,7 @@ def test_summary_lines_name_layers_and_policy(load_tiny):
     assert selective.endswith("(save attention + projections; recompute elementwise ops, down_proj)")  # full FT
     lora = apply_activation_checkpointing(with_lora(load_tiny()), SelectiveOps()).summary_line()
     assert lora.endswith("policy selective_ops (save attention + projections; recompute elementwise ops, lora_B)")
-    offload = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(simulate=True)).summary_line()
+    offload = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(streams=ImmediateStreams())).summary_line()
     assert "policy offload (layer inputs >= 1 MiB to pinned host memory)" in offload
 
 

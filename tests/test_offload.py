@@ -1,7 +1,7 @@
 """The activation offloader: a bounded best-fit pinned pool, prefetch bookkeeping, dedup by storage, the flag.
 
-The CPU tests run the offloader in simulate mode: the same pack/prefetch/copy-back code, with
-no-op stand-ins for streams and events and plain host copies.
+The CPU tests run the offloader's own pack/prefetch/copy-back code with its CUDA streams stood in
+(``helpers.ImmediateStreams``: every copy done when issued, plain host buffers).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 
 from conftest import TEST_SHAPE
-from helpers import gradients, make_batch
+from helpers import ImmediateStreams, gradients, make_batch
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
 def _offloaded(model, cap=64 * MiB):
-    apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, simulate=True, max_pinned_bytes=cap))
+    apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, max_pinned_bytes=cap, streams=ImmediateStreams()))
     return model._leantune_checkpoint_policy.offloader
 
 
@@ -143,7 +143,7 @@ def four_layer_dir(tmp_path_factory):
                            **{**TEST_SHAPE, "num_hidden_layers": 4})
 
 
-def test_simulate_mode_prefetches_the_layer_below_once_per_copy(four_layer_dir, monkeypatch):
+def test_with_streams_stood_in_it_prefetches_the_layer_below_once_per_copy(four_layer_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(four_layer_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -204,7 +204,7 @@ def test_copies_back_keep_at_most_the_two_layer_inputs_the_plan_assumes(four_lay
 
 # --------------------------------------------------------- dedup by storage
 def test_views_of_one_storage_share_one_host_copy():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, simulate=True, max_pinned_bytes=64 * MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, max_pinned_bytes=64 * MiB, streams=ImmediateStreams())
     base, small = torch.randn(64, 64), torch.randn(4)
     assert offloader.pack(small) is small  # under min_bytes: stays
     views = [base, base, base[8:40], base.t(), base[:, 3:7]]  # the last two are not contiguous
@@ -218,7 +218,7 @@ def test_views_of_one_storage_share_one_host_copy():
 
 
 def test_views_outside_the_copy_or_changed_since_get_their_own():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=64 * MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=64 * MiB, streams=ImmediateStreams())
     base = torch.randn(64, 64)
     top, inside, bottom = (offloader.pack(v) for v in (base[:32], base[4:20], base[40:]))
     assert inside.copy is top.copy and bottom.copy is not top.copy
@@ -268,7 +268,7 @@ def test_the_default_cap_is_a_quarter_of_host_ram_per_local_process(load_tiny, m
     assert default_max_pinned_bytes() == quarter
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_max_pinned_bytes() == quarter // 4
-    report = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(simulate=True))
+    report = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(streams=ImmediateStreams()))
     assert report.summary_line().endswith(f"to pinned host memory), at most {quarter / 4 / 2**30:.1f} GiB pinned")
 
 
@@ -289,7 +289,7 @@ def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
     for seq in (256, 96, 160, 256):  # 128 KiB per layer input at 256: the tight cap holds one
         ids, labels = (t.cuda() for t in make_batch(plain.config.vocab_size, seq=seq, seed=seq))
         expected, actual = gradients(plain, ids, labels), gradients(offloaded, ids, labels)
-        # bitwise on the CPU (simulate mode above); a GPU's attention backward may sum in another order per run
+        # bitwise on the CPU (streams stood in above); a GPU's attention backward may sum in another order per run
         assert expected.keys() == actual.keys() and expected
         for name in expected:
             torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -301,7 +301,7 @@ def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
 
 def test_a_saved_tensor_changed_in_place_after_it_was_offloaded_is_refused_at_backward():
     """Saved-tensor hooks skip autograd's version check; on CUDA the host copy may hold either value."""
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())
     x = torch.randn(64, 64, requires_grad=True)
     with offloader.group(0):
         y = x.exp()  # exp saves its output
@@ -313,7 +313,7 @@ def test_a_saved_tensor_changed_in_place_after_it_was_offloaded_is_refused_at_ba
 
 def test_a_saved_tensor_changed_in_place_and_then_freed_is_refused_too():
     """The check must not need the tensor alive: changed in place, then its last reference dropped."""
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())
     x = torch.randn(64, 64, requires_grad=True)
     with offloader.group(0):
         y = x.exp()  # exp saves its output
@@ -342,7 +342,7 @@ def test_a_buffer_handed_out_again_waits_on_the_device_not_the_host():
 
 
 def test_non_contiguous_tensors_kept_on_the_device_are_counted():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())
     x = torch.randn(64, 32, requires_grad=True)
     with offloader.group(0):
         y = x.t().sin()  # sin saves its input, the transposed view
@@ -431,7 +431,7 @@ def test_the_trace_keeps_each_stage_s_moments_by_the_layer_inputs_alive(kind):
 
 
 def test_an_in_place_write_through_the_base_of_a_saved_view_is_refused_too():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())
     x = torch.randn(64, 64, requires_grad=True)
     base = x * 1
     with offloader.group(0):
@@ -442,7 +442,7 @@ def test_an_in_place_write_through_the_base_of_a_saved_view_is_refused_too():
 
 
 def test_a_storage_kept_on_the_device_is_counted_once_by_its_bytes():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, simulate=True, max_pinned_bytes=MiB)
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())
     mask = torch.randn(1, 64, 64).expand(8, 64, 64)  # an expanded mask: 16 KiB of storage, 128 KiB of elements
     x = torch.randn(8, 64, 64, requires_grad=True)
     with offloader.group(0):

@@ -18,10 +18,11 @@ With every layer checkpointed, what stays on the device through the step is each
 * **Small tensors stay**: below ``min_bytes`` (1 MiB) the copy costs more than it frees.
 
 A host buffer goes back to the pool when autograd frees the graph that holds its copy, tagged
-with the last copy reading it, and is handed out again only once that copy is done. Without CUDA
-the offloader runs in ``simulate`` mode: the same code with stand-ins for streams and events and
-plain host copies, so CPU tests cover the pool, prefetch and dedup bookkeeping and the gradients.
-Training refuses ``offload`` on a machine without an accelerator.
+with the last copy reading it, and is handed out again only once that copy is done. Where the
+copies run is the offloader's ``streams`` (``CudaStreams``): the tests give it stand-ins whose copies
+are done when issued (``tests/helpers.ImmediateStreams``), so CPU tests cover the pool, prefetch and
+dedup bookkeeping and the gradients with the same code. Training refuses ``offload`` on a machine
+without an accelerator.
 """
 
 from __future__ import annotations
@@ -52,19 +53,35 @@ def default_max_pinned_bytes() -> int:
     return psutil.virtual_memory().total // 4 // local_processes
 
 
-class _SimulatedStream:
-    """Simulate mode's side and compute stream: every copy is done when issued, so waits are no-ops."""
+class CudaStreams:
+    """Where the offloader's copies run: a side CUDA stream beside the compute stream, their events, and pinned
+    host buffers. What the offloader asks of it is all it knows of CUDA."""
 
-    def wait_stream(self, other) -> None:
-        pass
+    pins = True  # host buffers are pinned (the copies are asynchronous)
 
-    def wait_event(self, event) -> None:
-        pass
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"activation offload needs a CUDA device, got {device}")
+        self.device = device
 
+    def side_stream(self):
+        return torch.cuda.Stream(device=self.device)
 
-class _SimulatedEvent:
-    def record(self, stream=None) -> None:
-        pass
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def on(self, stream):
+        return torch.cuda.stream(stream)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def used_on(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)  # its block is not reused before the side stream is done
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives where the copies come from (host tensors stay as they are)."""
+        return tensor.device.type == "cuda"
 
 
 class _HostCopy:
@@ -134,16 +151,14 @@ def version_counter(tensor: torch.Tensor) -> torch.Tensor | weakref.ref:
 class ActivationOffloader:
     """Saved-tensor hooks that offload big activations; one instance per model, shared by its layers."""
 
-    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, simulate: bool = False,
-                 max_pinned_bytes: Optional[int] = None):
+    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES,
+                 max_pinned_bytes: Optional[int] = None, streams=None):
         self.device = torch.device(device)
-        self.simulate = simulate
-        if not simulate and self.device.type != "cuda":
-            raise ValueError(f"activation offload needs a CUDA device, got {self.device}")
+        self.streams = streams if streams is not None else CudaStreams(self.device)
         self.min_bytes = min_bytes
         cap = default_max_pinned_bytes() if max_pinned_bytes is None else max_pinned_bytes
-        self.stream = _SimulatedStream() if simulate else torch.cuda.Stream(device=self.device)
-        self.pool = PinnedBufferPool(pin=not simulate, max_bytes=cap, wait=self.stream.wait_event)
+        self.stream = self.streams.side_stream()
+        self.pool = PinnedBufferPool(pin=self.streams.pins, max_bytes=cap, wait=self.stream.wait_event)
         self._by_storage: dict[tuple, list[weakref.ref]] = {}
         self._groups: dict[int, list[weakref.ref]] = {}
         self._group = 0
@@ -155,19 +170,18 @@ class ActivationOffloader:
         self._kept: set = set()
         self._warned = False
 
-    # ------------------------------------------------ the same code, with or without CUDA
+    # ------------------------------------------------ the streams the copies run on
     def _compute_stream(self):
-        return _SimulatedStream() if self.simulate else torch.cuda.current_stream(self.device)
+        return self.streams.current()
 
     def _on_side_stream(self):
-        return contextlib.nullcontext() if self.simulate else torch.cuda.stream(self.stream)
+        return self.streams.on(self.stream)
 
     def _event(self):
-        return _SimulatedEvent() if self.simulate else torch.cuda.Event()
+        return self.streams.event()
 
     def _used_on_side_stream(self, tensor: torch.Tensor) -> None:
-        if not self.simulate:
-            tensor.record_stream(self.stream)  # its block is not reused before the side stream is done
+        self.streams.used_on(tensor, self.stream)
 
     # ------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -186,7 +200,7 @@ class ActivationOffloader:
 
     def _keep_on_device(self, tensor: torch.Tensor, nbytes: int) -> bool:
         return (nbytes < self.min_bytes or tensor.numel() == 0 or isinstance(tensor, torch.nn.Parameter)
-                or (not self.simulate and tensor.device.type != "cuda"))
+                or not self.streams.holds(tensor))
 
     def _find_copy(self, tensor: torch.Tensor) -> Optional[tuple[_HostCopy, int]]:
         """A live host copy of the same storage that holds ``tensor``'s bytes, and its offset there.

@@ -162,7 +162,7 @@ class OffloadCheckpointing(CheckpointPolicy):
     """Checkpoint every layer and keep the layers' saved inputs in pinned host memory (CUDA only)."""
 
     min_bytes: int = 1 << 20
-    simulate: bool = False  # tests: exercise the bookkeeping with host copies on a CPU-only machine
+    streams: Optional[object] = field(default=None, compare=False)  # where copies run: CUDA's, or a test's stand-in
     max_pinned_bytes: Optional[int] = None  # cap on the pinned pool; None: a quarter of host RAM (set by bind)
     offloader: Optional[ActivationOffloader] = field(default=None, compare=False)
     name = "offload"
@@ -187,12 +187,12 @@ class OffloadCheckpointing(CheckpointPolicy):
 
     def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "OffloadCheckpointing":
         device = device if device is not None else next(model.parameters()).device
-        if device.type != "cuda" and not self.simulate:
+        if device.type != "cuda" and self.streams is None:
             raise ValueError(
                 f"offload moves activations from an accelerator to host memory, but the model is on {device}: "
                 "on a CPU-only machine they already live in host memory. Use --activation_checkpointing_mode full.")
         cap = default_max_pinned_bytes() if self.max_pinned_bytes is None else self.max_pinned_bytes
-        offloader = ActivationOffloader(device, self.min_bytes, simulate=self.simulate, max_pinned_bytes=cap)
+        offloader = ActivationOffloader(device, self.min_bytes, max_pinned_bytes=cap, streams=self.streams)
         return replace(self, max_pinned_bytes=cap, offloader=offloader)
 
     def wrap_checkpoint_fn(self, checkpoint_fn: Callable, layer_index: int) -> Callable:
