@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from leantune.formats.encoding import encode_pair
-from leantune.formats.records import DatasetError, require_fields
+from leantune.formats.records import DatasetError, require_fields, where_is
 from leantune.formats.registry import DatasetFormat, register
 
 _HEADER_WITH_INPUT = (
@@ -30,7 +30,7 @@ def encode_alpaca(records: list[dict], tokenizer, source: str | Path, data=None)
         require_fields(record, ("instruction", "output"), source)
         input_text = record.get("input") or ""
         if not isinstance(input_text, str):
-            raise DatasetError(f"{source}:{record.get('_line', '?')}: field 'input' must be a string")
+            raise DatasetError(f"{where_is(record, source)}: field 'input' must be a string")
         prompt = format_prompt(record["instruction"], input_text)
         examples.append(encode_pair(tokenizer, prompt, record["output"]))
     return examples

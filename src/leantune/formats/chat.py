@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from leantune.formats.records import DatasetError
+from leantune.formats.records import DatasetError, where_is
 from leantune.formats.registry import DatasetFormat, register
 from leantune.labels import IGNORE_INDEX
 
@@ -118,7 +118,7 @@ def encode_chats(records: list[dict], tokenizer, source, template: str | None = 
                            "pass one with --chat_template FILE.jinja (or the template's text)")
     examples = []
     for record in records:
-        where = f"{source}:{record.get('_line', '?')}"
+        where = where_is(record, source)
         examples.append(encode_chat(conversation(record, where), tokenizer, where, template, last_only))
     return examples
 

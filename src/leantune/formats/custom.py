@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from leantune.formats.encoding import encode_pair, encode_text
-from leantune.formats.records import DatasetError, require_fields
+from leantune.formats.records import DatasetError, require_fields, where_is
 from leantune.formats.registry import DatasetFormat, register
 
 
@@ -26,7 +26,7 @@ def encode_custom(records: list[dict], tokenizer, source: str | Path, data=None)
         else:
             keys = sorted(k for k in record if k != "_line")
             raise DatasetError(
-                f"{source}:{record.get('_line', '?')}: expected fields 'prompt' and 'completion', or 'text'; "
+                f"{where_is(record, source)}: expected fields 'prompt' and 'completion', or 'text'; "
                 f"found {keys}"
             )
     return examples

@@ -63,12 +63,16 @@ def _json_records(path: Path, text: str) -> list[dict]:
     return data
 
 
+def where_is(record: dict, source: str | Path) -> str:
+    """How an error names a record: its file (or source) and line (or row)."""
+    return f"{source}:{record.get('_line', '?')}"
+
+
 def require_fields(record: dict, fields: tuple[str, ...], path: str | Path) -> None:
     """Raise a ``DatasetError`` naming the record's line when a field is missing, empty or not a string."""
     for name in fields:
         value = record.get(name)
         if not isinstance(value, str) or not value.strip():
-            where = record.get("_line", "?")
             problem = ("missing" if value is None else "empty" if isinstance(value, str)
                        else f"a {type(value).__name__}, not a string")
-            raise DatasetError(f"{path}:{where}: field {name!r} is {problem}")
+            raise DatasetError(f"{where_is(record, path)}: field {name!r} is {problem}")

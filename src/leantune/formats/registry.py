@@ -14,7 +14,6 @@ the run's data section as a plain object and reads its own options from it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 Encode = Callable[..., list]  # (records, tokenizer, source, data section) -> [{"input_ids", "labels"}]
@@ -49,7 +48,3 @@ def format_entry(name: str) -> DatasetFormat:
     except KeyError:
         raise ValueError(f"unknown dataset format {name!r}; choose from {', '.join(FORMATS)}") from None
 
-
-def where(record: dict, source: str | Path) -> str:
-    """How an error names a record: its file (or source) and line (or row)."""
-    return f"{source}:{record.get('_line', '?')}"
