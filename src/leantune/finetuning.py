@@ -212,7 +212,9 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
     if not isinstance(err, (*USER_ERRORS, InterruptedBeforeTraining)):
         traceback.print_exception(err, file=sys.stderr)
     line = f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}"
-    print(line, file=sys.stderr, flush=True)
+    # one write with its newline: another rank's line cannot land inside this one
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     tell_the_launcher(line)
     sys.stdout.flush()
     os._exit(exit_code(err))
