@@ -44,7 +44,7 @@ def family_row(family: str, root: Path) -> dict:
     except ModelLoadError:
         default_targets = "no"
     linear = linear_layer_names(facts.shape)
-    check = check_own_loss(cfg, facts)
+    check = check_own_loss(cfg.training, facts, sharded=False)
     return dict(family=family, architecture=check.architecture, attention=facts.attention,
                 transform=check.transform.describe(), default_lora_targets=default_targets, linear_layers=linear,
                 loss_difference=check.loss_difference, gradient_difference=check.gradient_difference,
@@ -54,7 +54,7 @@ def family_row(family: str, root: Path) -> dict:
 def preset_row(name: str) -> dict:
     cfg = parse_run_config(["--model_name", name])
     started = time.perf_counter()
-    check = check_own_loss(cfg, plan_model_facts(cfg.model, "cpu"))
+    check = check_own_loss(cfg.training, plan_model_facts(cfg.model, "cpu"), sharded=False)
     return dict(preset=name, loss_difference=check.loss_difference, gradient_difference=check.gradient_difference,
                 check_seconds=round(check.seconds, 3), with_reading_seconds=round(time.perf_counter() - started, 3))
 

@@ -138,6 +138,7 @@ def test_a_gpu_plan_s_fragmentation_is_the_modelled_reservation_beyond_the_trace
     # the tiny model's hundreds of small tensors share 2 MiB segments, its large ones take 20 MiB ones
     assert trace.peak_bytes < trace.reserved_peak_bytes
     assert trace.reserved_peak_bytes % (2 * MIB) == 0
-    plan = plan_from_trace("full", trace, cfg, torch.device("cuda"))
+    plan = plan_from_trace("full", trace, cfg.training.batch_size_training, cfg.data.context_length,
+                           torch.device("cuda"))
     assert plan.fragmentation_bytes == trace.reserved_peak_bytes - trace.peak_bytes
     assert trace_step(cfg, model_config("tiny"), torch.device("cpu"), "full").reserved_peak_bytes == 0  # no allocator

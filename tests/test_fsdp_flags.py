@@ -137,7 +137,7 @@ def test_one_process_fsdp_shards_the_model_and_the_optimizer_steps_the_shards(ti
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QUICK, "--enable_fsdp", "--use_peft",
                             "--output_dir", str(tmp_path)])
-    dist = start_distributed(cfg)
+    dist = start_distributed(cfg.distributed, cfg.model)
     try:
         assert dist.sharded and not dist.distributed and torch.distributed.is_initialized()
         with contextlib.ExitStack() as stack:

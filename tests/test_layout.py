@@ -197,8 +197,11 @@ def test_a_registry_module_imports_the_registry_not_its_package(package):
 
 
 # Functions that take the whole RunConfig rather than the sections they read (docs/architecture.md says which
-# and why): the count may fall, never rise. A component gets its own section.
-MAX_WHOLE_CONFIG_FUNCTIONS = 66
+# and why): the counts may fall, never rise. A component gets its own section. The planner is counted apart:
+# what it plans is the whole run (each trace builds the model, adapter, quantization, loss, optimizer and data
+# of a variant of the run), so its search functions take and vary the whole config.
+MAX_WHOLE_CONFIG_FUNCTIONS = 17
+MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS = 34
 
 
 def test_functions_taking_the_whole_run_config_do_not_grow():
@@ -206,6 +209,11 @@ def test_functions_taking_the_whole_run_config_do_not_grow():
              if isinstance(node, ast.FunctionDef) and any(
                  arg.annotation is not None and "RunConfig" in ast.unparse(arg.annotation)
                  for arg in node.args.args + node.args.kwonlyargs)]
-    assert len(whole) <= MAX_WHOLE_CONFIG_FUNCTIONS, (
-        f"{len(whole)} functions take the whole RunConfig (at most {MAX_WHOLE_CONFIG_FUNCTIONS}): give a new "
-        "function the config sections it reads")
+    planner = [name for name in whole if name.startswith("leantune.planning.")]
+    others = [name for name in whole if name not in planner]
+    assert len(others) <= MAX_WHOLE_CONFIG_FUNCTIONS, (
+        f"{len(others)} functions outside the planner take the whole RunConfig (at most "
+        f"{MAX_WHOLE_CONFIG_FUNCTIONS}): give a new function the config sections it reads: {others}")
+    assert len(planner) <= MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS, (
+        f"{len(planner)} planner functions take the whole RunConfig (at most {MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS}): "
+        "give a new one the sections it reads unless it traces a variant of the run")

@@ -22,7 +22,7 @@ import leantune.builders.model as builders_model
 import leantune.models.facts as facts_module
 from leantune import finetuning
 from leantune.cli_args import parse_run_config
-from leantune.config import ConfigError
+from leantune.config import ConfigError, TrainingConfig
 from leantune.planning import cli as plan_cli
 from leantune.planning.fake_step import trace_step
 from leantune.models.facts import run_model_facts
@@ -102,7 +102,7 @@ def test_the_check_sees_what_a_forward_does_beyond_leantunes_path(name):
     logits_of, fields = FORWARDS[name]
     config = _config_of_a_class_whose_forward(logits_of, name, **fields)
     with pytest.raises(OwnLossMismatch, match=f"{name.title().replace('_', '')}ForCausalLM: "):
-        check_own_loss(parse_run_config([]), ModelFacts(config))
+        check_own_loss(TrainingConfig(), ModelFacts(config), sharded=False)
 
 
 def test_the_check_leaves_the_runs_random_numbers_alone(monkeypatch):
@@ -116,7 +116,7 @@ def test_the_check_leaves_the_runs_random_numbers_alone(monkeypatch):
     torch.manual_seed(1234)
     seeded.clear()
     before = torch.random.get_rng_state()
-    check_own_loss(parse_run_config([]), ModelFacts(LlamaConfig(**TEST_SHAPE, vocab_size=1000)))
+    check_own_loss(TrainingConfig(), ModelFacts(LlamaConfig(**TEST_SHAPE, vocab_size=1000)), sharded=False)
     assert torch.equal(torch.random.get_rng_state(), before) and seeded == []
 
 
@@ -138,7 +138,7 @@ def test_real_shaped_configs_are_checked_at_their_own_size(model_type, fields):
     from leantune.builders.own_loss import check_own_loss
     from leantune.models.facts import ModelFacts
 
-    check = check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model(model_type, **fields)))
+    check = check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model(model_type, **fields)), sharded=False)
     assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-4
     assert (model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text")) != check.transform.is_identity
 
@@ -149,7 +149,7 @@ def test_a_class_without_a_separate_decoder_is_refused_saying_so():
     from leantune.models.facts import ModelFacts
 
     with pytest.raises(OwnLossMismatch, match="Llama4ForCausalLM: transformers finds no separate decoder"):
-        check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model("llama4_text")))
+        check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model("llama4_text")), sharded=False)
 
 
 def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(monkeypatch, family_dir):
@@ -179,7 +179,8 @@ def test_router_auxiliary_loss_is_refused_naming_the_fix():
 
     with pytest.raises(OwnLossMismatch, match="output_router_logits is on, so the model's own training loss adds the "
                                               "router's auxiliary loss"):
-        check_own_loss(parse_run_config([]), ModelFacts(AutoConfig.for_model("mixtral", output_router_logits=True)))
+        check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model("mixtral", output_router_logits=True)),
+                       sharded=False)
 
 
 @pytest.mark.parametrize("attention", ["flex_attention", "flash_attention_2"])

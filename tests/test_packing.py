@@ -228,10 +228,10 @@ def test_a_state_saved_before_packing_apart_resumes_only_as_it_packed(tmp_path):
         return {"config": flat, "progress": {"batches_seen": 2}}
 
     with pytest.raises(ConfigError, match="--packed_examples 'concatenated' -> 'apart'"):
-        check_compatible(state_of(), parse_run_config([]), tmp_path)
-    check_compatible(state_of(), parse_run_config(["--packed_examples", "concatenated"]), tmp_path)
+        check_compatible(state_of(), parse_run_config([]).flat(), tmp_path)
+    check_compatible(state_of(), parse_run_config(["--packed_examples", "concatenated"]).flat(), tmp_path)
     padded = ["--batching_strategy", "padding"]
-    check_compatible(state_of(*padded), parse_run_config(padded), tmp_path)  # padding: nothing to tell apart
+    check_compatible(state_of(*padded), parse_run_config(padded).flat(), tmp_path)  # padding: nothing to tell apart
 
 
 def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_dir, tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from leantune.builders.sharding import device_peak_bytes, shard, start_distribut
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, MemoryConfig, RunConfig, TrainingConfig
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
@@ -73,15 +73,15 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if (constants := measure_gpu_constants(device)) is not None:  # before anything of ours is on the GPU
         remember_context(device, constants)  # what the default budget and the batch check count as the context
         log(constants.line())
-    _check_device_flags(cfg, device)
-    loggers = MetricLoggers.for_run(cfg, dist.is_main)  # a missing logger package is refused here, early
+    _check_device_flags(cfg.training, cfg.memory, device)
+    loggers = MetricLoggers.for_run(cfg.output, cfg.flat(), dist.is_main)  # a missing logger package is refused here, early
     stack.callback(loggers.close)
     traces = StepTraces(dist)  # traced on rank 0, shared with the others
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
     saved = read_state(resume) if resume is not None else None
     memory = keep_saved_choice(memory, saved, log)  # auto's timed choice is not made again when resuming
     if saved is not None:
-        check_compatible(saved, memory.cfg, resume, dist.world_size)
+        check_compatible(saved, memory.cfg.flat(), resume, dist.world_size)
     precision = choose_precision(memory.cfg, device)
     memory, model, tokenizer, loaders = _load(memory, facts, (resume, saved), precision, dist, log, traces)
     cfg = memory.cfg
@@ -91,7 +91,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)
     log(describe_loss(loss_model.loss_fn))
     if dist.sharded:
-        shard(loss_model, cfg, dist, device, precision, log, peak_before=loaded_peak)
+        shard(loss_model, cfg.distributed, cfg.training.batch_size_training, dist, device, precision, log,
+              peak_before=loaded_peak)
     if cfg.data.packs_apart:
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
     if cfg.training.compile:  # after the checks, which run once and need no compiling
@@ -113,11 +114,11 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     return trainer
 
 
-def _check_device_flags(cfg: RunConfig, device: torch.device) -> None:
+def _check_device_flags(tc: TrainingConfig, memory: MemoryConfig, device: torch.device) -> None:
     """Flags the device cannot honour, refused before anything loads."""
-    if cfg.training.compile:
+    if tc.compile:
         check_can_compile(device.type)
-    if cfg.memory.memory_snapshot and device.type != "cuda":
+    if memory.memory_snapshot and device.type != "cuda":
         raise ConfigError(f"--memory_snapshot: records the CUDA allocator's history; this run is on {device.type}. "
                           "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
 
@@ -143,7 +144,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     confirmed = confirm_the_batch(memory, model, facts.config, precision, log, traces)
     if confirmed.cfg.training.batch_size_training != cfg.training.batch_size_training:
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name
-            check_compatible(saved, confirmed.cfg, path, dist.world_size)
+            check_compatible(saved, confirmed.cfg.flat(), path, dist.world_size)
         loaders = data.loaders(confirmed.cfg.training)
     return confirmed, model, tokenizer, loaders
 
@@ -168,7 +169,7 @@ def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optio
 
 def run(cfg: RunConfig, log=print) -> dict:
     """Build, train and save; returns the trainer's results (logs from rank 0 only)."""
-    dist = start_distributed(cfg)
+    dist = start_distributed(cfg.distributed, cfg.model)
     output_dir = Path(cfg.output.output_dir)
     made_here, built = dist.is_main and not output_dir.exists(), False
     try:

@@ -44,7 +44,7 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
     if stand_in != facts.attention:
         log(f"attention: {facts.attention}; the planner and the loss check build {stand_in} in its place "
             "(it has no CPU kernel; both keep O(sequence) per head for backward)")
-    log(check_own_loss(cfg, facts).summary_line())
+    log(check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp).summary_line())
     return resume, facts
 
 

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from transformers.utils import ModelOutput
 
 from leantune.builders.model import loss_function
-from leantune.config import RunConfig
+from leantune.config import TrainingConfig
 from leantune.labels import IGNORE_INDEX, count_targets
 from leantune.loss import LogitTransform
 from leantune.models.facts import ModelFacts, meta_model, text_config
@@ -192,22 +192,24 @@ def _relative(ours: list[torch.Tensor], own: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30) for a, b in zip(ours, own))
 
 
-def check_own_loss(cfg: RunConfig, facts: ModelFacts) -> OwnLossCheck:
-    """Compare the run's loss with the model's own on a stand-in; ``OwnLossMismatch`` when they differ."""
+def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool) -> OwnLossCheck:
+    """Compare the run's loss (its chunking, and the sharded path under FSDP) with the model's own on a
+    stand-in; ``OwnLossMismatch`` when they differ."""
     started = time.perf_counter()
     _refuse_extra_loss_terms(facts)
     # Its own generator for its values, and the CPU state restored after the modules' own initialisation
     # (and any dropout) drew from it: the run's random numbers, CPU and GPU, stay as they were.
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
-        return _compare(cfg, stand_in_model(facts.config, generator), generator, started)
+        return _compare(tc, sharded, stand_in_model(facts.config, generator), generator, started)
 
 
-def _compare(cfg: RunConfig, model: torch.nn.Module, generator: torch.Generator, started: float) -> OwnLossCheck:
+def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generator: torch.Generator,
+             started: float) -> OwnLossCheck:
     ids, labels = _batch(generator)
     architecture, stand_in = type(model).__name__, model.get_decoder()
     try:
-        loss = loss_function(model, cfg.training.loss_chunk_size, sharded=cfg.distributed.enable_fsdp)
+        loss = loss_function(model, tc.loss_chunk_size, sharded=sharded)
         ours_model = CausalLMLoss(model, loss)
         own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
     except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from leantune.config import ConfigError, DistributedConfig, RunConfig
+from leantune.config import ConfigError, DistributedConfig, ModelConfig
 from leantune.distributed.context import DistContext, init_distributed, launched_world_size
 from leantune.distributed.fsdp import load_from_rank0, shard_model
 from leantune.precision import Precision, choose_device
 from leantune.training.step import CausalLMLoss
 
 
-def start_distributed(cfg: RunConfig) -> DistContext:
+def start_distributed(dc: DistributedConfig, mc: ModelConfig) -> DistContext:
     """The process group torchrun set up; several processes need --enable_fsdp (they would all train alone).
 
     ``--enable_fsdp`` in one process is a one-rank FSDP2 run, not a flag dropped: the model is
     sharded (the shard is the whole model) and ``--fsdp_cpu_offload`` keeps it in host memory.
     """
-    world, dc = launched_world_size(), cfg.distributed
+    world = launched_world_size()
     if world > 1 and not dc.enable_fsdp:
         raise ConfigError(f"--enable_fsdp: launched with {world} processes; add --enable_fsdp to train one model "
                           "sharded over them (or launch one process)")
-    device = choose_device(cfg.model)
-    check_offload_device(cfg.distributed, device.type)
+    device = choose_device(mc)
+    check_offload_device(dc, device.type)
     return init_distributed(device.type, sharded=dc.enable_fsdp, cpu_offload=dc.fsdp_cpu_offload)
 
 
@@ -33,22 +33,23 @@ def check_offload_device(dc: DistributedConfig, device_type: str, fix: str = "Dr
                           f"they are there already. {fix}")
 
 
-def shard(loss_model: CausalLMLoss, cfg: RunConfig, dist: DistContext, device: torch.device, precision: Precision,
-          log=print, peak_before: int = 0) -> None:
+def shard(loss_model: CausalLMLoss, dc: DistributedConfig, batch: int, dist: DistContext, device: torch.device,
+          precision: Precision, log=print, peak_before: int = 0) -> None:
     """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards.
-    ``peak_before``: the device's peak while loading (see ``sharded_memory_line``).
+    ``batch``: rows per batch, for the sharding line. ``peak_before``: the device's peak while loading
+    (see ``sharded_memory_line``).
 
     The model arrives on the host (``builders.model`` leaves it there under FSDP): ``fully_shard``
     moves one unit at a time to the device, so no rank ever holds the whole model there, and
     with CPU offload each unit's shards go straight back to host memory.
     """
-    low_cpu = cfg.distributed.low_cpu_fsdp and dist.world_size > 1  # one process read the weights itself
+    low_cpu = dc.low_cpu_fsdp and dist.world_size > 1  # one process read the weights itself
     rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
-    shard_model(loss_model, dist, device, precision.compute_dtype, cfg.distributed.fsdp_cpu_offload)
+    shard_model(loss_model, dist, device, precision.compute_dtype, dc.fsdp_cpu_offload)
     if low_cpu:
         load_from_rank0(loss_model, rank0_state, dist, device)
         del rank0_state
-    log(describe_sharding(cfg.distributed, cfg.training.batch_size_training, dist))
+    log(describe_sharding(dc, batch, dist))
     if device.type == "cuda":
         log(sharded_memory_line(device, peak_before))
 

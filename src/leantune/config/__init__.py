@@ -345,14 +345,32 @@ class RunConfig:
         entry = None if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer)
         for flag, why in ([] if entry is None else optimizer_conflicts(entry, tc, self.model.model_dtype)):
             raise ConfigError(f"{entry.flag}: not with {flag}: {why}; drop one")
-        if tc.optimizer_in_backward and in_backward_conflicts(self):
-            raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*in_backward_conflicts(self)[0]))
+        if tc.optimizer_in_backward and (conflicts := self.in_backward_conflicts()):
+            raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*conflicts[0]))
+
+    def in_backward_conflicts(self) -> list[tuple[str, str]]:
+        """The flags of this run that ``--optimizer_in_backward`` cannot work with, each with why."""
+        tc = self.training
+        conflicts = [
+            (tc.gradient_accumulation_steps > 1, f"--gradient_accumulation_steps {tc.gradient_accumulation_steps}",
+             "each weight steps when its gradient of one batch is complete; use one batch a step"),
+            (self.memory.target_global_batch_size is not None, "--target_global_batch_size",
+             "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
+            (tc.gradient_clipping, "--gradient_clipping",
+             "the global gradient norm is known only after every weight has stepped"),
+            (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
+            (self.model.model_dtype == "float16" and not tc.use_fp16, "--model_dtype float16",
+             "float16 weights train with a loss scaler, which must see every gradient before any step; use bfloat16"),
+            (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
+             "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "
+             "skipped (a non-finite step stops the run, nothing saved from it)"),
+            (self.distributed.enable_fsdp, "--enable_fsdp", "untested on sharded parameters yet"),
+        ]
+        return [(flag, why) for conflict, flag, why in conflicts if conflict]
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""
         return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
-
-
 
 
 def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str) -> list[tuple[str, str]]:
@@ -363,23 +381,3 @@ def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str) -> list[tup
     if why and model_dtype == "float16" and not tc.use_fp16:
         found.append(("--model_dtype float16", why))
     return found
-
-
-def in_backward_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
-    """The flags of ``cfg`` that ``--optimizer_in_backward`` cannot work with, each with why."""
-    tc = cfg.training
-    conflicts = [
-        (tc.gradient_accumulation_steps > 1, f"--gradient_accumulation_steps {tc.gradient_accumulation_steps}",
-         "each weight steps when its gradient of one batch is complete; use one batch a step"),
-        (cfg.memory.target_global_batch_size is not None, "--target_global_batch_size",
-         "it may accumulate gradients over several batches; pick --batch_size_training yourself"),
-        (tc.gradient_clipping, "--gradient_clipping", "the global gradient norm is known only after every weight has stepped"),
-        (tc.use_fp16, "--use_fp16", "the loss scaler must see every gradient before any step; use bfloat16"),
-        (cfg.model.model_dtype == "float16" and not tc.use_fp16, "--model_dtype float16",
-         "float16 weights train with a loss scaler, which must see every gradient before any step; use bfloat16"),
-        (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
-         "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "
-         "skipped (a non-finite step stops the run, nothing saved from it)"),
-        (cfg.distributed.enable_fsdp, "--enable_fsdp", "untested on sharded parameters yet"),
-    ]
-    return [(flag, why) for conflict, flag, why in conflicts if conflict]

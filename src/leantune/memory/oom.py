@@ -11,7 +11,7 @@ import torch
 
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
-from leantune.config import ConfigError, DistributedConfig, RunConfig, in_backward_conflicts, optimizer_conflicts
+from leantune.config import ConfigError, DistributedConfig, RunConfig, optimizer_conflicts
 from leantune.optimizers import AUTO, ENTRIES, optimizer_entry
 from leantune.precision import pure_bf16_allowed
 
@@ -81,7 +81,7 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     """A full fine-tune's weight, gradient and optimizer memory, least cost to quality first, where the flags allow:
     the step in backward, then each optimizer's own advice (its registry entry's)."""
     tc, fixes = cfg.training, []
-    if not tc.optimizer_in_backward and not in_backward_conflicts(cfg):
+    if not tc.optimizer_in_backward and not cfg.in_backward_conflicts():
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
     bf16_allowed = pure_bf16_allowed(cfg.model, cfg.training)

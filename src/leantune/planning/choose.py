@@ -14,7 +14,7 @@ import torch
 
 from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
 from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
-from leantune.config import ConfigError, RunConfig
+from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig, TrainingConfig
 from leantune.distributed.context import RanksDiverged
 from leantune.planning.fake_step import StepTraces, run_config_for_mode
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
@@ -37,16 +37,15 @@ class MemoryPlan:
     candidates: dict = field(default_factory=dict)
 
 
-def needs_plan(cfg: RunConfig) -> bool:
-    return (cfg.checkpointing.activation_checkpointing_mode == AUTO or cfg.memory.auto_batch_size
-            or needs_optimizer_choice(cfg.training))
+def needs_plan(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig) -> bool:
+    return ac.activation_checkpointing_mode == AUTO or memory.auto_batch_size or needs_optimizer_choice(tc)
 
 
-def _budget(cfg: RunConfig, device: torch.device) -> int:
-    budget = budget_bytes(cfg.memory, device)
+def _budget(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig, device: torch.device) -> int:
+    budget = budget_bytes(memory, device)
     if budget is None:
-        wants = ("--optimizer auto" if needs_optimizer_choice(cfg.training) else "--activation_checkpointing_mode auto"
-                 if cfg.checkpointing.activation_checkpointing_mode == AUTO else "--auto_batch_size")
+        wants = ("--optimizer auto" if needs_optimizer_choice(tc) else "--activation_checkpointing_mode auto"
+                 if ac.activation_checkpointing_mode == AUTO else "--auto_batch_size")
         raise ConfigError(f"--memory_budget_gb: {wants} on the CPU needs a budget (there is no device memory to "
                           "read); pass e.g. --memory_budget_gb 8")
     return budget
@@ -155,9 +154,10 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     ``config``: the model's (``ModelFacts.config``). The budget is read once, here: later, the
     loaded weights would be missing from the device's free memory.
     """
-    if not needs_plan(cfg):
+    sections = (cfg.checkpointing, cfg.memory, cfg.training)
+    if not needs_plan(*sections):
         return MemoryPlan(cfg)
-    budget = _budget(cfg, device)
+    budget = _budget(*sections, device)
     if cfg.training.compile:
         log(COMPILE_NOTE)
     if needs_optimizer_choice(cfg.training):  # first: the mode and the batch are chosen for the optimizer it picks

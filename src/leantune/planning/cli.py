@@ -98,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_run_config(argv)
         target = plan_target(cfg.model)
         facts = plan_model_facts(cfg.model, target.type, compiled=cfg.training.compile)
-        check_own_loss(cfg, facts)  # a model leantune would refuse to train is not planned either
+        # a model leantune would refuse to train is not planned either
+        check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp)
         config = facts.config
         budget = budget_bytes(cfg.memory, target)
         if needs_optimizer_choice(cfg.training):

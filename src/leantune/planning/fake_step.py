@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from leantune.builders.model import prepare_model
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
-from leantune.config import RunConfig
+from leantune.config import DataConfig, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import sampled_chunks
@@ -213,7 +213,9 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
                                   device_type=target.type, planned=fake)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-    window = [_full_batch(run_cfg, vocab, fakes) for _ in range(min(run_cfg.training.gradient_accumulation_steps, 2))]
+    tc = run_cfg.training
+    window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes)
+              for _ in range(min(tc.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
     return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
                         cuda_autocast_stand_in=target.type == "cuda" and precision.device.type == "cpu", fake=fake)
@@ -306,7 +308,7 @@ def _by_stage(moments: dict) -> dict:
     return stages
 
 
-def _full_batch(cfg: RunConfig, vocab: int, fakes: Optional[FakeTensorMode] = None) -> dict:
+def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTensorMode] = None) -> dict:
     """A batch of full rows (packing; also padding's longest batch), every position a target, with the position
     ids (and so the attention mask or the spans) of examples packed apart when the run packs them so.
 
@@ -314,7 +316,7 @@ def _full_batch(cfg: RunConfig, vocab: int, fakes: Optional[FakeTensorMode] = No
     them (an S x S mask) is never allocated; the labels and the padding mask, which the step counts on the
     host, stay real (a few bytes a token); ``varlen``'s spans come with the batch.
     """
-    batch = full_rows_batch(cfg.training.batch_size_training, cfg.data.context_length, vocab, cfg.data.packs_apart)
+    batch = full_rows_batch(rows, data.context_length, vocab, data.packs_apart)
     if fakes is not None:
         if "position_ids" in batch:
             batch["position_ids"] = fakes.from_tensor(batch["position_ids"])

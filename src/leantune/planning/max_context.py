@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from leantune.checkpointing.modes import AUTO, NONE
-from leantune.config import CheckpointingConfig, ConfigError, RunConfig
+from leantune.config import CheckpointingConfig, ConfigError, RunConfig, TrainingConfig
 from leantune.memory.allocator_model import expandable_segments_on
 from leantune.models.facts import position_limit, text_config
 from leantune.models.tiled_mlp import tile_tokens
@@ -75,19 +75,19 @@ class ContextSearch:
                 "tried": [r.as_json() for r in self.tried]}
 
 
-def lever_choices(cfg: RunConfig, target: torch.device) -> list[dict]:
+def lever_choices(ac: CheckpointingConfig, tc: TrainingConfig, target: torch.device) -> list[dict]:
     """The combinations the flags allow: a mode asked for is the only one, otherwise full and, on a GPU, offload;
     on a GPU the caching allocator's segments as its settings have them and, when those leave expandable
     segments off, with them on (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). The tiled MLP is as
     the flags say (``auto`` by default: on at long context); ``find_max_context`` tries it off at the end."""
-    asked = cfg.checkpointing.activation_checkpointing_mode
+    asked = ac.activation_checkpointing_mode
     if asked and asked != AUTO:
         modes = [asked]
     else:
-        modes = ["full", "offload"] if target.type == "cuda" and not cfg.training.compile else ["full"]
+        modes = ["full", "offload"] if target.type == "cuda" and not tc.compile else ["full"]
     settings_expand = expandable_segments_on()
     segments = [settings_expand] if target.type != "cuda" or settings_expand else [False, True]
-    return [{"activation_checkpointing_mode": mode, "tiled_mlp": cfg.training.tiled_mlp,
+    return [{"activation_checkpointing_mode": mode, "tiled_mlp": tc.tiled_mlp,
              "expandable_segments": expand} for mode in modes for expand in segments]
 
 
@@ -110,7 +110,7 @@ def find_max_context(cfg: RunConfig, config, target: torch.device, budget: int,
     traces = traces if traces is not None else StepTraces()
     limit = position_limit(config)
     results = []
-    for levers in lever_choices(cfg, target):
+    for levers in lever_choices(cfg.checkpointing, cfg.training, target):
         result = _longest(cfg, config, target, budget, traces, levers, limit)
         log(f"  {describe_levers(levers)}: {result.max_context:,} tokens"
             + (f" ({result.plan.peak_bytes / GIB:.2f} GiB)" if result.plan else ""))

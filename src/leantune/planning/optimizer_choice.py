@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from leantune.checkpointing.modes import AUTO
-from leantune.config import ConfigError, RunConfig, TrainingConfig, in_backward_conflicts, optimizer_conflicts
+from leantune.config import ConfigError, RunConfig, TrainingConfig, optimizer_conflicts
 from leantune.optimizers import AUTO as AUTO_OPTIMIZER, Rung, ladder, optimizer_entry
 from leantune.models.compiling import compiler_found
 from leantune.optional import installed
@@ -34,7 +34,7 @@ def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
     """The rungs this run may take: those its other flags allow and its own optimizer flags ask for."""
     tc = cfg.training
     half_weights_allowed = pure_bf16_allowed(cfg.model, cfg.training)
-    in_backward_allowed = not in_backward_conflicts(cfg)
+    in_backward_allowed = not cfg.in_backward_conflicts()
     return [rung for rung in LADDER
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
             and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, OutputConfig
 
 # Fields of a step record that are counters or labels, not metrics to plot.
 SKIPPED = {"step", "epoch"}
@@ -41,14 +41,14 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    def __init__(self, cfg: RunConfig, log_dir: Path):
+    def __init__(self, project: str, log_dir: Path, flags: dict):
         try:
             import wandb
         except ImportError:
             raise ConfigError("--use_wandb: needs the wandb package: pip install wandb (runs offline without a "
                               "network: WANDB_MODE=offline, synced later with `wandb sync`)") from None
         mode = os.environ.get("WANDB_MODE", "offline")  # no network is the safe default; set online to stream
-        self.run = wandb.init(project=cfg.output.wandb_project, dir=str(log_dir), mode=mode, config=cfg.flat())
+        self.run = wandb.init(project=project, dir=str(log_dir), mode=mode, config=flags)
 
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
@@ -64,15 +64,16 @@ class MetricLoggers:
         self.loggers = loggers or []
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, is_main: bool = True) -> "MetricLoggers":
+    def for_run(cls, output: OutputConfig, flags: dict, is_main: bool = True) -> "MetricLoggers":
+        """``flags``: the run's flags by name (``RunConfig.flat``), which wandb keeps with the run."""
         if not is_main:  # rank 0 logs for all
             return cls()
-        out = Path(cfg.output.output_dir)
+        out = Path(output.output_dir)
         loggers = []
-        if cfg.output.use_tensorboard:
+        if output.use_tensorboard:
             loggers.append(TensorBoardLogger(out / "tensorboard"))
-        if cfg.output.use_wandb:
-            loggers.append(WandbLogger(cfg, out))
+        if output.use_wandb:
+            loggers.append(WandbLogger(output.wandb_project, out, flags))
         return cls(loggers)
 
     def log_step(self, record: dict) -> None:

@@ -311,7 +311,7 @@ class Trainer:
         step = len(self.steps)
         self.activity = f"saving the training state of step {step}"
         path = self.parts.state_store.save(step, self.state_parts(),
-                                           trainer_state(step, self.progress, self.steps, self.epochs, self.cfg))
+                                           trainer_state(step, self.progress, self.steps, self.epochs, self.cfg.flat()))
         self.log(f"saved the training state of step {step} to {path}")
         return path
 

@@ -158,13 +158,13 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def check_compatible(state: dict, cfg: RunConfig, path: Path, world_size: int = 1) -> None:
-    """Refuse to resume with flags (or a process count) that would make the continuation a different run."""
+def check_compatible(state: dict, flags: dict, path: Path, world_size: int = 1) -> None:
+    """Refuse to resume with flags (by name) or a process count that would make the continuation a different run."""
     saved_world = state.get("world_size", 1)
     if saved_world != world_size:
         raise ConfigError(f"--resume_from_checkpoint {path}: saved by {saved_world} process(es), resumed with "
                           f"{world_size}; each step's data would differ. Launch {saved_world} process(es)")
-    saved, now = state["config"], cfg.flat()
+    saved, now = state["config"], flags
     seen, limit = state["progress"].get("batches_seen", 0), now["max_train_step"]
     if limit and limit <= seen:
         raise ConfigError(f"--max_train_step {limit}: the saved state at {path} has trained {seen} batches already, "
@@ -358,9 +358,9 @@ def restore_rng(state: dict, device: torch.device) -> None:
         numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), *rest))
 
 
-def trainer_state(global_step: int, progress: Progress, steps: list, epochs: list, cfg: RunConfig) -> dict:
+def trainer_state(global_step: int, progress: Progress, steps: list, epochs: list, flags: dict) -> dict:
     return {"global_step": global_step, "progress": asdict(progress), "train_steps": steps, "epochs": epochs,
-            "config": cfg.flat()}
+            "config": flags}
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
