@@ -62,3 +62,26 @@ def test_a_missing_logger_package_is_refused_before_loading(tiny_model_dir, tmp_
     assert finetuning.main(_argv(tiny_model_dir, tmp_path, "--use_wandb")) == 2
     err = capsys.readouterr().err
     assert "--use_wandb: needs the wandb package: pip install wandb" in err and "Traceback" not in err
+
+
+def test_wandb_is_told_the_flags_the_plan_chose(tiny_model_dir, tmp_path, monkeypatch):
+    """wandb starts before the plan (a missing package is refused early): the batch --auto_batch_size
+    chose reaches its config afterwards, so the run's record there is the run that trained."""
+    updates = []
+
+    class Run:
+        config = types.SimpleNamespace(update=lambda flags, allow_val_change: updates.append(flags))
+
+        def log(self, values, step):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    finetuning.run(parse_run_config(_argv(tiny_model_dir, tmp_path, "--use_wandb", "--auto_batch_size",
+                                          "--memory_budget_gb", "4", "--batch_size_training", "1",
+                                          "--target_global_batch_size", "2")), log=lambda _line: None)
+    trained = json.loads((tmp_path / "metrics.json").read_text())["config"]
+    assert updates == [{"batch_size_training": 2}]  # only what changed (one step of 2 rows both ways)
+    assert (trained["batch_size_training"], trained["gradient_accumulation_steps"]) == (2, 1)

@@ -74,7 +74,8 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         remember_context(device, constants)  # what the default budget and the batch check count as the context
         log(constants.line())
     _check_device_flags(cfg.training, cfg.memory, device)
-    loggers = MetricLoggers.for_run(cfg.output, cfg.flat(), dist.is_main)  # a missing logger package is refused here, early
+    flags = cfg.flat()
+    loggers = MetricLoggers.for_run(cfg.output, flags, dist.is_main)  # a missing logger package is refused here, early
     stack.callback(loggers.close)
     traces = StepTraces(dist)  # traced on rank 0, shared with the others
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
@@ -85,6 +86,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     precision = choose_precision(memory.cfg, device)
     memory, model, tokenizer, loaders = _load(memory, facts, (resume, saved), precision, dist, log, traces)
     cfg = memory.cfg
+    loggers.record_flags({k: v for k, v in cfg.flat().items() if flags[k] != v})  # as planned, confirmed and timed
     loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
     monitor = build_monitor(cfg.memory, cfg.output, device, dist, stack, log)
     log(f"precision: {precision.note}")
@@ -213,7 +215,7 @@ def _end_this_rank(dist: DistContext, err: BaseException) -> None:
     if not isinstance(err, (*USER_ERRORS, InterruptedBeforeTraining)):
         traceback.print_exception(err, file=sys.stderr)
     line = f"leantune: error on rank {dist.rank} of {dist.world_size}: {err}"
-    # one write with its newline: another rank's line cannot land inside this one
+    # one write with its newline: a short line from another rank cannot land inside this one
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
     tell_the_launcher(line)

@@ -34,7 +34,7 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
               ) -> tuple[Optional[Path], ModelFacts]:
     """Refuse bad input early; returns the training state to resume from (if any) and the model's facts
     (for a run on ``device_type``: its attention implementation)."""
-    check_output_dir(cfg)
+    check_output_dir(cfg.output, reads=(cfg.model.model_name, cfg.model.tokenizer_name, cfg.peft.from_peft_checkpoint))
     resume = None
     if cfg.output.resume_from_checkpoint:
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
@@ -63,14 +63,17 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
         compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one
 
 
-def check_output_dir(cfg: RunConfig) -> None:
-    """A writable directory that holds no other run's model or training state (unless resuming or overwriting)."""
-    out = Path(cfg.output.output_dir)
+def check_output_dir(output: OutputConfig, reads: tuple[Optional[str], ...] = ()) -> None:
+    """A writable directory that holds no other run's model or training state (unless resuming or overwriting).
+
+    ``reads``: what the run reads (--model_name, --tokenizer_name, --from_peft_checkpoint, in that order),
+    none of which may be the directory it writes.
+    """
+    out = Path(output.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {out}: is a file; give a directory")
-    for flag in ("model_name", "tokenizer_name"):
-        _refuse_same_dir(out, getattr(cfg.model, flag), flag)
-    _refuse_same_dir(out, cfg.peft.from_peft_checkpoint, "from_peft_checkpoint")
+    for flag, path in zip(("model_name", "tokenizer_name", "from_peft_checkpoint"), reads):
+        _refuse_same_dir(out, path, flag)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -78,9 +81,9 @@ def check_output_dir(cfg: RunConfig) -> None:
     recover_replaced(out)  # a state a crash left aside counts as one
     states = saved_states(out)
     models = [name for name in MODEL_FILES if (out / name).is_file()]
-    if not (states or models) or cfg.output.resume_from_checkpoint:
+    if not (states or models) or output.resume_from_checkpoint:
         return
-    if not cfg.output.overwrite_output_dir:
+    if not output.overwrite_output_dir:
         held = (f"training state ({len(states)} saved, {states[-1][1].name} the newest)" if states
                 else f"model ({models[0]})")
         # resuming is offered only where there is a state to resume (a finished run's model alone is not one)

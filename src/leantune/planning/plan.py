@@ -100,8 +100,8 @@ class ModePlan:
 
 def plan_from_trace(mode: str, trace: StepTrace, batch: int, context: int, target: torch.device,
                     expandable: bool = False) -> ModePlan:
-    """The plan of ``trace``, a step of ``batch`` rows of ``context`` tokens; ``expandable``: with the allocator's expandable segments on whatever the
-    settings say (``--max_context`` tries them)."""
+    """The plan of ``trace``, a step of ``batch`` rows of ``context`` tokens; ``expandable``: with the
+    allocator's expandable segments on whatever the settings say (``--max_context`` tries them)."""
     b = trace.breakdown
     plan = ModePlan(mode, trace.checkpointing, target.type, batch, context,
                     trace.peak_bytes, trace.peak_bytes, b["parameter"], b["gradient"], b["optimizer_state"],
@@ -231,17 +231,17 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
         raise ConfigError(f"--activation_checkpointing_mode {OFFLOAD}: moves activations off a GPU; plan it for one "
                           "with --device cuda")
     found: dict[str, StepTrace] = {}
-    rows = (cfg.training.batch_size_training, cfg.data.context_length)
+    batch_and_context = (cfg.training.batch_size_training, cfg.data.context_length)
     for mode in modes:
         if mode != OFFLOAD:
             found[mode] = traced(traces, cfg, config, target, mode)
-            _check_budget_above_parameters(plan_from_trace(mode, found[mode], *rows, target), budget_bytes)
+            _check_budget_above_parameters(plan_from_trace(mode, found[mode], *batch_and_context, target), budget_bytes)
     pinned = 0
     if OFFLOAD in modes:
         full = found.get("full") or traced(traces, cfg, config, target, "full")
         found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg.checkpointing))
         pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
-    plans = {mode: plan_from_trace(mode, trace, *rows, target, expandable) for mode, trace in found.items()}
+    plans = {mode: plan_from_trace(mode, trace, *batch_and_context, target, expandable) for mode, trace in found.items()}
     if pinned:  # beside any optimizer state on the host
         plans[OFFLOAD].host_bytes += pinned
         plans[OFFLOAD].pinned_host_bytes += pinned

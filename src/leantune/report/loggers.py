@@ -53,6 +53,9 @@ class WandbLogger:
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
 
+    def record_flags(self, flags: dict) -> None:
+        self.run.config.update(flags, allow_val_change=True)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -75,6 +78,11 @@ class MetricLoggers:
         if output.use_wandb:
             loggers.append(WandbLogger(output.wandb_project, out, flags))
         return cls(loggers)
+
+    def record_flags(self, changed: dict) -> None:
+        """Flags the plan changed after the loggers started (auto's mode and batch), for those that keep flags."""
+        if changed:
+            self._each(lambda logger: logger.record_flags(changed) if hasattr(logger, "record_flags") else None)
 
     def log_step(self, record: dict) -> None:
         self._each(lambda logger: logger.log(numeric(record), record["step"]))
