@@ -455,6 +455,40 @@ def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
     assert "NCCL" not in capsys.readouterr().out  # one GPU: no row, no note
 
 
+def test_per_rank_plan_of_a_4bit_base_gathers_packed_bytes_and_holds_the_quantization_state_whole():
+    """QLoRA under FSDP2: the packed uint8 weights are sharded and gathered as stored (FSDP2 casts only
+    floating-point parameters to bf16), and their quantization state, not a parameter, is whole on every
+    rank; the planner's fake quantization has the bytes of bitsandbytes' real one."""
+    pytest.importorskip("bitsandbytes")
+    from leantune.memory.tracker import carried_tensors
+    from leantune.models.loading import attach_lora
+    from leantune.models.quantized import bnb_config, quantize_linear_layers, quantized_layers
+    from leantune.models.structure import decoder_layers
+    from leantune.planning.fake_step import real_model
+    from leantune.planning.per_rank import per_rank, sharding_shapes
+
+    cfg = parse_run_config(["--model_name", "small", "--use_peft", "--quantization", "4bit", "--enable_fsdp",
+                            "--batch_size_training", "1", "--context_length", "128",
+                            "--enable_activation_checkpointing"])
+    config = model_config("small")
+    shapes = sharding_shapes(cfg, config, CUDA, 2)
+    real = quantize_linear_layers(real_model(config, torch.bfloat16), bnb_config(cfg.quant, torch.bfloat16),
+                                  torch.bfloat16)
+    states = {id(t): t for layer in quantized_layers(real) for t in carried_tensors(layer.weight)}
+    assert shapes.replicated_bytes == sum(t.numel() * t.element_size() for t in states.values()) > 0
+    layer = list(decoder_layers(attach_lora(real, cfg.peft))[0].parameters())
+    stored = sum(p.numel() for p in layer if not p.is_floating_point())  # packed: one byte holds two weights
+    assert stored == sum(layer.weight.numel() for layer in quantized_layers(decoder_layers(real)[0]))
+    floating = sum(p.numel() * 2 for p in layer if p.is_floating_point())  # norms, LoRA: gathered in bf16
+    assert shapes.layer_in_flight_bytes == -(-(stored + floating) // 2) + stored + floating
+    whole = plan_modes(cfg, config, CUDA, ["full"])[0]
+    shared, offloaded = per_rank(whole, 2, shapes), per_rank(whole, 2, shapes, cpu_offload=True)
+    for stage, breakdown in whole.stage_breakdowns.items():  # the state counted whole, the weights split
+        assert shared.stage_breakdowns[stage]["parameter"] >= -(-breakdown["parameter"] // 2) + (
+            shapes.replicated_bytes - -(-shapes.replicated_bytes // 2))
+    assert offloaded.stage_breakdowns["optimizer"]["parameter"] == shapes.replicated_bytes  # the rest on the host
+
+
 def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
     """Each rank measures its own peak: the run's prediction is the per-rank plan, not one process's."""
     from leantune.planning.choose import MemoryPlan, predicted_peak

@@ -99,8 +99,10 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     else:
+        # under FSDP a quantized base is quantized in host memory too, and fully_shard moves its shards
+        loads_on = torch.device("cpu") if cfg.distributed.enable_fsdp else precision.device
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
-                            run_bnb_config(cfg.quant, precision), precision.device,
+                            run_bnb_config(cfg.quant, precision), loads_on,
                             config=facts.config if cfg.model.rope_scaling_factor else None)
         model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)

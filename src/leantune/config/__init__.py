@@ -308,7 +308,8 @@ class RunConfig:
         if self.training.use_fp16 and self.model.model_dtype == "bfloat16":
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
         self._check_optimizer_flags()
-        quantization_conflicts(self.quant, self.peft.use_peft, self.distributed.enable_fsdp)
+        dc = self.distributed
+        quantization_conflicts(self.quant, self.peft.use_peft, dc.enable_fsdp, dc.low_cpu_fsdp)
         mode = self.checkpointing.activation_checkpointing_mode
         if self.training.compile and mode not in (None, AUTO) and not policy_class(mode).compiles:
             raise ConfigError(f"--compile: not with --activation_checkpointing_mode {mode} (its hooks act while the "

@@ -30,8 +30,8 @@ class QuantizationConfig:
     use_double_quant: bool = field(default=True, metadata=_help(
         "4bit: quantize the per-block scales too (8 bits in blocks of 256), about 0.37 bits a weight saved."))
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = field(default="uint8", metadata=_help(
-        "4bit: the dtype the packed 4-bit weights are stored as (same bytes; a sharder would need it to match "
-        "the other weights' dtype)."))
+        "4bit: the dtype the packed 4-bit weights are stored as (the same bytes). FSDP1 needed it to match the "
+        "other weights' dtype; FSDP2 (--enable_fsdp) shards each weight apart and takes uint8 only."))
 
     def __post_init__(self):
         changed = [flag for flag, default in FOUR_BIT_OPTIONS.items() if getattr(self, flag) != default]
@@ -49,7 +49,7 @@ class QuantizationConfig:
         return self.quantization is not None
 
 
-def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsdp: bool) -> None:
+def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsdp: bool, low_cpu_fsdp: bool) -> None:
     """Refuse, naming both flags, what a quantized base cannot train with."""
     if not quant.enabled:
         return
@@ -57,6 +57,18 @@ def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsd
     if not use_peft:
         raise ConfigError(f"{flag}: quantized base weights cannot be trained (full fine-tuning); add --use_peft "
                           "to train LoRA adapters on the quantized base (QLoRA)")
-    if enable_fsdp:
-        raise ConfigError(f"{flag}: not with --enable_fsdp (FSDP2 cannot shard bitsandbytes' packed weights and "
-                          "their quantization state yet); drop one: one GPU holds an 8B QLoRA step")
+    if not enable_fsdp:
+        return
+    if quant.quantization == "8bit":
+        raise ConfigError(f"{flag}: not with --enable_fsdp (LLM.int8 keeps its weights' outlier statistics beside "
+                          "the codes, which FSDP2 would not shard with them); use --quantization 4bit")
+    if quant.quant_storage != "uint8":
+        # FSDP2's mixed precision casts floating-point parameters to the gathering dtype: packed bytes
+        # stored as floats would be converted as numbers, not carried as bytes
+        raise ConfigError(f"--quant_storage {quant.quant_storage}: not with --enable_fsdp (FSDP2 would cast the "
+                          "packed weights as numbers when it gathers them); drop it (uint8, which FSDP2 shards as "
+                          "it is)")
+    if low_cpu_fsdp:
+        raise ConfigError(f"{flag}: not with --low_cpu_fsdp (rank 0's quantized weights and their quantization "
+                          "state cannot be broadcast into the other ranks' empty shards yet); drop --low_cpu_fsdp: "
+                          "each rank quantizes its own copy in host memory, about 0.27 of the bfloat16 bytes")

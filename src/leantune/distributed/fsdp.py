@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from leantune.distributed.context import DistContext
+from leantune.models.quantized import quantized_layers
 from leantune.models.structure import decoder_layers
 
 
@@ -19,7 +20,8 @@ def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch
                 compute_dtype: torch.dtype | None, cpu_offload: bool) -> torch.nn.Module:
     """Apply FSDP2 to ``loss_model`` (a ``CausalLMLoss``), after LoRA and activation checkpointing.
 
-    Mixed precision: parameters gathered in the autocast dtype, gradients reduced in float32.
+    Mixed precision: parameters gathered in the autocast dtype, gradients reduced in float32 (a 4-bit
+    base's packed uint8 weights are gathered as they are: FSDP2 casts floating-point parameters only).
     ``cpu_offload`` keeps the sharded parameters, gradients and optimizer state in host memory.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -31,10 +33,25 @@ def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    states = _quantization_states(loss_model)  # read before fully_shard replaces the weights
     for layer in decoder_layers(loss_model.model):
         fully_shard(layer, **options)
     fully_shard(loss_model, **options)
+    for layer, state in states:
+        state.to(device)  # in place: the scales, code books and nested state
+        layer.quant_state = state
     return loss_model
+
+
+def _quantization_states(model: torch.nn.Module) -> list:
+    """Each 4-bit layer with its weight's quantization state (the blocks' scales and code book).
+
+    bitsandbytes keeps that state on the weight, which ``fully_shard`` replaces with a DTensor of the
+    packed bytes alone; ``Linear4bit.forward`` looks for it on the layer when the gathered weight
+    lacks it. It is not sharded: every rank holds all of it, on the device that computes.
+    """
+    return [(layer, layer.weight.quant_state) for layer in quantized_layers(model)
+            if getattr(layer.weight, "quant_state", None) is not None]
 
 
 def reshard(module: torch.nn.Module) -> None:

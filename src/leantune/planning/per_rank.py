@@ -11,6 +11,9 @@ What FSDP2 changes in a rank's memory, read from ``torch.distributed.fsdp`` (tor
   copied into a reduce-dtype buffer of the whole unit (float32 under mixed precision) and
   reduce-scattered into a buffer of its shard, which becomes the sharded gradient. The LM head's
   unsharded gradient is made in the loss's backward and waits for the root's reduction at the end.
+* A 4-bit base (``--quantization 4bit``): its packed uint8 weights are sharded and gathered as
+  stored (FSDP2 casts floating-point parameters only); their quantization state (the blocks'
+  scales and code books) is not a parameter: every rank holds all of it on its device.
 * ``--fsdp_cpu_offload`` (``CPUOffloadPolicy``): the shards of parameters and gradients live in
   pinned host memory and the optimizer steps there. The device keeps what is gathered and in
   flight (each parameter's stored shard is copied in, then cast), the reduce buffers, and the
@@ -24,13 +27,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from leantune.config import CheckpointingConfig, ConfigError, DistributedConfig, RunConfig
+from leantune.memory.tracker import carried_tensors
 from leantune.models.facts import meta_model
 from leantune.models.loading import attach_lora
+from leantune.models.quantized import quantize_linear_layers, run_bnb_config
 from leantune.models.structure import decoder_layers
 from leantune.optimizers import pinned_size
-from leantune.planning.fake_step import StepTraces, target_precision
+from leantune.planning.fake_step import StepTraces, fake_placer, target_precision
 from leantune.planning.plan import FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes
 
 _SHARDED = ("parameter", "gradient", "optimizer_state")
@@ -48,6 +54,8 @@ class ShardingShapes:
     root_early_grad_bytes: int  # the LM head's (and final norm's) unsharded gradients held through the backward, less
     #                             the trace's share of them (negative where that share is the larger)
     pinned_host_bytes: int = 0  # offloaded: the pinned shards of parameters and gradients, as the allocator rounds them
+    replicated_bytes: int = 0  # a 4-bit base's quantization state: whole on every rank's device (the trace's
+    #                            parameters hold it once, which the shares split)
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,9 @@ class _Sizes:
     cpu_offload: bool
 
     def gathered(self, params) -> int:
-        return sum(p.numel() * (torch.finfo(self.gather).bits // 8 if self.gather else p.element_size()) for p in params)
+        """Gathered bytes: floating-point parameters in the gathering dtype, others (packed 4-bit) as stored."""
+        return sum(p.numel() * (torch.finfo(self.gather).bits // 8 if self.gather and p.is_floating_point()
+                                else p.element_size()) for p in params)
 
     def in_flight(self, params) -> int:
         """While a unit is gathered, beyond its unsharded parameters: the all-gather's input (a shard)
@@ -92,8 +102,13 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
                     cpu_offload: bool = False) -> ShardingShapes:
     precision = target_precision(cfg, target)
     model = meta_model(config, precision.weight_dtype)
+    quantized = run_bnb_config(cfg.quant, precision)
+    if quantized is not None:
+        quantize_linear_layers(model, quantized, precision.weight_dtype)
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
+    if quantized is not None:  # the packed weights and their state as bitsandbytes makes them, on fake tensors
+        fake_placer(FakeTensorMode(allow_non_fake_inputs=True))(model)
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     layer, root = list(layers[0].parameters()), [p for p in model.parameters() if id(p) not in in_layers]
@@ -108,7 +123,8 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
         gathered_bytes=sizes.gathered(root) + 2 * sizes.gathered(layer), layer_in_flight_bytes=sizes.in_flight(layer),
         root_gather_bytes=sizes.gathered(root) + sizes.in_flight(root), layer_reduce_bytes=sizes.reduced(layer),
         root_reduce_bytes=sizes.reduced(root), root_early_grad_bytes=sizes.gathered(early) - early_in_share,
-        pinned_host_bytes=sizes.pinned(list(model.parameters())) if cpu_offload else 0)
+        pinned_host_bytes=sizes.pinned(list(model.parameters())) if cpu_offload else 0,
+        replicated_bytes=sum(t.numel() * t.element_size() for p in model.parameters() for t in carried_tensors(p)))
 
 
 def _split(nbytes: int, world_size: int) -> int:
@@ -136,6 +152,8 @@ def _stage_on_device(stage: str, breakdown: dict, world_size: int, shapes: Shard
     if cpu_offload:  # the shards (and the optimizer's step) are in host memory
         for key in split:
             shares[key] = 0
+    # the quantization state, split with the parameters above, is whole on every rank's device
+    shares["parameter"] += shapes.replicated_bytes - (0 if cpu_offload else _split(shapes.replicated_bytes, world_size))
     if stage == "root gather":
         shares["parameter"] += shapes.root_gather_bytes
     elif stage == "root reduce":  # every unit resharded
