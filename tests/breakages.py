@@ -209,6 +209,20 @@ BREAKAGES = [
     B("int8_sharded", "an 8-bit base is let through to FSDP2", "src/leantune/config/quantization.py",
       '    if quant.quantization == "8bit":\n        raise', '    if False:\n        raise',
       ("tests/test_bad_input.py", "-k", "8-bit")),
+    B("rank_budgets_apart", "under FSDP each rank chooses by the budget it read itself",
+      "src/leantune/planning/choose.py",
+      "        budget = traces.least(budget, device)\n", "        pass\n", ("tests/test_distributed.py", "-k", "one_choice")),
+    B("auto_by_whole_plan", "auto under FSDP compares one process's plan with the budget",
+      "src/leantune/planning/plan.py",
+      "    share = traces.share if traces is not None and traces.share is not None else (lambda plan: plan)",
+      "    share = lambda plan: plan", ("tests/test_planning.py", "-k", "auto_under_fsdp or one_ranks_plan")),
+    B("shapes_draw_rng", "planning the shards draws from the run's generator (another LoRA initialisation)",
+      "src/leantune/planning/per_rank.py", "    with torch.random.fork_rng(devices=[]):\n        model = meta_model(",
+      "    if True:\n        model = meta_model(", ("tests/test_planning.py", "-k", "draws_nothing")),
+    B("anyprecision_dtensor", "anyprecision steps FSDP2's DTensors whole, not their local shards",
+      "src/leantune/optimizers/anyprecision.py",
+      "    return tensor.to_local() if isinstance(tensor, DTensor) else tensor", "    return tensor",
+      ("tests/test_distributed.py", "-k", "anyprecision")),
 ]
 
 

@@ -38,17 +38,21 @@ FLAG_WALK = {
                              "refused: --low_cpu_fsdp: needs --enable_fsdp"),
     "fp16": (["--enable_fsdp", "--use_fp16"], "refused: --use_fp16: not with --enable_fsdp",
              "refused: --use_fp16: not with --enable_fsdp"),
-    "pure_bf16": (["--enable_fsdp", "--fsdp_config.pure_bf16"], "refused: --pure_bf16: not with --enable_fsdp",
-                  "refused: --pure_bf16: not with --enable_fsdp"),
+    "pure_bf16": (["--enable_fsdp", "--fsdp_config.pure_bf16"], "runs: precision: bfloat16 weights on the CPU",
+                  "runs: precision: bfloat16 weights on the CPU"),
+    "anyprecision": (["--enable_fsdp", "--optimizer", "anyprecision", "--pure_bf16"],
+                     "runs: optimizer: leantune's AnyPrecisionAdamW", "runs: optimizer: leantune's AnyPrecisionAdamW"),
     "8-bit optimizer": (["--enable_fsdp", "--optimizer", "adamw_8bit"],
                         "refused: --optimizer adamw_8bit: not with --enable_fsdp",
                         "refused: --optimizer adamw_8bit: not with --enable_fsdp"),
     "in backward": (["--enable_fsdp", "--optimizer_in_backward"], "refused: --optimizer_in_backward: not with",
                     "refused: --optimizer_in_backward: not with"),
-    "auto batch": (["--enable_fsdp", "--auto_batch_size"], "refused: --enable_fsdp: the planner does not cover",
-                   "refused: --enable_fsdp: the planner does not cover"),
-    "4-bit base": (["--enable_fsdp", "--use_peft", "--quantization", "4bit"], "refused: --quantization",
-                   "refused: --quantization"),
+    "auto batch": (["--enable_fsdp", "--auto_batch_size", "--memory_budget_gb", "2", "--target_global_batch_size",
+                    "4"], "runs: batch size: auto chose", "runs: batch size: auto chose"),
+    "4-bit base": (["--enable_fsdp", "--use_peft", "--quantization", "4bit"], "runs: quantization: ",
+                   "runs: quantization: "),
+    "8-bit base": (["--enable_fsdp", "--use_peft", "--quantization", "8bit"],
+                   "refused: --quantization 8bit: not with --enable_fsdp", "refused: --quantization 8bit: not with"),
     "hsdp": (["--enable_fsdp", "--fsdp_config.hsdp", "true"], "refused: --hsdp is a llama-cookbook flag",
              "refused: --hsdp is a llama-cookbook flag"),
     "sharding strategy": (["--enable_fsdp", "--sharding_strategy", "FULL_SHARD"],
@@ -151,6 +155,38 @@ def test_one_process_fsdp_shards_the_model_and_the_optimizer_steps_the_shards(ti
     finally:
         close_distributed(dist)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_4bit_base_is_gathered_as_its_packed_bytes_under_bf16_mixed_precision(tiny_model_dir):
+    """The GPU's default: FSDP2 gathers in bfloat16. The packed uint8 weights must arrive as stored (FSDP2
+    casts floating-point parameters only), byte for byte, or bitsandbytes would read numbers as weights."""
+    pytest.importorskip("bitsandbytes")
+    from leantune.builders.sharding import start_distributed
+    from leantune.builders.step import loss_model_for
+    from leantune.distributed.context import close_distributed
+    from leantune.distributed.fsdp import shard_model
+    from leantune.models.loading import attach_lora, load_model
+    from leantune.models.quantized import bnb_config, quantized_layers
+
+    cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--enable_fsdp", "--use_peft", "--quantization",
+                            "4bit"])
+    model = load_model(cfg.model, torch.bfloat16, "sdpa", bnb_config(cfg.quant, torch.bfloat16), torch.device("cpu"))
+    model = attach_lora(model, cfg.peft)
+    stored = {id(layer): layer.weight.detach().clone() for layer in quantized_layers(model)}
+    seen = []
+    for layer in quantized_layers(model):
+        layer.register_forward_pre_hook(lambda layer, _args: seen.append(
+            (layer.weight.dtype, torch.equal(layer.weight.detach(), stored[id(layer)]))))
+    dist = start_distributed(cfg.distributed, cfg.model)
+    try:
+        loss_model = shard_model(loss_model_for(model, cfg.training, sharded=True), dist, torch.device("cpu"),
+                                 torch.bfloat16, cpu_offload=False)
+        ids = torch.randint(0, 100, (1, 16))
+        with torch.autocast("cpu", torch.bfloat16):
+            loss_model(ids, ids).backward()
+    finally:
+        close_distributed(dist)
+    assert len(seen) == len(stored) > 0 and set(seen) == {(torch.uint8, True)}
 
 
 def test_a_refusal_after_the_one_rank_group_exists_leaves_no_group_behind(tmp_path, capsys):

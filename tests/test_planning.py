@@ -494,7 +494,8 @@ def test_per_rank_plan_of_a_4bit_base_gathers_packed_bytes_and_holds_the_quantiz
 def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
     """Each rank measures its own peak: the run's prediction is the per-rank plan, not one process's."""
     from leantune.planning.choose import MemoryPlan, predicted_peak
-    from leantune.planning.per_rank import per_rank, sharding_shapes
+    from leantune.planning.fake_step import StepTraces
+    from leantune.planning.per_rank import RankShare, per_rank, sharding_shapes
 
     flags = ["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
              "--enable_activation_checkpointing", "--enable_memory_monitoring"]
@@ -502,17 +503,48 @@ def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
     for extra, world in (([], 1), (["--enable_fsdp"], 4), (["--enable_fsdp", "--fsdp_cpu_offload"], 1)):
         cfg = parse_run_config([*flags, *extra])
         whole = plan_modes(cfg, config, CUDA, ["full"])[0]
-        expected = whole
+        expected, offload = whole, "--fsdp_cpu_offload" in extra
         if extra:
-            offload = "--fsdp_cpu_offload" in extra
             expected = per_rank(whole, world, sharding_shapes(cfg, config, CUDA, world, offload), offload)
-        predicted, reserved = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, world_size=world)
+        share = RankShare(lambda: sharding_shapes(cfg, config, CUDA, world, offload), world, offload)
+        traces = StepTraces(share=share if extra else None)  # as a run builds it
+        predicted, reserved = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, traces=traces)
         assert predicted == expected.traced_peak_bytes + expected.cublas_workspace_bytes
         if not extra:  # one process: the reservation the allocator model replayed, and the workspace
             assert reserved == trace_step(cfg, config, CUDA, "full").reserved_peak_bytes + whole.cublas_workspace_bytes
         else:  # a rank's: derived, with the assumed fragmentation share
             assert reserved == predicted + expected.fragmentation_bytes
         assert (predicted < whole.traced_peak_bytes) == bool(extra)
+
+
+def test_planning_the_shards_draws_nothing_from_the_runs_generator():
+    """A run plans under FSDP after seeding (and, on a GPU, after building its model): the stand-in model's
+    LoRA initialisation must not move the CPU generator, or the run's own draws would change."""
+    from leantune.planning.per_rank import sharding_shapes
+
+    cfg = parse_run_config(["--model_name", "tiny", "--use_peft", "--enable_fsdp"])
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    sharding_shapes(cfg, model_config("tiny"), CUDA, 2)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_auto_under_fsdp_chooses_by_one_ranks_plan():
+    """Under FSDP auto compares each mode's per-rank plan with the budget: 2 GiB holds no mode of one
+    process's full fine-tune of ``small`` (2.6 GiB), and a rank's share of 4 (1.3 GiB) without checkpointing."""
+    from leantune.planning.fake_step import StepTraces
+    from leantune.planning.per_rank import RankShare, sharding_shapes
+
+    cfg = parse_run_config(["--model_name", "small", "--context_length", "128", "--enable_fsdp",
+                            "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
+                            "--memory_budget_gb", "2"])
+    config = model_config("small")
+    with pytest.raises(ConfigError, match="no mode fits"):
+        apply_memory_plan(cfg, config, CPU, log=lambda *_: None)  # one process's plan
+    traces = StepTraces(share=RankShare(lambda: sharding_shapes(cfg, config, CPU, 4), 4, False))
+    memory = apply_memory_plan(cfg, config, CPU, log=lambda *_: None, traces=traces)
+    assert memory.cfg.checkpointing.mode is None and memory.plan.mode == "none"
+    assert memory.plan.peak_bytes <= 2 * 2**30 and "per rank of 4" in memory.plan.checkpointing
 
 
 def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):

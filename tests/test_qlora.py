@@ -345,6 +345,8 @@ def test_the_oom_advice_offers_a_4bit_base_to_a_lora_run_only():
 
     assert "--quantization 4bit" in advice("--use_peft")
     assert "--quantization 4bit" not in advice(*QLORA)
+    assert "--quantization 4bit" in advice("--use_peft", "--enable_fsdp")  # a 4-bit base shards
+    assert "--quantization 4bit" not in advice("--use_peft", "--enable_fsdp", "--low_cpu_fsdp")
     assert "--quantization 4bit" not in advice()  # full fine-tuning cannot train a quantized base
 
 

@@ -8,11 +8,13 @@ memory sampler stops and the metrics are written even when training fails). The 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -23,7 +25,8 @@ from leantune.builders.sharding import device_peak_bytes, shard, start_distribut
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
-from leantune.config import ConfigError, MemoryConfig, RunConfig, TrainingConfig
+from leantune.config import (ConfigError, DistributedConfig, MemoryConfig, RunConfig,
+                              TrainingConfig)
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
@@ -37,6 +40,7 @@ from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.flops import count_token_flops
 from leantune.planning.measured_choice import choose_by_timing, keep_saved_choice
+from leantune.planning.per_rank import RankShare, sharding_shapes
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
@@ -70,14 +74,12 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
                  return_host_memory(cfg.memory.return_host_memory, device.type, cfg.data.context_length)):
         if line is not None:  # a resume on a torch with the unpickler's flaw; host memory handed back
             log(line)
-    if (constants := measure_gpu_constants(device)) is not None:  # before anything of ours is on the GPU
-        remember_context(device, constants)  # what the default budget and the batch check count as the context
-        log(constants.line())
+    _remember_gpu_constants(device, dist, log)  # before anything of ours is on the GPU
     _check_device_flags(cfg.training, cfg.memory, device)
     flags = cfg.flat()
     loggers = MetricLoggers.for_run(cfg.output, flags, dist.is_main)  # a missing logger package is refused here, early
     stack.callback(loggers.close)
-    traces = StepTraces(dist)  # traced on rank 0, shared with the others
+    traces = _step_traces(dist, cfg.distributed, functools.partial(sharding_shapes, cfg, facts.config, device))
     memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
     saved = read_state(resume) if resume is not None else None
     memory = keep_saved_choice(memory, saved, log)  # auto's timed choice is not made again when resuming
@@ -101,7 +103,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         log(compile_decoder_layers(model))
     step = build_train_step(cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
     log(describe_optimizer(cfg.training, step.optimizer))
-    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, dist.world_size) or (None, None)
+    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces) or (None, None)
     # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
     peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
@@ -114,6 +116,30 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
     return trainer
+
+
+def _step_traces(dist: DistContext, dc: DistributedConfig, shapes: Callable) -> StepTraces:
+    """Steps traced on rank 0 and shared with the others; under FSDP every plan made from them is one
+    rank's share. ``shapes(world_size, cpu_offload)``: the run's ``sharding_shapes``, made if asked."""
+    if not dc.enable_fsdp:
+        return StepTraces(dist)
+    world, offload = dist.world_size, dc.fsdp_cpu_offload
+    return StepTraces(dist, RankShare(lambda: shapes(world, offload), world, offload))
+
+
+def _remember_gpu_constants(device: torch.device, dist: DistContext, log) -> None:
+    """The CUDA context and cuBLAS workspace, what the default budget and the batch check count as the context.
+
+    Over several ranks each remembers the largest context any rank measured (another process on one
+    GPU counts in its context): every plan adds it, so the ranks' plans, and the choices made from them
+    with the least budget, are the same on every rank.
+    """
+    constants = measure_gpu_constants(device)
+    if constants is None:
+        return
+    constants = dataclasses.replace(constants, context_bytes=int(dist.min_max(constants.context_bytes, device)[1]))
+    remember_context(device, constants)
+    log(constants.line())
 
 
 def _check_device_flags(tc: TrainingConfig, memory: MemoryConfig, device: torch.device) -> None:

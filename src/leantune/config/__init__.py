@@ -322,10 +322,6 @@ class RunConfig:
         if self.distributed.enable_fsdp and self.training.use_fp16:
             raise ConfigError("--use_fp16: not with --enable_fsdp (float16 needs a sharded loss scaler); "
                               "use --mixed_precision (bfloat16)")
-        if self.distributed.enable_fsdp and (self.memory.auto_batch_size
-                                             or self.checkpointing.activation_checkpointing_mode == "auto"):
-            raise ConfigError("--enable_fsdp: the planner does not cover sharding yet; pick "
-                              "--activation_checkpointing_mode and --batch_size_training yourself")
         target = self.memory.target_global_batch_size
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training
@@ -339,9 +335,8 @@ class RunConfig:
         """The optimizer options against the flags they cannot work with, naming both."""
         tc = self.training
         unsharded = tc.optimizer == AUTO_OPTIMIZER or not optimizer_entry(tc.optimizer).sharded
-        if self.distributed.enable_fsdp and (unsharded or tc.pure_bf16):
-            flag = ("--pure_bf16" if tc.pure_bf16 else "--optimizer auto" if tc.optimizer == AUTO_OPTIMIZER
-                    else optimizer_entry(tc.optimizer).flag)
+        if self.distributed.enable_fsdp and unsharded:
+            flag = "--optimizer auto" if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer).flag
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
         entry = None if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer)
         for flag, why in ([] if entry is None else optimizer_conflicts(entry, tc, self.model.model_dtype)):

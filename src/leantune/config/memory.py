@@ -21,10 +21,12 @@ class MemoryConfig:
         "CUDA: record the allocator's history over the first 3 steps and write OUTPUT_DIR/memory_snapshot.pickle "
         "(open it in https://pytorch.org/memory_viz); an out-of-memory error also writes one."))
     auto_batch_size: bool = field(default=False, metadata=_help(
-        "Train with the largest batch whose predicted peak fits the budget (confirmed by one real step first)."))
+        "Train with the largest batch whose predicted peak fits the budget (confirmed by one real step first; "
+        "under --enable_fsdp chosen by one rank's plan, not confirmed)."))
     target_global_batch_size: Optional[int] = field(default=None, metadata=_help(
         "Rows per optimizer step to keep whatever the batch size: sets --gradient_accumulation_steps to "
-        "this divided by the batch size (with --auto_batch_size, the batch is a divisor of it)."))
+        "this divided by the batch size (with --auto_batch_size, the batch is a divisor of it). Under "
+        "--enable_fsdp, one process's rows (the batch is per process)."))
     return_host_memory: Literal["auto", "on", "off"] = field(default="auto", metadata=_help(
         "Host allocations of 1 MiB or more are mapped on their own (glibc's mmap threshold fixed), so a freed "
         "tensor goes back to the system at once instead of staying in the process's heap: the process's memory "

@@ -64,10 +64,10 @@ def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsd
                           "the codes, which FSDP2 would not shard with them); use --quantization 4bit")
     if quant.quant_storage != "uint8":
         # FSDP2's mixed precision casts floating-point parameters to the gathering dtype: packed bytes
-        # stored as floats would be converted as numbers, not carried as bytes
-        raise ConfigError(f"--quant_storage {quant.quant_storage}: not with --enable_fsdp (FSDP2 would cast the "
-                          "packed weights as numbers when it gathers them); drop it (uint8, which FSDP2 shards as "
-                          "it is)")
+        # stored as floats of another dtype would be converted as numbers, not carried as bytes
+        raise ConfigError(f"--quant_storage {quant.quant_storage}: not with --enable_fsdp (FSDP2 casts floating-point "
+                          "weights to the dtype it gathers in, which would convert the packed bytes as numbers); "
+                          "drop it (uint8, which FSDP2 gathers as it is)")
     if low_cpu_fsdp:
         raise ConfigError(f"{flag}: not with --low_cpu_fsdp (rank 0's quantized weights and their quantization "
                           "state cannot be broadcast into the other ranks' empty shards yet); drop --low_cpu_fsdp: "

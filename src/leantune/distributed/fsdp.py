@@ -40,7 +40,18 @@ def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch
     for layer, state in states:
         state.to(device)  # in place: the scales, code books and nested state
         layer.quant_state = state
+        layer.register_forward_pre_hook(_gathered_as_packed_bytes)
     return loss_model
+
+
+def _gathered_as_packed_bytes(layer: torch.nn.Module, _args) -> None:
+    """FSDP2 (torch 2.13) casts only floating-point parameters to the gathering dtype, so the packed
+    uint8 weight arrives as stored; a torch that cast it would hand bitsandbytes numbers to read as
+    packed weights. Checked as each 4-bit layer runs (its dtype only: no copy, no sync)."""
+    if layer.weight.dtype != torch.uint8:
+        raise RuntimeError(f"FSDP2 gathered a 4-bit layer's packed weight as {layer.weight.dtype}, not uint8: this "
+                           f"torch ({torch.__version__}) casts it under mixed precision, which would corrupt it. "
+                           "Upgrade torch (2.13 is tested with a sharded 4-bit base) or drop --enable_fsdp")
 
 
 def _quantization_states(model: torch.nn.Module) -> list:
@@ -48,7 +59,8 @@ def _quantization_states(model: torch.nn.Module) -> list:
 
     bitsandbytes keeps that state on the weight, which ``fully_shard`` replaces with a DTensor of the
     packed bytes alone; ``Linear4bit.forward`` looks for it on the layer when the gathered weight
-    lacks it. It is not sharded: every rank holds all of it, on the device that computes.
+    lacks it (transformers' loading usually put it there already; this makes sure, and puts it on
+    the device that computes). It is not sharded: every rank holds all of it.
     """
     return [(layer, layer.weight.quant_state) for layer in quantized_layers(model)
             if getattr(layer.weight, "quant_state", None) is not None]

@@ -52,7 +52,7 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
     if device.type == "cuda" and mode != offload and not tc.compile:  # compiled layers cannot offload
         fixes.append("keep the layers' saved inputs in pinned host memory: --enable_activation_checkpointing "
                      f"--activation_checkpointing_mode {offload}")
-    if cfg.peft.use_peft and cfg.quant.quantization != "4bit" and not cfg.distributed.enable_fsdp:
+    if cfg.peft.use_peft and cfg.quant.quantization != "4bit" and not cfg.distributed.low_cpu_fsdp:
         fixes.append("hold the frozen base in 4 bits, dequantized a layer at a time (QLoRA: about 0.27 of its "
                      "bfloat16 bytes): --quantization 4bit")
     if not cfg.peft.use_peft:

@@ -18,7 +18,6 @@ from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunC
 from leantune.distributed.context import RanksDiverged
 from leantune.planning.fake_step import StepTraces, run_config_for_mode
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
-from leantune.planning.per_rank import per_rank, sharding_shapes
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
                                     plan_modes, run_mode, with_batch)
@@ -158,6 +157,8 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     if not needs_plan(*sections):
         return MemoryPlan(cfg)
     budget = _budget(*sections, device)
+    if traces is not None:  # each rank read its own device: the least of them, so that every rank chooses alike
+        budget = traces.least(budget, device)
     if cfg.training.compile:
         log(COMPILE_NOTE)
     if needs_optimizer_choice(cfg.training):  # first: the mode and the batch are chosen for the optimizer it picks
@@ -170,6 +171,12 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
     if auto_mode and cfg.memory.auto_batch_size:
         candidates = mode_batch_candidates(cfg, config, device, budget, traces)
         cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces, candidates)
+        if cfg.distributed.enable_fsdp and len(candidates) >= 2:
+            # timing runs real steps on the model before fully_shard, which would hold it whole on the device
+            log(f"activation checkpointing: auto chose {run_mode(cfg.checkpointing)} at batch "
+                f"{cfg.training.batch_size_training} per rank by the plan (the least recompute per token; under "
+                "FSDP the candidates are not timed)")
+            candidates = {}
     elif auto_mode:
         cfg, plan = choose_auto_mode(cfg, config, device, budget, log, traces)
     else:
@@ -204,11 +211,12 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
 
 
 def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None, world_size: int = 1) -> Optional[tuple[int, int]]:
+                   traces: Optional[StepTraces] = None) -> Optional[tuple[int, int]]:
     """What the allocator should count at the step's peak, and what it should reserve, from the plan;
     only on a GPU, which can measure both.
 
-    Under FSDP, one rank's (``per_rank``, from the one-process trace), which is what each rank measures.
+    Under FSDP, one rank's (the run's ``traces`` make every plan a rank's share), which is what each
+    rank measures.
     """
     if device.type != "cuda":
         return None
@@ -217,10 +225,6 @@ def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
         plan = plan_for_run(memory.cfg, config, device, log, traces)
     if plan is None:
         return None
-    dc = memory.cfg.distributed
-    if dc.enable_fsdp:
-        shapes = sharding_shapes(memory.cfg, config, device, world_size, dc.fsdp_cpu_offload)
-        plan = per_rank(plan, world_size, shapes, dc.fsdp_cpu_offload)
     predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
     reserved = predicted + plan.fragmentation_bytes  # the workspace is the allocator's too; context and NCCL are not
     log(f"plan: predicted peak {format_bytes(predicted)} allocated per step, {format_bytes(reserved)} reserved "

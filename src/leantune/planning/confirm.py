@@ -96,7 +96,14 @@ def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Ca
 
 def confirm_the_batch(memory: MemoryPlan, model: torch.nn.Module, config, precision: Precision, log=print,
                       traces: Optional[StepTraces] = None) -> MemoryPlan:
-    """With ``--auto_batch_size``: one real step at the chosen batch (backed off once if it does not fit)."""
+    """With ``--auto_batch_size``: one real step at the chosen batch (backed off once if it does not fit).
+
+    Not under FSDP: the model is sharded after this, and a step now would hold it whole on the device.
+    """
     if not memory.cfg.memory.auto_batch_size:
+        return memory
+    if memory.cfg.distributed.enable_fsdp:
+        log(f"batch size: {memory.cfg.training.batch_size_training} per rank, from the per-rank plan (under FSDP no "
+            "real step confirms it before sharding; the step-2 memory check compares each rank's peak on a GPU)")
         return memory
     return confirm_batch(memory, config, precision.device, confirm_step(model, memory.cfg, precision), log, traces)

@@ -240,9 +240,16 @@ class StepTraces:
     order, and the trace, of the unsharded step on the host's CPU, is the same on every rank.
     """
 
-    def __init__(self, dist: DistContext = SINGLE_PROCESS):
+    def __init__(self, dist: DistContext = SINGLE_PROCESS, share=None):
+        """``share``: under FSDP, one rank's share of a plan (``planning.per_rank.RankShare``), which
+        ``plan_modes`` applies before comparing with the budget: every choice is made per rank."""
         self._traces: dict[tuple, StepTrace] = {}
         self._dist = dist
+        self.share = share
+
+    def least(self, nbytes: int, device: torch.device) -> int:
+        """The smallest of every rank's ``nbytes`` (a budget each read from its own device): one choice for all."""
+        return int(self._dist.min_max(nbytes, device)[0])
 
     def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
         # everything the traced step is made from: the run's flags as that mode sets them, the

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -101,14 +101,16 @@ class _Sizes:
 def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: int,
                     cpu_offload: bool = False) -> ShardingShapes:
     precision = target_precision(cfg, target)
-    model = meta_model(config, precision.weight_dtype)
-    quantized = run_bnb_config(cfg.quant, precision)
-    if quantized is not None:
-        quantize_linear_layers(model, quantized, precision.weight_dtype)
-    if cfg.peft.use_peft:
-        model = attach_lora(model, cfg.peft)
-    if quantized is not None:  # the packed weights and their state as bitsandbytes makes them, on fake tensors
-        fake_placer(FakeTensorMode(allow_non_fake_inputs=True))(model)
+    # building the stand-in draws from the CPU generator (LoRA's initialisation): a run's own draws stay as they were
+    with torch.random.fork_rng(devices=[]):
+        model = meta_model(config, precision.weight_dtype)
+        quantized = run_bnb_config(cfg.quant, precision)
+        if quantized is not None:
+            quantize_linear_layers(model, quantized, precision.weight_dtype)
+        if cfg.peft.use_peft:
+            model = attach_lora(model, cfg.peft)
+        if quantized is not None:  # the packed weights and their state as bitsandbytes makes them, on fake tensors
+            fake_placer(FakeTensorMode(allow_non_fake_inputs=True))(model)
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     layer, root = list(layers[0].parameters()), [p for p in model.parameters() if id(p) not in in_layers]
@@ -200,6 +202,24 @@ def per_rank(plan: ModePlan, world_size: int, shapes: ShardingShapes, cpu_offloa
         other_bytes=b["buffer"] + b["input"], optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,
         host_bytes=host, pinned_host_bytes=pinned, stage_breakdowns=stages,
         checkpointing=f"{plan.checkpointing}, per rank of {world_size} ({how}, derived; peak in {stage})")
+
+
+class RankShare:
+    """``plan -> one rank's plan`` under FSDP over ``world_size`` ranks, for ``StepTraces.share``.
+
+    ``shapes``: gives the run's ``sharding_shapes``, asked for once, when the first plan is made (a run
+    that plans nothing builds no stand-in). They depend on the model, LoRA, quantization and precision,
+    which no mode, batch or context the planner tries changes.
+    """
+
+    def __init__(self, shapes: Callable[[], ShardingShapes], world_size: int, cpu_offload: bool):
+        self._shapes, self._made = shapes, None
+        self.world_size, self.cpu_offload = world_size, cpu_offload
+
+    def __call__(self, plan: ModePlan) -> ModePlan:
+        if self._made is None:
+            self._made = self._shapes()
+        return per_rank(plan, self.world_size, self._made, self.cpu_offload)
 
 
 def host_offload_alternative(cfg: RunConfig, config, target: torch.device,

@@ -223,25 +223,29 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
                expandable: bool = False) -> list[ModePlan]:
     """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given.
 
-    ``traces``: the run's traced steps, shared with its other callers (each step is traced once).
+    ``traces``: the run's traced steps, shared with its other callers (each step is traced once); under
+    FSDP its ``share`` makes each plan one rank's before the budget is compared.
     ``expandable``: the allocator's segments as with ``expandable_segments:True``, whatever the settings say.
     """
     check_plan_inputs(cfg.data.context_length, config, budget_bytes)
     if OFFLOAD in modes and target.type != "cuda":
         raise ConfigError(f"--activation_checkpointing_mode {OFFLOAD}: moves activations off a GPU; plan it for one "
                           "with --device cuda")
+    share = traces.share if traces is not None and traces.share is not None else (lambda plan: plan)
     found: dict[str, StepTrace] = {}
     batch_and_context = (cfg.training.batch_size_training, cfg.data.context_length)
     for mode in modes:
         if mode != OFFLOAD:
             found[mode] = traced(traces, cfg, config, target, mode)
-            _check_budget_above_parameters(plan_from_trace(mode, found[mode], *batch_and_context, target), budget_bytes)
+            _check_budget_above_parameters(share(plan_from_trace(mode, found[mode], *batch_and_context, target)),
+                                           budget_bytes)
     pinned = 0
     if OFFLOAD in modes:
         full = found.get("full") or traced(traces, cfg, config, target, "full")
         found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg.checkpointing))
         pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
-    plans = {mode: plan_from_trace(mode, trace, *batch_and_context, target, expandable) for mode, trace in found.items()}
+    plans = {mode: share(plan_from_trace(mode, trace, *batch_and_context, target, expandable))
+             for mode, trace in found.items()}
     if pinned:  # beside any optimizer state on the host
         plans[OFFLOAD].host_bytes += pinned
         plans[OFFLOAD].pinned_host_bytes += pinned
