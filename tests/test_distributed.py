@@ -28,6 +28,8 @@ CASES = {
     "lora-selective": ["--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing",
                        "--activation_checkpointing_mode", "selective_ops", "--max_train_step", "3"],
     "lora-no-checkpointing": ["--use_peft", "--lora_dropout", "0", "--max_train_step", "3"],
+    # each weight stepped by FSDP2's hook once its shard's gradient is reduced; the norm summed over the ranks
+    "full-ft-in-backward": ["--optimizer_in_backward", "--enable_activation_checkpointing", "--max_train_step", "3"],
     # the 4-bit base sharded as packed bytes, its quantization state on every rank
     "qlora-full": ["--use_peft", "--lora_dropout", "0", "--quantization", "4bit", "--enable_activation_checkpointing",
                    "--max_train_step", "3"],
@@ -295,7 +297,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(tiny_model_dir, 
     assert "leantune: error on rank 1 of 2: injected failure" in result.stderr
 
 
-@pytest.mark.parametrize("kind", ["lora-dropout", "full-accumulation", "qlora", "anyprecision-bf16"])
+@pytest.mark.parametrize("kind", ["lora-dropout", "full-accumulation", "qlora", "anyprecision-bf16", "in-backward"])
 def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_is_exact(kind, tiny_model_dir,
                                                                                         tmp_path):
     """Only rank 1 gets the signal; the ranks agree in each step, save one training state and stop.
@@ -307,7 +309,8 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step_and_the_resumed_run_i
     flags = {"lora-dropout": ["--use_peft", "--lora_dropout", "0.1"],
              "full-accumulation": ["--gradient_accumulation_steps", "2"],
              "qlora": ["--use_peft", "--lora_dropout", "0.1", "--quantization", "4bit"],
-             "anyprecision-bf16": ["--optimizer", "anyprecision", "--pure_bf16"]}[kind]
+             "anyprecision-bf16": ["--optimizer", "anyprecision", "--pure_bf16"],
+             "in-backward": ["--optimizer_in_backward"]}[kind]
     common = ["--model_name", str(tiny_model_dir), *FAST, *flags, "--max_train_step", "12", "--batch_size_training",
               "1", "--enable_fsdp", "--save_model", "false"]
     reference = torchrun([*common, "--output_dir", str(tmp_path / "reference")])

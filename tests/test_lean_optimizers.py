@@ -219,7 +219,7 @@ def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
     (["--use_fp16"], "not with --use_fp16"),
     (["--skip_nonfinite_steps", "1"], "not with --skip_nonfinite_steps 1"),
     (["--target_global_batch_size", "8"], "not with --target_global_batch_size"),
-    (["--enable_fsdp"], "--optimizer_in_backward: not with --enable_fsdp"),
+    (["--enable_fsdp", "--optimizer", "adamw_8bit"], "--optimizer adamw_8bit: not with --enable_fsdp"),
 ])
 def test_optimizer_in_backward_refuses_what_it_cannot_do(flags, message):
     with pytest.raises(ConfigError, match=message):

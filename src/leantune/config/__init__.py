@@ -360,7 +360,6 @@ class RunConfig:
             (tc.skip_nonfinite_steps > 0, f"--skip_nonfinite_steps {tc.skip_nonfinite_steps}",
              "a step's updates are applied during backward, before its loss and norm are checked, so it cannot be "
              "skipped (a non-finite step stops the run, nothing saved from it)"),
-            (self.distributed.enable_fsdp, "--enable_fsdp", "untested on sharded parameters yet"),
         ]
         return [(flag, why) for conflict, flag, why in conflicts if conflict]
 

@@ -20,6 +20,7 @@ import sys
 from typing import Iterator, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class OptimizerInBackward:
@@ -34,6 +35,7 @@ class OptimizerInBackward:
                                  "(training.optim.build_optimizer makes them with --optimizer_in_backward)")
             self._group_of[group["params"][0]] = group
         self._squares: Optional[torch.Tensor] = None
+        self._sharded = False  # FSDP2: each rank's squares are of its shards, summed over the ranks at the end
         self._handles = [p.register_post_accumulate_grad_hook(self._step_weight) for p in self._group_of]
 
     def start_step(self) -> None:
@@ -41,13 +43,23 @@ class OptimizerInBackward:
         self._squares = None
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
-        """The step's gradient norm (every weight's gradient, as it was when that weight stepped)."""
-        return None if self._squares is None else self._squares.sqrt()
+        """The step's gradient norm (every weight's gradient, as it was when that weight stepped).
+
+        Under FSDP2 a collective: every rank asks once a step, after its backward.
+        """
+        if self._squares is None:
+            return None
+        if self._sharded:
+            torch.distributed.all_reduce(self._squares)
+        return self._squares.sqrt()
 
     def _step_weight(self, param: torch.nn.Parameter) -> None:
         # the norm asked for in float32 of the gradient as it is: ``.float()`` first would make a
         # float32 copy as large as the weight (2 GiB for Llama-3.1-8B's LM head)
-        squares = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32).square()
+        grad = param.grad.detach()
+        if isinstance(grad, DTensor):  # FSDP2 calls this hook once the shard's gradient is reduced
+            grad, self._sharded = grad.to_local(), True
+        squares = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
         with without_bitsandbytes_sync():
             step_group(self.optimizer, self._group_of[param])
