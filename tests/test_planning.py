@@ -529,6 +529,16 @@ def test_planning_the_shards_draws_nothing_from_the_runs_generator():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_step_in_backward_is_traced_as_backward():
+    """--optimizer_in_backward steps each weight inside backward: those moments are backward's (where FSDP's
+    per-rank plan adds the gathered layers and the reduce buffers), and there is no optimizer stage after it."""
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "64",
+                            "--optimizer_in_backward", "--enable_activation_checkpointing"])
+    plan = plan_modes(cfg, model_config("tiny"), CPU, ["full"])[0]
+    assert "backward" in plan.stage_breakdowns and "optimizer" not in plan.stage_breakdowns
+    assert plan.peak_bytes == max(sum(stage.values()) for stage in plan.stage_breakdowns.values())
+
+
 def test_auto_under_fsdp_chooses_by_one_ranks_plan():
     """Under FSDP auto compares each mode's per-rank plan with the budget: 2 GiB holds no mode of one
     process's full fine-tune of ``small`` (2.6 GiB), and a rank's share of 4 (1.3 GiB) without checkpointing."""

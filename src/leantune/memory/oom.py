@@ -81,7 +81,8 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     """A full fine-tune's weight, gradient and optimizer memory, least cost to quality first, where the flags allow:
     the step in backward, then each optimizer's own advice (its registry entry's)."""
     tc, fixes = cfg.training, []
-    if not tc.optimizer_in_backward and not cfg.in_backward_conflicts():
+    # offloaded, the gradients' shards are in host memory already: stepping in backward frees no device memory
+    if not tc.optimizer_in_backward and not cfg.in_backward_conflicts() and not cfg.distributed.fsdp_cpu_offload:
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
     bf16_allowed = pure_bf16_allowed(cfg.model, cfg.training)

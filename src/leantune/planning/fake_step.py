@@ -265,6 +265,13 @@ def traced(traces: Optional[StepTraces], cfg: RunConfig, config, target: torch.d
     return traces.get(cfg, config, target, mode) if traces is not None else trace_step(cfg, config, target, mode)
 
 
+def _optimizer_stage(tracker) -> None:
+    """The optimizer's step starts its stage, unless it runs inside backward (--optimizer_in_backward, one
+    weight at a time): backward's moments stay backward's, where FSDP's per-rank plan adds what it gathers."""
+    if torch._C._current_graph_task_id() == -1:  # not inside an autograd backward
+        tracker.stage = "optimizer"
+
+
 def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     model, optimizer, loss_model = step.model, step.optimizer, step.train_step.loss_model
     on_gpu = target.type == "cuda"
@@ -280,7 +287,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
             tracker.follow(args[0])
 
     hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
-             optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "stage", "optimizer")),
+             optimizer.register_step_pre_hook(lambda *_: _optimizer_stage(tracker)),
              *(layer.register_forward_pre_hook(at_a_layer_input) for layer in decoder_layers(model))]
     tracker.register_model(model)
     tracker.register_optimizer(optimizer)

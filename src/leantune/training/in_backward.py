@@ -49,9 +49,11 @@ class OptimizerInBackward:
         """
         if self._squares is None:
             return None
-        if self._sharded:
-            torch.distributed.all_reduce(self._squares)
-        return self._squares.sqrt()
+        squares = self._squares
+        if self._sharded:  # into a copy: asked again, the answer stays the same
+            squares = squares.clone()
+            torch.distributed.all_reduce(squares)
+        return squares.sqrt()
 
     def _step_weight(self, param: torch.nn.Parameter) -> None:
         # the norm asked for in float32 of the gradient as it is: ``.float()`` first would make a
