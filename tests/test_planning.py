@@ -539,6 +539,21 @@ def test_a_step_in_backward_is_traced_as_backward():
     assert plan.peak_bytes == max(sum(stage.values()) for stage in plan.stage_breakdowns.values())
 
 
+def test_offloaded_the_host_holds_the_optimizer_state_also_when_it_steps_in_backward():
+    """Stepped in backward there is no optimizer stage: the state the host holds is read from the stages it is in."""
+    from leantune.planning.per_rank import per_rank, sharding_shapes
+
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "64",
+                            "--optimizer_in_backward", "--enable_activation_checkpointing", "--enable_fsdp",
+                            "--fsdp_cpu_offload", "--device", "cuda"])
+    config = model_config("tiny")
+    whole = plan_modes(cfg, config, CUDA, ["full"])[0]
+    shapes = sharding_shapes(cfg, config, CUDA, 1, cpu_offload=True)
+    state = max(breakdown["optimizer_state"] for breakdown in whole.stage_breakdowns.values())
+    assert state > 0 and "optimizer" not in whole.stage_breakdowns
+    assert per_rank(whole, 1, shapes, cpu_offload=True).host_bytes == shapes.pinned_host_bytes + state
+
+
 def test_auto_under_fsdp_chooses_by_one_ranks_plan():
     """Under FSDP auto compares each mode's per-rank plan with the budget: 2 GiB holds no mode of one
     process's full fine-tune of ``small`` (2.6 GiB), and a rank's share of 4 (1.3 GiB) without checkpointing."""

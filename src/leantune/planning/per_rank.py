@@ -171,11 +171,13 @@ def host_bytes(plan: ModePlan, world_size: int, shapes: ShardingShapes) -> tuple
     """With CPU offload, a rank's host memory for its shards: (all of it, the pinned part).
 
     Parameters and gradients are pinned (``CPUOffloadPolicy``'s default; ``shapes`` rounds them as
-    the pinned allocator does); at the optimizer step the optimizer's state and the step's
-    temporaries, ordinary host memory, are added.
+    the pinned allocator does); the optimizer's state and its step's temporaries, ordinary host
+    memory, are added. The state is in every stage's breakdown (stepped in backward there is no
+    optimizer stage, and a weight's step temporaries, one weight at a time, are left out).
     """
-    at_step = plan.stage_breakdowns.get("optimizer", {})
-    rest = sum(_split(at_step.get(k, 0), world_size) for k in ("optimizer_state", "temporary"))
+    stages = plan.stage_breakdowns
+    state = max((breakdown.get("optimizer_state", 0) for breakdown in stages.values()), default=0)
+    rest = _split(state, world_size) + _split(stages.get("optimizer", {}).get("temporary", 0), world_size)
     return shapes.pinned_host_bytes + rest, shapes.pinned_host_bytes
 
 
