@@ -6,8 +6,10 @@ Each row is ``leantune plan ... --enable_fsdp --world_size N --json`` run as its
 download: the Llama presets' shapes; no GPU: the plan is for one). Batch 1 x 2048 per rank, full
 activation checkpointing, bf16 compute. QLoRA rows: LoRA r8 on q/v without dropout on a 4-bit nf4
 base with double quantization, its packed weights sharded and its quantization state whole on each
-rank. Full fine-tuning rows: AdamW on float32 weights, and the leanest optimizer FSDP2 trains with
-(anyprecision: bfloat16 weights, moments and compensation, 10 bytes a parameter, stepped in backward).
+rank. Full fine-tuning rows: AdamW on float32 weights; anyprecision (bfloat16 weights, moments and
+compensation, 10 bytes a parameter, stepped in backward); and the leanest rung FSDP2 trains with
+(bitsandbytes' 8-bit AdamW on bfloat16 weights, 4 bytes a parameter, stepped in backward; its update is
+not compensated, the quality cost docs/optimizers.md measures).
 
 The target the multi-GPU issue set: Llama-3.1-70B QLoRA at most 22 GiB per rank on 2 GPUs (the
 "70B on two 24 GB gaming cards" of Answer.AI's FSDP-QLoRA, measured on their hardware, not here).
@@ -28,8 +30,10 @@ COMMON = ["--device", "cuda", "--batch_size_training", "1", "--context_length", 
           "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full", "--enable_fsdp"]
 QLORA_70B = ["--model_name", "Llama-3.1-70B", "--use_peft", "--lora_dropout", "0", "--quantization", "4bit"]
 FULL_8B = ["--model_name", "Llama-3.1-8B"]
-# the leanest rung FSDP2 trains with: bfloat16 weights and moments, each weight stepped in backward
-LEANEST_SHARDED = ["--optimizer", "anyprecision", "--pure_bf16", "--optimizer_in_backward"]
+# bfloat16 weights and moments with a compensated update, each weight stepped in backward
+ANYPRECISION_BF16 = ["--optimizer", "anyprecision", "--pure_bf16", "--optimizer_in_backward"]
+# the leanest rung FSDP2 trains with: bfloat16 weights, 8-bit moments, each weight stepped in backward
+LEANEST_SHARDED = ["--optimizer", "adamw_8bit", "--pure_bf16", "--optimizer_in_backward"]
 OFFLOAD = ["--fsdp_cpu_offload"]
 CARD_GIB = 23.5  # a 24 GB card as it reports itself, less a margin (as benchmarks/long_context_plans.py)
 ROWS = [
@@ -38,8 +42,11 @@ ROWS = [
     ("Llama-3.1-70B QLoRA, CPU offload", [*QLORA_70B, *OFFLOAD], 2, 22.0),
     ("Llama-3.1-8B full fine-tuning", FULL_8B, 2, None),
     ("Llama-3.1-8B full fine-tuning, CPU offload", [*FULL_8B, *OFFLOAD], 2, None),
-    ("Llama-3.1-8B full fine-tuning, anyprecision bf16 in backward", [*FULL_8B, *LEANEST_SHARDED], 2, None),
+    ("Llama-3.1-8B full fine-tuning, anyprecision bf16 in backward", [*FULL_8B, *ANYPRECISION_BF16], 2, None),
     ("Llama-3.1-8B full fine-tuning, anyprecision bf16 in backward, CPU offload",
+     [*FULL_8B, *ANYPRECISION_BF16, *OFFLOAD], 2, None),
+    ("Llama-3.1-8B full fine-tuning, 8-bit AdamW bf16 in backward", [*FULL_8B, *LEANEST_SHARDED], 2, None),
+    ("Llama-3.1-8B full fine-tuning, 8-bit AdamW bf16 in backward, CPU offload",
      [*FULL_8B, *LEANEST_SHARDED, *OFFLOAD], 2, None),
 ]
 

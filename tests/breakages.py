@@ -229,6 +229,24 @@ BREAKAGES = [
     B("in_backward_as_optimizer", "the plan files backward's moments under the optimizer's stage when it steps in backward",
       "src/leantune/planning/fake_step.py", "    if torch._C._current_graph_task_id() == -1:", "    if True:",
       ("tests/test_planning.py", "-k", "traced_as_backward")),
+    # issue 42: 8-bit AdamW sharded
+    B("sharded_8bit_float32", "under FSDP every weight keeps float32 moments: 8-bit AdamW saves nothing sharded",
+      "src/leantune/optimizers/bitsandbytes_sharded.py",
+      "return len(shape) == 2 and shape.numel() >= MIN_8BIT_SIZE and shape[1] % BLOCK == 0", "return False",
+      ("tests/test_distributed.py", "-k", "adamw_8bit_as_one_process")),
+    B("sharded_8bit_plan", "the planner counts one process's 8-bit layout for a sharded run",
+      "src/leantune/optimizers/bitsandbytes_8bit.py",
+      "if param.numel() < MIN_8BIT_SIZE or (self.sharded and not eight_bit_when_sharded(param.shape)):",
+      "if param.numel() < MIN_8BIT_SIZE:", ("tests/test_sharded_8bit.py",)),
+    B("sharded_8bit_scales_local", "each rank keeps its 8-bit scales as a plain tensor: a resume gives every rank rank 0's",
+      "src/leantune/optimizers/bitsandbytes_sharded.py",
+      'state["absmax1"], state["absmax2"] = _block_scales(param), _block_scales(param)',
+      'state["absmax1"], state["absmax2"] = _block_scales(param).to_local(), _block_scales(param).to_local()',
+      ("tests/test_distributed.py", "-k", "adamw-8bit")),
+    B("sharded_8bit_resume_switch", "a resume switches --enable_fsdp with 8-bit AdamW and loads the other layout",
+      "src/leantune/training/resume_checks.py",
+      '    _check_state_layout(saved_value(saved, "enable_fsdp", defaults), now, path)\n', "",
+      ("tests/test_sharded_8bit.py", "-k", "resume")),
 ]
 
 

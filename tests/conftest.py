@@ -48,6 +48,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def block_aligned_model_dir(tmp_path_factory):
+    """The tiny model with rows of 256 elements: every FSDP2 shard of a weight is whole blocks of bitsandbytes'
+    8-bit moments (``leantune.optimizers.bitsandbytes_sharded``)."""
+    from leantune.models.tiny import make_tiny_model
+
+    shape = dict(TEST_SHAPE, hidden_size=256, intermediate_size=512)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-256", seed=0, **shape)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -219,7 +219,7 @@ def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
     (["--use_fp16"], "not with --use_fp16"),
     (["--skip_nonfinite_steps", "1"], "not with --skip_nonfinite_steps 1"),
     (["--target_global_batch_size", "8"], "not with --target_global_batch_size"),
-    (["--enable_fsdp", "--optimizer", "adamw_8bit"], "--optimizer adamw_8bit: not with --enable_fsdp"),
+    (["--enable_fsdp", "--optimizer", "adamw_4bit"], "--optimizer adamw_4bit: not with --enable_fsdp"),
 ])
 def test_optimizer_in_backward_refuses_what_it_cannot_do(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -227,8 +227,9 @@ def test_optimizer_in_backward_refuses_what_it_cannot_do(flags, message):
 
 
 def test_eight_bit_flags(tiny_model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="--optimizer adamw_8bit: not with --enable_fsdp"):
-        parse_run_config(["--optimizer", "adamw_8bit", "--enable_fsdp"])
+    with pytest.raises(ConfigError, match="--optimizer paged_adamw_8bit: not with --enable_fsdp"):
+        parse_run_config(["--optimizer", "paged_adamw_8bit", "--enable_fsdp"])
+    parse_run_config(["--optimizer", "adamw_8bit", "--enable_fsdp"])  # sharded: tests/test_sharded_8bit.py
     argv = ["--model_name", str(tiny_model_dir), "--optimizer", "paged_adamw_8bit", "--output_dir", str(tmp_path)]
     with pytest.raises(ConfigError, match="paged_adamw_8bit: pages its state through CUDA unified memory, and this "
                                           "run is on cpu; use --optimizer adamw_8bit"):
@@ -258,7 +259,7 @@ def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
     # FSDP's host offload, for a full fine-tune on a GPU whose flags FSDP trains with
     offload = "--enable_fsdp --fsdp_cpu_offload"
     assert offload in advice() and offload not in advice(device="cpu") and offload not in advice("--use_peft")
-    assert offload not in advice("--optimizer", "adamw_8bit") and offload not in advice("--use_fp16")
+    assert offload not in advice("--optimizer", "paged_adamw_8bit") and offload not in advice("--use_fp16")
     assert offload not in advice("--enable_fsdp", "--fsdp_cpu_offload")
     assert offload in advice("--enable_fsdp")  # sharded on the device: the host is the next place
 

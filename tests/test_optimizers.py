@@ -125,8 +125,8 @@ def test_optimizer_flags():
         parse_run_config(["--pure_bf16", "--model_dtype", "float32"])
     with pytest.raises(ConfigError, match="--pure_bf16: conflicts with --use_fp16"):
         parse_run_config(["--pure_bf16", "--use_fp16"])
-    with pytest.raises(ConfigError, match="--optimizer adamw_8bit: not with --enable_fsdp yet"):
-        parse_run_config(["--optimizer", "adamw_8bit", "--enable_fsdp"])
+    with pytest.raises(ConfigError, match="--optimizer adamw_4bit: not with --enable_fsdp yet"):
+        parse_run_config(["--optimizer", "adamw_4bit", "--enable_fsdp"])
     assert parse_run_config(["--optimizer", "anyprecision", "--pure_bf16", "--enable_fsdp"]).distributed.enable_fsdp
 
 

@@ -220,7 +220,7 @@ def test_a_run_says_what_fitting_the_context_cut(tiny_model_dir, tmp_path, write
 
 def test_a_state_saved_before_packing_apart_resumes_only_as_it_packed(tmp_path):
     """A state from before --packed_examples packed concatenated: resuming it with the new default is refused."""
-    from leantune.training.state import check_compatible
+    from leantune.training.resume_checks import check_compatible
 
     def state_of(*flags):
         flat = parse_run_config(list(flags)).flat()

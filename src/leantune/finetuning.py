@@ -49,7 +49,8 @@ from leantune.training.checkpoint_files import unpickler_warning
 from leantune.training.loop import Trainer, TrainingParts
 from leantune.training.optim import build_scheduler, describe_optimizer
 from leantune.training.packing_check import check_examples_kept_apart
-from leantune.training.state import TrainingStateStore, check_compatible, load_weights, read_state
+from leantune.training.resume_checks import check_compatible
+from leantune.training.state import TrainingStateStore, load_weights, read_state
 from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped,
                                         StopRequest, TrainingInterrupted)
 

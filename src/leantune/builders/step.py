@@ -23,15 +23,18 @@ def loss_model_for(model: torch.nn.Module, tc: TrainingConfig, *, sharded: bool)
 
 def build_train_step(tc: TrainingConfig, loss_model: CausalLMLoss, precision: Precision,
                      dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print,
-                     check_finite: bool = True, device_type: Optional[str] = None, planned: bool = False) -> TrainStep:
+                     check_finite: bool = True, device_type: Optional[str] = None, planned: bool = False,
+                     sharded: bool = False) -> TrainStep:
     """The optimizer step the training section describes, over ``loss_model``'s trainable parameters.
 
     Built after sharding (the optimizer must hold the shards). ``check_finite`` off where the
     step only measures memory (random weights, fake tensors); ``device_type``: the device the run
     is for, the precision's unless the planner traces another's; ``planned``: the planner's step on fake
-    tensors (the optimizer's stand-in, ``leantune.training.optim.build_optimizer``).
+    tensors (the optimizer's stand-in, ``leantune.training.optim.build_optimizer``); ``sharded``: the planner's step of
+    a run that FSDP2 will shard (a run's own says so in ``dist``).
     """
-    optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type, planned)
+    optimizer = build_optimizer(tc, loss_model.model, device_type or precision.device.type, planned,
+                                sharded or dist.sharded)
     nonfinite = NonFiniteCheck(tc.skip_nonfinite_steps, log, tc.optimizer_in_backward) if check_finite else None
     clip = tc.gradient_clipping_threshold if tc.gradient_clipping else None
     in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None

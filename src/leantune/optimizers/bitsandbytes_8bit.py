@@ -19,11 +19,10 @@ import contextlib
 
 import torch
 
+from leantune.optimizers.bitsandbytes_sharded import BLOCK, MIN_8BIT_SIZE, eight_bit_when_sharded, sharded_adamw_8bit
 from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, register
 from leantune.optional import import_bitsandbytes
 
-MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
-BLOCK = 256  # elements per float32 scale of the 8-bit moments
 CODE_BOOK = 256  # entries of the shared dynamic quantization map of each moment
 PAGED_MIN_SIZE = 100_000  # a paged optimizer pages the 8-bit moments of weights this large; the rest stays put
 NAMES = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit"}
@@ -38,12 +37,14 @@ def bitsandbytes_adamw(optimizer: str, params: list, lr: float, weight_decay: fl
 class EightBitAdamWStandIn(PlannedStep):
     """What the planner steps instead of ``AdamW8bit``: its state layout and in-place step, on fake tensors.
 
-    The state is created on the first step, as bitsandbytes creates it.
+    The state is created on the first step, as bitsandbytes creates it; ``sharded``: with the layout it has
+    under FSDP2 (``bitsandbytes_sharded``), of which the plan takes each rank's share.
     """
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, paged: bool = False):
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, paged: bool = False,
+                 sharded: bool = False):
         super().__init__(params, lr, weight_decay)
-        self.paged = paged
+        self.paged, self.sharded = paged, sharded
         self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def paged_state(self) -> list[torch.Tensor]:
@@ -58,7 +59,7 @@ class EightBitAdamWStandIn(PlannedStep):
                 for key in ("state1", "state2") if state.get(key) is not None and state[key].dtype == torch.uint8]
 
     def new_state(self, param: torch.Tensor) -> dict:
-        if param.numel() < MIN_8BIT_SIZE:
+        if param.numel() < MIN_8BIT_SIZE or (self.sharded and not eight_bit_when_sharded(param.shape)):
             return dict(step=0, state1=torch.zeros_like(param, dtype=torch.float32),
                         state2=torch.zeros_like(param, dtype=torch.float32))
         if param.device not in self._code_books:
@@ -119,6 +120,10 @@ def _entry(name: str, summary: str, paged: bool, rungs: tuple[Rung, ...], **more
                           **INSTALL, **more)
 
 
+def _sharded_stand_in(groups, *, lr, weight_decay, device_type):
+    return EightBitAdamWStandIn(groups, lr=lr, weight_decay=weight_decay, sharded=True)
+
+
 def _advice(device_type: str) -> str:
     paged = (" (or --optimizer paged_adamw_8bit: paged to host memory when the GPU runs short)"
              if device_type == "cuda" else "")
@@ -127,8 +132,11 @@ def _advice(device_type: str) -> str:
 
 register(_entry(
     "adamw_8bit", "bitsandbytes' 8-bit AdamW (about 2 bytes a parameter)", False,
-    (Rung("8-bit AdamW", "adamw_8bit", False, True, 6),
-     Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True, 4, BF16_UNCOMPENSATED)),
+    sharded=True,
+    sharded_build=lambda groups, *, lr, weight_decay, device_type: sharded_adamw_8bit(groups, lr, weight_decay),
+    sharded_stand_in=_sharded_stand_in,
+    rungs=(Rung("8-bit AdamW", "adamw_8bit", False, True, 6),
+           Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True, 4, BF16_UNCOMPENSATED)),
     advice=(Advice(text=_advice, applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 2,
                    order=1),)))
 register(_entry(

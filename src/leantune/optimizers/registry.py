@@ -63,6 +63,8 @@ class OptimizerEntry:
     devices_why: str = ""  # why only there
     elsewhere: str = ""  # what to use on other devices
     sharded: bool = False  # trains FSDP2's sharded parameters (tested)
+    sharded_build: Optional[Build] = None  # what trains them, where ``build``'s cannot
+    sharded_stand_in: Optional[Build] = None  # what the planner steps in its place for a sharded run
     state_bytes: float = 8  # its moments' bytes a parameter (float32 weights): which advice is leaner than it
     rungs: tuple[Rung, ...] = ()
     advice: tuple[Advice, ...] = ()
@@ -137,10 +139,13 @@ def entry_of(optimizer: torch.optim.Optimizer) -> OptimizerEntry:
 
 
 def build(name: str, groups: list, *, lr: float, weight_decay: float, device_type: str,
-          planned: bool = False) -> torch.optim.Optimizer:
-    """``name``'s optimizer over ``groups``; ``planned``: the planner's, on fake tensors (its stand-in, if any)."""
+          planned: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``groups``; ``planned``: the planner's, on fake tensors (its stand-in, if any);
+    ``sharded``: over FSDP2's shards (the entry's sharded builder or stand-in, where it has one)."""
     entry = optimizer_entry(name)
-    maker = entry.stand_in if planned and entry.stand_in is not None else entry.build
+    real = (entry.sharded_build if sharded else None) or entry.build
+    stand_in = (entry.sharded_stand_in if sharded else None) or entry.stand_in
+    maker = (stand_in if planned else None) or real
     optimizer = maker(groups, lr=lr, weight_decay=weight_decay, device_type=device_type)
     setattr(optimizer, ENTRY_ATTRIBUTE, entry.name)
     return optimizer

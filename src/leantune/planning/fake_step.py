@@ -208,9 +208,10 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
     model, report = prepare_model(model, run_cfg, precision, place=place)
-    loss_model = loss_model_for(model, run_cfg.training, sharded=run_cfg.distributed.enable_fsdp)
+    sharded = run_cfg.distributed.enable_fsdp
+    loss_model = loss_model_for(model, run_cfg.training, sharded=sharded)
     train_step = build_train_step(run_cfg.training, loss_model, precision, check_finite=False,
-                                  device_type=target.type, planned=fake)
+                                  device_type=target.type, planned=fake, sharded=sharded)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     tc = run_cfg.training

@@ -18,12 +18,12 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str,
-                    planned: bool = False) -> torch.optim.Optimizer:
+                    planned: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """``--optimizer`` over the trainable parameters (``--lr``, ``--weight_decay``) for a ``device_type`` run.
 
     ``planned``: for the planner's step on fake tensors, which says so: the entry's stand-in, where it has one. With
     ``--optimizer_in_backward`` each weight gets a group of its own (``training.in_backward`` steps
-    one group at a time).
+    one group at a time). ``sharded``: the model's weights are FSDP2's shards (or, planned, will be).
     """
     if tc.optimizer == AUTO:
         raise ValueError("--optimizer auto is resolved by the planner (planning.optimizer_choice) before the "
@@ -31,7 +31,7 @@ def build_optimizer(tc: TrainingConfig, model: torch.nn.Module, device_type: str
     params = trainable_parameters(model)
     groups = [{"params": [p]} for p in params] if tc.optimizer_in_backward else params
     return build(tc.optimizer, groups, lr=tc.lr, weight_decay=tc.weight_decay, device_type=device_type,
-                 planned=planned)
+                 planned=planned, sharded=sharded)
 
 
 def build_scheduler(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:

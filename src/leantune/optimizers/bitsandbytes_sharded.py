@@ -1,0 +1,99 @@
+"""bitsandbytes' 8-bit AdamW on FSDP2's sharded weights: each rank steps its shard with the library's kernel.
+
+bitsandbytes' kernels take plain tensors, so the step hands them a DTensor's local shard. Its
+8-bit moments carry a float32 scale per ``BLOCK`` elements of the flattened weight; a shard is
+stepped exactly as the whole weight would be only if its blocks are the whole weight's blocks.
+FSDP2 shards a weight along its rows (dim 0), so that holds for every world size when a row is a
+whole number of blocks: a 2-D weight whose rows are a multiple of ``BLOCK`` elements (Llama's
+2048, 4096, 8192 and 14336 are). Such a weight keeps bitsandbytes' layout, its scales held as a
+``rows x (row / BLOCK)`` DTensor sharded like the weight, so that saving gathers them with it and
+a resume (with any number of ranks) distributes them back: the step equals one process's bit for
+bit, up to the gradients' reduction order.
+
+Any other weight of ``MIN_8BIT_SIZE`` elements or more (a 1-D norm, a LoRA B of rank 8) keeps
+float32 moments when sharded, where one process would keep 8-bit ones: its blocks would straddle
+the ranks. The planner counts the same layout (``EightBitAdamWStandIn(sharded=True)``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from leantune.optional import import_bitsandbytes
+
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
+BLOCK = 256  # elements per float32 scale of the 8-bit moments
+
+
+def eight_bit_when_sharded(shape: torch.Size) -> bool:
+    """A weight of ``shape`` keeps 8-bit moments when FSDP2 shards it: every shard is whole blocks."""
+    return len(shape) == 2 and shape.numel() >= MIN_8BIT_SIZE and shape[1] % BLOCK == 0
+
+
+def sharded_adamw_8bit(params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """bitsandbytes' ``AdamW8bit`` over FSDP2's sharded ``params`` (plain weights are stepped as the library does)."""
+    return _sharded_class()(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
+
+
+@functools.cache
+def _sharded_class() -> type:
+    """The subclass, made on first use: bitsandbytes is an optional dependency."""
+    base = import_bitsandbytes().optim.AdamW8bit
+    return type("ShardedAdamW8bit", (base,), {"init_state": _init_state, "update_step": _update_step,
+                                               "__module__": __name__, "__doc__": __doc__})
+
+
+def _init_state(self, group: dict, param, gindex: int, pindex: int) -> None:
+    if not isinstance(param, DTensor):
+        return super(_sharded_class(), self).init_state(group, param, gindex, pindex)
+    state = self.state[param]
+    state["step"] = 0
+    if not eight_bit_when_sharded(param.shape):
+        state["state1"] = torch.zeros_like(param, dtype=torch.float32)
+        state["state2"] = torch.zeros_like(param, dtype=torch.float32)
+        return
+    if "dynamic" not in self.name2qmap:
+        self.fill_qmap()
+    # the code books: 256 constants, the same on every rank (saved once, as plain tensors)
+    for key, name in (("qmap1", "dynamic"), ("qmap2", "udynamic")):
+        self.name2qmap[name] = self.name2qmap[name].to(param.device)
+        state[key] = self.name2qmap[name]
+    state["state1"] = torch.zeros_like(param, dtype=torch.uint8)
+    state["state2"] = torch.zeros_like(param, dtype=torch.uint8)
+    state["absmax1"], state["absmax2"] = _block_scales(param), _block_scales(param)
+
+
+def _block_scales(param: DTensor) -> DTensor:
+    """Zero scales for ``param``'s blocks: ``rows x (row / BLOCK)``, each rank holding its rows' (those of its shard)."""
+    rows, row = param.shape
+    local = torch.zeros(param.to_local().shape[0], row // BLOCK, dtype=torch.float32, device=param.device)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=torch.Size((rows, row // BLOCK)), stride=(row // BLOCK, 1))
+
+
+@torch.no_grad()
+def _update_step(self, group: dict, param, gindex: int, pindex: int) -> None:
+    if not isinstance(param, DTensor):
+        return super(_sharded_class(), self).update_step(group, param, gindex, pindex)
+    functional = import_bitsandbytes().functional
+    state = self.state[param]
+    state["step"] += 1
+    weight, grad = param.to_local(), param.grad.to_local()
+    if weight.numel() == 0:  # fewer rows than ranks: this rank holds none of them
+        return
+    local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
+    config = self.get_config(gindex, pindex, group)
+    beta1, beta2 = config["betas"][:2]
+    if local["state1"].dtype == torch.float32:
+        functional.optimizer_update_32bit(
+            self.optimizer_name, grad, weight, local["state1"], beta1, config["eps"], state["step"], config["lr"],
+            local["state2"], beta2, 0.0, 0.0, config["weight_decay"], 1.0, None, max_unorm=0.0,
+            skip_zeros=config["skip_zeros"])
+        return
+    functional.optimizer_update_8bit_blockwise(
+        self.optimizer_name, grad, weight, local["state1"], local["state2"], beta1, beta2, 0.0, 0.0, config["eps"],
+        state["step"], config["lr"], local["qmap1"], local["qmap2"], local["absmax1"].view(-1),
+        local["absmax2"].view(-1), config["weight_decay"], gnorm_scale=1.0, skip_zeros=config["skip_zeros"])

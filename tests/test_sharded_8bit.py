@@ -1,0 +1,99 @@
+"""bitsandbytes' 8-bit AdamW on FSDP2's shards: the layout each weight keeps, what the planner counts for it, the
+step it makes, and a resume that may not switch --enable_fsdp. Two ranks against one process:
+tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.optimizers import build
+from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
+from leantune.training.resume_checks import check_compatible
+
+pytest.importorskip("bitsandbytes")
+# 8-bit when sharded: rows of whole blocks (512 and 256 elements); float32: a row of 64 (4,096 elements, 8-bit in one
+# process), a 1-D weight, odd shapes, LoRA B's rank-8 rows; small (100,) float32 anyhow
+SHAPES = [(1024, 512), (512, 256), (64, 64), (8192,), (63, 65), (1000, 100), (4096, 8), (100,)]
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_weights(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    holder = torch.nn.Module()
+    for index, shape in enumerate(SHAPES):
+        holder.register_parameter(f"w{index}", torch.nn.Parameter(torch.randn(shape)))
+    fully_shard(holder)
+    return holder
+
+
+def _layout(optimizer, params) -> list[dict]:
+    return [{key: (tuple(value.shape), value.dtype) for key, value in optimizer.state[p].items() if torch.is_tensor(value)}
+            for p in params]
+
+
+def test_each_shard_keeps_the_layout_the_planner_counts_and_steps_as_the_whole_weight():
+    with one_rank_group():
+        holder = _sharded_weights()
+        params = list(holder.parameters())
+        plain = [torch.nn.Parameter(p.full_tensor().detach().clone()) for p in params]
+        sharded = build("adamw_8bit", params, lr=1e-2, weight_decay=0.1, device_type="cpu", sharded=True)
+        whole = bitsandbytes_adamw("adamw_8bit", plain, 1e-2, 0.1)
+        for step in range(3):
+            grads = [torch.randn(shape, generator=torch.Generator().manual_seed(step * 10 + i))
+                     for i, shape in enumerate(SHAPES)]
+            for p, q, grad in zip(params, plain, grads):
+                p.grad, q.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements), grad.clone()
+            sharded.step()
+            whole.step()
+        layout = _layout(sharded, params)
+        assert all(isinstance(v, DTensor) for p in params for k, v in sharded.state[p].items()
+                   if k.startswith(("state", "absmax")))
+        eight_bit = [shape for shape, state in zip(SHAPES, layout) if state["state1"][1] == torch.uint8]
+        assert eight_bit == [(1024, 512), (512, 256)]
+        assert layout[0]["absmax1"] == ((1024, 2), torch.float32)  # a scale per 256 elements, sharded as the rows
+        for p, q, shape in zip(params, plain, SHAPES):  # the 8-bit weights: bit for bit the library's whole step
+            if shape in eight_bit:
+                assert torch.equal(p.full_tensor(), q.detach())
+
+    stand_in = EightBitAdamWStandIn([torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES], sharded=True)
+    for p in stand_in.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    stand_in.step()
+    planned = _layout(stand_in, stand_in.param_groups[0]["params"])
+    # the planner's absmax is the scales' count (flat): the same bytes as the rows x (row / 256) the shards keep
+    assert [_scales_counted(state) for state in planned] == [_scales_counted(state) for state in layout]
+
+
+def _scales_counted(state: dict) -> dict:
+    return {key: (math.prod(shape) if key.startswith("absmax") else shape, dtype) for key, (shape, dtype) in state.items()}
+
+
+@pytest.mark.parametrize("saved, now", [(["--enable_fsdp"], []), ([], ["--enable_fsdp"])])
+def test_a_resume_may_not_switch_fsdp_with_8bit_adamw(saved, now):
+    """The state saved on shards is laid out otherwise (float32 moments where one process keeps 8-bit ones)."""
+    state = {"config": parse_run_config(["--optimizer", "adamw_8bit", *saved]).flat(), "progress": {}}
+    said = "with" if saved else "without"
+    with pytest.raises(ConfigError, match=f"saved {said} --enable_fsdp, and --optimizer adamw_8bit keeps its state "
+                                          f"in another layout on FSDP2's shards, so it cannot load here; resume "
+                                          f"{said} --enable_fsdp"):
+        check_compatible(state, parse_run_config(["--optimizer", "adamw_8bit", *now]).flat(), Path("ck"))
+    plain = {"config": parse_run_config(saved).flat(), "progress": {}}
+    check_compatible(plain, parse_run_config(now).flat(), Path("ck"))  # AdamW's state is the same either way
