@@ -247,6 +247,9 @@ BREAKAGES = [
       "src/leantune/training/resume_checks.py",
       '    _check_state_layout(saved_value(saved, "enable_fsdp", defaults), now, path)\n', "",
       ("tests/test_sharded_8bit.py", "-k", "resume")),
+    B("per_rank_loss_layers", "the per-rank plan counts two decoder layers gathered in the loss, where FSDP2 resharded them",
+      "src/leantune/planning/per_rank.py", '    elif stage == "loss":', '    elif False:',
+      ("tests/test_distributed.py", "-k", "per_rank_plan_holds")),
 ]
 
 

@@ -47,6 +47,7 @@ class ShardingShapes:
     """What FSDP2 holds on a rank's device beyond its shares of the trace, from the meta-device model."""
 
     gathered_bytes: int  # the root's parameters and two decoder layers, as gathered
+    loss_gathered_bytes: int  # in the loss: the root's, and the last layer's all-gather output (kept to the next gather)
     layer_in_flight_bytes: int  # a layer being gathered, beyond its gathered parameters (``_Sizes.in_flight``)
     root_gather_bytes: int  # the root gathered at the start of the forward, with what is in flight for it
     layer_reduce_bytes: int  # a layer's gradients in flight while reduced (``_Sizes.reduced``)
@@ -123,6 +124,7 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
     early_in_share = 0 if cpu_offload else _split(sum(p.numel() * p.element_size() for p in early), world_size)
     return ShardingShapes(
         gathered_bytes=sizes.gathered(root) + 2 * sizes.gathered(layer), layer_in_flight_bytes=sizes.in_flight(layer),
+        loss_gathered_bytes=sizes.gathered(root) + sizes.gathered(layer),
         root_gather_bytes=sizes.gathered(root) + sizes.in_flight(root), layer_reduce_bytes=sizes.reduced(layer),
         root_reduce_bytes=sizes.reduced(root), root_early_grad_bytes=sizes.gathered(early) - early_in_share,
         pinned_host_bytes=sizes.pinned(list(model.parameters())) if cpu_offload else 0,
@@ -160,6 +162,8 @@ def _stage_on_device(stage: str, breakdown: dict, world_size: int, shapes: Shard
         shares["parameter"] += shapes.root_gather_bytes
     elif stage == "root reduce":  # every unit resharded
         shares["gradient"] += shapes.root_reduce_bytes
+    elif stage == "loss":  # every layer resharded after its forward; FSDP2 frees an all-gather's output at the next
+        shares["parameter"] += shapes.loss_gathered_bytes
     elif stage != "optimizer":
         shares["parameter"] += shapes.gathered_bytes + shapes.layer_in_flight_bytes
     if stage == "backward":
