@@ -12,8 +12,8 @@ from leantune.cli_args import parse_run_config
 
 def _argv(tiny_model_dir, out, *flags):
     return ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "4", "--num_epochs",
-            "2", "--val_fraction", "0.99", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
-            "--output_dir", str(out), *flags]
+            "2", "--val_fraction", "0.99", "--max_eval_step", "2", "--num_workers_dataloader", "0", "--save_metrics",
+            "--save_model", "false", "--output_dir", str(out), *flags]
 
 
 def test_tensorboard_gets_the_step_and_epoch_metrics(tiny_model_dir, tmp_path):
