@@ -250,6 +250,18 @@ BREAKAGES = [
     B("per_rank_loss_layers", "the per-rank plan counts two decoder layers gathered in the loss, where FSDP2 resharded them",
       "src/leantune/planning/per_rank.py", '    elif stage == "loss":', '    elif False:',
       ("tests/test_distributed.py", "-k", "per_rank_plan_holds")),
+    B("sharded_8bit_plan_flag", "the planner traces one process's 8-bit layout for an FSDP run (the flag not passed)",
+      "src/leantune/planning/fake_step.py", "planned=fake, sharded=sharded)", "planned=fake)",
+      ("tests/test_sharded_8bit.py", "-k", "plan_of_a_sharded_run")),
+    # issue 43: merge and generate
+    B("merge_scale", "leantune merge scales the LoRA product by alpha, not alpha / r", "src/leantune/models/merging.py",
+      "scale = alpha / rank ** 0.5 if config.get(\"use_rslora\") else alpha / rank",
+      "scale = alpha / rank ** 0.5 if config.get(\"use_rslora\") else alpha", ("tests/test_merge_generate.py",)),
+    B("merge_qlora_silent", "merging a QLoRA adapter does not say it goes onto the unquantized base",
+      "src/leantune/use/merge.py", '    if facts.get("quantization") == "4bit":', "    if False:",
+      ("tests/test_merge_generate.py", "-k", "qlora")),
+    B("merge_shape_check", "an adapter of another model's shapes reaches the merge", "src/leantune/use/merge.py",
+      "    check_pairs_fit(lora, base_dir, shards, str(base_dir))\n", "", ("tests/test_merge_generate.py", "-k", "refuses")),
 ]
 
 

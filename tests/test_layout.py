@@ -22,7 +22,7 @@ MAX_MODULE_LINES = 400
 # Layers, top first: a module may import its own layer (without a cycle) and the layers below it.
 LAYERS = (
     ("entry", ("leantune.__main__", "leantune.cli", "leantune.finetuning", "leantune.preflight",
-               "leantune.planning.cli")),
+               "leantune.planning.cli", "leantune.use")),
     ("planning", ("leantune.planning",)),
     ("builders", ("leantune.builders",)),
     ("training", ("leantune.training",)),

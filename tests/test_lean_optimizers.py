@@ -260,6 +260,10 @@ def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
     offload = "--enable_fsdp --fsdp_cpu_offload"
     assert offload in advice() and offload not in advice(device="cpu") and offload not in advice("--use_peft")
     assert offload not in advice("--optimizer", "paged_adamw_8bit") and offload not in advice("--use_fp16")
+    # sharded, 8-bit AdamW keeps float32 moments where one process keeps 8-bit ones: the run could not resume so
+    assert offload not in advice("--optimizer", "adamw_8bit")
+    # under FSDP the 8-bit advice names no paged optimizer (refused there)
+    assert "--optimizer adamw_8bit" in advice("--enable_fsdp") and "paged" not in advice("--enable_fsdp")
     assert offload not in advice("--enable_fsdp", "--fsdp_cpu_offload")
     assert offload in advice("--enable_fsdp")  # sharded on the device: the host is the next place
 

@@ -20,7 +20,7 @@ from leantune.optimizers import build
 from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
 from leantune.training.resume_checks import check_compatible
 
-pytest.importorskip("bitsandbytes")
+bnb = pytest.importorskip("bitsandbytes")
 # 8-bit when sharded: rows of whole blocks (512 and 256 elements); float32: a row of 64 (4,096 elements, 8-bit in one
 # process), a 1-D weight, odd shapes, LoRA B's rank-8 rows; small (100,) float32 anyhow
 SHAPES = [(1024, 512), (512, 256), (64, 64), (8192,), (63, 65), (1000, 100), (4096, 8), (100,)]
@@ -54,24 +54,26 @@ def test_each_shard_keeps_the_layout_the_planner_counts_and_steps_as_the_whole_w
         holder = _sharded_weights()
         params = list(holder.parameters())
         plain = [torch.nn.Parameter(p.full_tensor().detach().clone()) for p in params]
+        plain32 = [torch.nn.Parameter(p.full_tensor().detach().clone()) for p in params]
         sharded = build("adamw_8bit", params, lr=1e-2, weight_decay=0.1, device_type="cpu", sharded=True)
         whole = bitsandbytes_adamw("adamw_8bit", plain, 1e-2, 0.1)
+        whole32 = bnb.optim.AdamW(plain32, lr=1e-2, weight_decay=0.1, optim_bits=32)  # the float32 moments' step
         for step in range(3):
             grads = [torch.randn(shape, generator=torch.Generator().manual_seed(step * 10 + i))
                      for i, shape in enumerate(SHAPES)]
-            for p, q, grad in zip(params, plain, grads):
-                p.grad, q.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements), grad.clone()
+            for p, q, r, grad in zip(params, plain, plain32, grads):
+                p.grad, q.grad, r.grad = DTensor.from_local(grad.clone(), p.device_mesh, p.placements), grad, grad
             sharded.step()
             whole.step()
+            whole32.step()
         layout = _layout(sharded, params)
         assert all(isinstance(v, DTensor) for p in params for k, v in sharded.state[p].items()
                    if k.startswith(("state", "absmax")))
         eight_bit = [shape for shape, state in zip(SHAPES, layout) if state["state1"][1] == torch.uint8]
         assert eight_bit == [(1024, 512), (512, 256)]
         assert layout[0]["absmax1"] == ((1024, 2), torch.float32)  # a scale per 256 elements, sharded as the rows
-        for p, q, shape in zip(params, plain, SHAPES):  # the 8-bit weights: bit for bit the library's whole step
-            if shape in eight_bit:
-                assert torch.equal(p.full_tensor(), q.detach())
+        for p, q, r, shape in zip(params, plain, plain32, SHAPES):  # bit for bit the library's whole-weight step
+            assert torch.equal(p.full_tensor(), (q if shape in eight_bit else r).detach()), shape
 
     stand_in = EightBitAdamWStandIn([torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES], sharded=True)
     for p in stand_in.param_groups[0]["params"]:
@@ -97,3 +99,26 @@ def test_a_resume_may_not_switch_fsdp_with_8bit_adamw(saved, now):
         check_compatible(state, parse_run_config(["--optimizer", "adamw_8bit", *now]).flat(), Path("ck"))
     plain = {"config": parse_run_config(saved).flat(), "progress": {}}
     check_compatible(plain, parse_run_config(now).flat(), Path("ck"))  # AdamW's state is the same either way
+
+
+def test_the_plan_of_a_sharded_run_counts_the_layout_its_shards_keep(tiny_model_dir):
+    """The tiny model's rows are 64 elements, so sharded every weight keeps float32 moments (8 bytes a parameter)
+    where one process keeps most of them in 8 bits: the planner must trace the sharded layout for an FSDP run."""
+    from transformers import AutoConfig
+
+    from leantune.planning.fake_step import trace_step
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    argv = ["--model_name", str(tiny_model_dir), "--batch_size_training", "1", "--context_length", "64",
+            "--optimizer", "adamw_8bit"]
+    one, sharded = (trace_step(parse_run_config(flags), config, torch.device("cpu"), "none").breakdown["optimizer_state"]
+                    for flags in (argv, [*argv, "--enable_fsdp"]))
+    trained = sum(p.numel() for p in torch.nn.Module.parameters(_meta_model(config)))
+    assert sharded == 8 * trained and one < sharded / 3
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

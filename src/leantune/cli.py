@@ -24,6 +24,10 @@ COMMANDS = {
                                              "allocating it (same flags as finetune)"),
     "make-tiny-model": Command("leantune.models.tiny_cli",
                                "build the tiny local Llama and its tokenizer in DIR (no download)"),
+    "merge": Command("leantune.use.merge", "fold a LoRA run's adapter into its base: leantune merge RUN_DIR OUT_DIR "
+                                           "[--model_name BASE] [--dtype D]"),
+    "generate": Command("leantune.use.generate", "try a model, a merged model or a LoRA run: leantune generate "
+                                                 "--model_name DIR [--prompt TEXT | --chat]"),
     "report": Command("leantune.report.cli",
                       "plot and summarise runs: leantune report OUTPUT_DIR [OUTPUT_DIR ...] [--out DIR]"),
 }

@@ -4,16 +4,22 @@
 operator creates: a unit's unsharded parameters are storages it resizes in place (to their full
 size before a unit computes, to nothing after), which only the allocator sees. So under FSDP the
 step's peak is read from the allocator: with memory profiling on, PyTorch's CPU allocator reports
-every allocation and free to the profiler with its running total of the bytes allocated since
-profiling began (frees of older storages are not in that total). The peak is that total's
-largest value plus the bytes alive when the step began, counted by the tracker's registration
-(each rank's shards of parameters, the optimizer state, buffers, a 4-bit base's quantization
-state, the batch). Tensors the process holds outside the step (the data set, another model) are
-not counted, as in ``StepPeakMeter``.
+each allocation and free to the profiler, with its size. Summed in order from zero, they give the
+bytes the step allocated and still holds at each moment; the peak is their largest sum plus the
+bytes alive when the step began, counted by the tracker's registration (each rank's shards of
+parameters, the optimizer state, buffers, a 4-bit base's quantization state, the batch). Tensors
+the process holds outside the step (the data set, another model) are not counted, as in
+``StepPeakMeter``.
+
+What it cannot see, measured: the profiler records the threads it was started on, so what a
+collective's own thread (gloo's) allocates or frees is missed; and a storage older than the step
+that the step frees (none in a training step: its gradients are freed before the window opens) is
+not subtracted.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -63,8 +69,9 @@ def alive_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
 
 
 def _largest_total(profiler) -> int:
-    """The largest 'Total Allocated' of the CPU allocator's memory events (the trace is the only place that keeps
-    each event's running total)."""
+    """The largest running sum of the CPU allocator's memory events' sizes, in order (the exported trace is the
+    only place that keeps each event, with its sign and time). Not the events' own running total: that one is
+    process-wide and keeps what an earlier profiling session left allocated."""
     handle, path = tempfile.mkstemp(suffix=".json")
     os.close(handle)
     try:
@@ -73,6 +80,6 @@ def _largest_total(profiler) -> int:
             events = json.load(trace)["traceEvents"]
     finally:
         os.remove(path)
-    totals = [event["args"]["Total Allocated"] for event in events
-              if event.get("name") == "[memory]" and event["args"].get("Device Type") == 0]
-    return max(totals, default=0)
+    sizes = [event["args"]["Bytes"] for event in sorted(events, key=lambda event: event.get("ts", 0))
+             if event.get("name") == "[memory]" and event["args"].get("Device Type") == 0]
+    return max(itertools.accumulate(sizes), default=0)

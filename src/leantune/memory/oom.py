@@ -12,7 +12,7 @@ import torch
 from leantune.checkpointing.modes import MODES
 from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
 from leantune.config import ConfigError, DistributedConfig, RunConfig, optimizer_conflicts
-from leantune.optimizers import AUTO, ENTRIES, optimizer_entry
+from leantune.optimizers import AUTO, ENTRIES, SHARDED, optimizer_entry
 from leantune.precision import pure_bf16_allowed
 
 SNAPSHOT_NAME = "oom_memory_snapshot.pickle"
@@ -57,7 +57,9 @@ def memory_fixes(cfg: RunConfig, device: torch.device, in_validation: bool = Fal
                      "bfloat16 bytes): --quantization 4bit")
     if not cfg.peft.use_peft:
         fixes.extend(_optimizer_fixes(cfg, device))
-        if device.type == "cuda" and _fsdp_allowed(cfg) and not cfg.distributed.fsdp_cpu_offload:
+        # not where sharding lays the optimizer's state out otherwise (8-bit AdamW): the run could not resume under it
+        same_layout = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer).sharded_build is None
+        if device.type == "cuda" and same_layout and _fsdp_allowed(cfg) and not cfg.distributed.fsdp_cpu_offload:
             fixes.append("keep the weights, gradients and AdamW state in host memory, one layer at a time on the GPU "
                          "(FSDP2, also in one process; about 16 bytes a parameter of host memory, half of it pinned, "
                          "and the optimizer steps on the CPU): --enable_fsdp --fsdp_cpu_offload; `leantune plan "
@@ -91,7 +93,8 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
                if (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
                and not optimizer_conflicts(entry, tc, cfg.model.model_dtype)
                and advice.applies(current, tc.pure_bf16, bf16_allowed)]
-    fixes += [advice.text(device.type) for advice in sorted(advised, key=lambda advice: advice.order)]
+    where = SHARDED if cfg.distributed.enable_fsdp else device.type  # sharded: no CUDA-only variant (paged) refused
+    fixes += [advice.text(where) for advice in sorted(advised, key=lambda advice: advice.order)]
     return fixes
 
 

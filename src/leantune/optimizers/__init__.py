@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from leantune.optimizers.registry import (ALIASES, ENTRIES, Advice, OptimizerEntry, Rung, build, entry_of,
+from leantune.optimizers.registry import (ALIASES, ENTRIES, SHARDED, Advice, OptimizerEntry, Rung, build, entry_of,
                                           ladder, loading_into, optimizer_entry, plain_optimizer_state, register,
                                           pinned_size, restored_optimizer_state, saves_own_state)
 
@@ -34,6 +34,6 @@ def optimizer_help() -> str:
     return "; ".join(clauses) + "."
 
 
-__all__ = ["ALIASES", "AUTO", "ENTRIES", "Advice", "OptimizerEntry", "Rung", "build", "entry_of", "ladder",
+__all__ = ["ALIASES", "AUTO", "ENTRIES", "SHARDED", "Advice", "OptimizerEntry", "Rung", "build", "entry_of", "ladder",
            "loading_into", "optimizer_choices", "optimizer_entry", "optimizer_help", "plain_optimizer_state",
            "pinned_size", "register", "restored_optimizer_state", "saves_own_state"]

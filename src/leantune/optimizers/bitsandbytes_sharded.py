@@ -7,16 +7,22 @@ FSDP2 shards a weight along its rows (dim 0), so that holds for every world size
 whole number of blocks: a 2-D weight whose rows are a multiple of ``BLOCK`` elements (Llama's
 2048, 4096, 8192 and 14336 are). Such a weight keeps bitsandbytes' layout, its scales held as a
 ``rows x (row / BLOCK)`` DTensor sharded like the weight, so that saving gathers them with it and
-a resume (with any number of ranks) distributes them back: the step equals one process's bit for
-bit, up to the gradients' reduction order.
+a resume distributes them back: the step equals one process's bit for bit, up to the gradients'
+reduction order.
 
 Any other weight of ``MIN_8BIT_SIZE`` elements or more (a 1-D norm, a LoRA B of rank 8) keeps
 float32 moments when sharded, where one process would keep 8-bit ones: its blocks would straddle
 the ranks. The planner counts the same layout (``EightBitAdamWStandIn(sharded=True)``).
+
+On CUDA bitsandbytes launches its kernel on the default stream whatever stream is current, and
+FSDP2 steps a weight in backward (``--optimizer_in_backward``) from its reduce-scatter stream: the
+kernel is ordered after that stream's gradient, and that stream's later work (which may reuse the
+gradient's memory) after the kernel. Not yet run on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -85,15 +91,37 @@ def _update_step(self, group: dict, param, gindex: int, pindex: int) -> None:
     if weight.numel() == 0:  # fewer rows than ranks: this rank holds none of them
         return
     local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
+    if not (weight.is_contiguous() and grad.is_contiguous() and grad.dtype == weight.dtype):  # a raw-pointer kernel
+        raise RuntimeError(f"8-bit AdamW needs a contiguous shard and gradient of one dtype; got {weight.dtype} "
+                           f"{tuple(weight.stride())}, {grad.dtype} {tuple(grad.stride())}")
+    with _on_the_default_stream(weight.device):
+        _step_local(self, functional, group, gindex, pindex, weight, grad, local, state["step"])
+
+
+@contextlib.contextmanager
+def _on_the_default_stream(device: torch.device):
+    """Order the library's kernel (on the default stream) after the current stream's work, and the current stream's
+    next work after it (see the module's docstring); nothing to do on the CPU or on the default stream."""
+    current = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    default = torch.cuda.default_stream(device) if current is not None else None
+    if current is None or current == default:
+        yield
+        return
+    default.wait_stream(current)
+    yield
+    current.wait_stream(default)
+
+
+def _step_local(self, functional, group: dict, gindex: int, pindex: int, weight, grad, local: dict, step: int) -> None:
     config = self.get_config(gindex, pindex, group)
     beta1, beta2 = config["betas"][:2]
     if local["state1"].dtype == torch.float32:
         functional.optimizer_update_32bit(
-            self.optimizer_name, grad, weight, local["state1"], beta1, config["eps"], state["step"], config["lr"],
+            self.optimizer_name, grad, weight, local["state1"], beta1, config["eps"], step, config["lr"],
             local["state2"], beta2, 0.0, 0.0, config["weight_decay"], 1.0, None, max_unorm=0.0,
             skip_zeros=config["skip_zeros"])
         return
     functional.optimizer_update_8bit_blockwise(
         self.optimizer_name, grad, weight, local["state1"], local["state2"], beta1, beta2, 0.0, 0.0, config["eps"],
-        state["step"], config["lr"], local["qmap1"], local["qmap2"], local["absmax1"].view(-1),
+        step, config["lr"], local["qmap1"], local["qmap2"], local["absmax1"].view(-1),
         local["absmax2"].view(-1), config["weight_decay"], gnorm_scale=1.0, skip_zeros=config["skip_zeros"])

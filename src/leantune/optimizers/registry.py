@@ -23,6 +23,7 @@ import torch
 
 Build = Callable[..., torch.optim.Optimizer]  # (groups, *, lr, weight_decay, device_type) -> optimizer
 ENTRY_ATTRIBUTE = "leantune_optimizer"  # set on every optimizer built here: its entry's name
+SHARDED = "sharded"  # what an advice's text is given for an FSDP run, in place of the device type
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Rung:
 @dataclass(frozen=True)
 class Advice:
     """The entry's clause in a full fine-tune's out-of-memory advice, and when it applies."""
-    text: Callable[[str], str]  # device type -> the clause with its flags
+    text: Callable[[str], str]  # device type (or SHARDED: an FSDP run) -> the clause with its flags
     applies: Callable[["OptimizerEntry", bool, bool], bool]  # (the run's optimizer, --pure_bf16, bf16 allowed)
     order: int  # the advice's place: least cost to quality first
 

@@ -18,6 +18,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json, staged_directory
 from leantune.memory.oom import dump_snapshot
+from leantune.models.merging import RUN_FACTS
 from leantune.models.structure import unwrap_model
 from leantune.report.plots import ReportError, RunData, write_report
 
@@ -86,7 +87,15 @@ class RunOutputs:
         with staged_directory(self.output_dir) as staging:
             to_save.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(staging)
+            if is_peft:  # what `leantune merge` checks the base against, and whether to say it was a 4-bit base
+                atomic_write_json(staging / RUN_FACTS, {
+                    "model_type": unwrap_model(model).config.model_type, "quantization": self.cfg.quant.quantization,
+                    "quant_type": self.cfg.quant.quant_type})
         self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
+        out = self.output_dir
+        merge = f"; fold the adapter into its base: leantune merge {out} {out}-merged" if is_peft else ""
+        chat = " --chat" if getattr(tokenizer, "chat_template", None) else ""
+        self.log(f"try it: leantune generate --model_name {out}{chat} --prompt \"Name three colours.\"{merge}")
         return self.output_dir
 
     def write_report(self, steps: list[dict], epochs: list[dict], summary: dict, memory_rows: list[dict]) -> None:

@@ -1,0 +1,129 @@
+"""A LoRA adapter folded into its base's weights, one tensor at a time: ``W + (alpha / r) * B @ A``.
+
+The base is read shard by shard and each tensor on its own (``safetensors_stream``): a weight a LoRA
+pair trained is merged in float32 and cast to the output dtype, the rest only cast, and each is
+written as soon as it is made. The process holds the adapter and one weight (with its float32
+copy), never a whole shard: a model of any size merges in the memory of its largest weight.
+
+An adapter trained on a 4-bit base (QLoRA) holds LoRA pairs like any other; it merges onto the
+unquantized weights of that base, as peft's ``merge_and_unload`` does on the base reloaded in
+bfloat16 (the 4-bit rounding the adapter trained against is not reproduced: the usual QLoRA
+export). What peft can attach beyond LoRA pairs (DoRA, per-module ranks, ``modules_to_save``,
+embedding adapters) is refused by name, not merged wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from leantune.models.safetensors_stream import DTYPES, read_header, read_tensor, tensor_entries, write_streamed
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+INDEX = "model.safetensors.index.json"
+RUN_FACTS = "leantune_adapter.json"  # what a LoRA run saves beside its adapter: the base's model type, its quantization
+PREFIX = "base_model.model."  # peft's prefix before the base model's own parameter names
+
+
+class MergeRefused(ValueError):
+    """The adapter cannot be merged onto this base (the message says why and what to do)."""
+
+
+@dataclass
+class LoraPairs:
+    scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
+    fan_in_fan_out: bool  # the base stores its weights transposed (GPT-2's Conv1D)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # the base's weight name -> (A, B)
+
+
+def load_adapter(run_dir: Path) -> tuple[dict, LoraPairs]:
+    """The adapter's config and its LoRA pairs, keyed by the base weight each one changes."""
+    config = json.loads((run_dir / ADAPTER_CONFIG).read_text())
+    _refuse_what_is_not_plain_lora(config)
+    header, start = read_header(run_dir / ADAPTER_WEIGHTS)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    with open(run_dir / ADAPTER_WEIGHTS, "rb") as file:
+        for name, entry in tensor_entries(header):
+            stem, _, half = name.removesuffix(".weight").rpartition(".lora_")
+            if half not in ("A", "B") or not name.endswith(".weight"):
+                raise MergeRefused(f"{run_dir / ADAPTER_WEIGHTS} holds {name}, which is not a LoRA A or B matrix "
+                                   "(trained embeddings or modules_to_save): merge it with peft's merge_and_unload")
+            halves.setdefault(stem.removeprefix(PREFIX) + ".weight", {})[half] = read_tensor(file, entry, start)
+    rank, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+    return config, LoraPairs(scale, bool(config.get("fan_in_fan_out")),
+                             {name: (pair["A"], pair["B"]) for name, pair in halves.items()})
+
+
+def _refuse_what_is_not_plain_lora(config: dict) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise MergeRefused(f"the adapter is {config['peft_type']}, not LoRA: merge it with peft's merge_and_unload")
+    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
+                      ("modules_to_save", "modules_to_save")):
+        if config.get(key):
+            raise MergeRefused(f"the adapter uses {what} ({key}), which leantune merge does not fold: merge it with "
+                               "peft's merge_and_unload")
+
+
+def base_shards(base_dir: Path) -> list[str]:
+    """The base's safetensors files, in its index's order (one file without an index)."""
+    if (base_dir / INDEX).is_file():
+        weight_map = json.loads((base_dir / INDEX).read_text())["weight_map"]
+        return list(dict.fromkeys(weight_map.values()))
+    if (base_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise MergeRefused(f"{base_dir} has no model.safetensors (nor {INDEX}); leantune merge reads safetensors only: "
+                       "save the base with save_pretrained(..., safe_serialization=True)")
+
+
+def check_pairs_fit(lora: LoraPairs, base_dir: Path, shards: list[str], described: str) -> None:
+    """Every LoRA pair has its weight in the base, of the shape ``B @ A`` makes; else one line saying so."""
+    shapes = {name: entry["shape"] for shard in shards
+              for name, entry in tensor_entries(read_header(base_dir / shard)[0])}
+    for name, (a, b) in lora.pairs.items():
+        expected = [a.shape[1], b.shape[0]] if lora.fan_in_fan_out else [b.shape[0], a.shape[1]]
+        if name not in shapes:
+            raise MergeRefused(f"the adapter changes {name}, which {described} does not have: it was trained on "
+                               "another model; give its base with --model_name")
+        if shapes[name] != expected:
+            raise MergeRefused(f"the adapter's {name} is {expected[0]} x {expected[1]}, {described}'s is "
+                               f"{' x '.join(map(str, shapes[name]))}: it was trained on another model; give its base "
+                               "with --model_name")
+
+
+def merge_shards(base_dir: Path, out_dir: Path, shards: list[str], lora: LoraPairs,
+                 dtype: Optional[torch.dtype], log: Callable[[str], None] = print) -> dict[str, str]:
+    """Write each merged shard to ``out_dir`` under its base name; returns the weight map (name -> shard)."""
+    weight_map, merged = {}, 0
+    for shard in shards:
+        header, start = read_header(base_dir / shard)
+        entries = dict(tensor_entries(header))
+        layout = [(name, _output_dtype(DTYPES[entry["dtype"]], dtype), entry["shape"]) for name, entry in entries.items()]
+        with open(base_dir / shard, "rb") as source:
+            def make(name: str) -> torch.Tensor:
+                tensor = read_tensor(source, entries[name], start)
+                out = _output_dtype(tensor.dtype, dtype)
+                if name not in lora.pairs:
+                    return tensor.to(out)
+                a, b = lora.pairs[name]
+                delta = b.float() @ a.float()
+                delta = (delta.T if lora.fan_in_fan_out else delta) * lora.scale
+                return (tensor.float() + delta).to(out)
+
+            write_streamed(out_dir / shard, layout, make, header.get("__metadata__"))
+        merged += sum(name in lora.pairs for name in entries)
+        weight_map.update({name: shard for name in entries})
+        log(f"merged {shard}: {len(entries)} tensors")
+    if merged != len(lora.pairs):
+        raise MergeRefused(f"merged {merged} of the adapter's {len(lora.pairs)} LoRA pairs")
+    return weight_map
+
+
+def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
+    """Floating-point tensors in the dtype asked for (their own without one); others as stored."""
+    return wanted if wanted is not None and stored.is_floating_point else stored

@@ -1,0 +1,112 @@
+"""``leantune generate --model_name DIR_OR_RUN [--prompt TEXT | --chat]``: try a model, streaming its tokens.
+
+``--model_name`` is a model directory or hub name (a full fine-tune's output, a merged model), or
+a LoRA run's output directory: its adapter is put on its base (the adapter's own, or
+``--base_model``). ``--chat`` wraps each prompt in the tokenizer's chat template as a user turn
+(without ``--prompt`` it reads one turn a line from standard input, keeping the conversation);
+without it the prompt is continued as it is. The sampling flags are named as in transformers'
+``generate``; greedy unless ``--do_sample``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from leantune.models.merging import ADAPTER_CONFIG
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leantune generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_name", required=True, help="a model directory or hub name, or a LoRA run's output_dir")
+    p.add_argument("--base_model", help="a LoRA run's base, where not the one its adapter names")
+    p.add_argument("--prompt", help="the text to continue (with --chat: the user's turn)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each turn")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="for --do_sample")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on a GPU that has it, else float32")
+    return p
+
+
+def load(model_name: str, base_model: str | None, dtype: torch.dtype, device: torch.device):
+    """The model (a LoRA run's base with its adapter on it) and the tokenizer, ready to generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_name)
+    if not path.exists() and (model_name.startswith((".", "/", "~")) or model_name.count("/") > 1):
+        raise OSError(f"--model_name {model_name}: no such directory (a model directory, a LoRA run's output_dir or a "
+                      "hub name)")
+    if (path / ADAPTER_CONFIG).is_file():
+        from peft import PeftModel
+
+        base = base_model or json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), str(path))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(model_name)
+
+
+def generate(model, tokenizer, text: str, args: argparse.Namespace, out) -> str:
+    """Stream the continuation of ``text`` to ``out``; returns it."""
+    from transformers import TextStreamer
+
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer.on_finalized_text = lambda piece, stream_end=False: print(piece, end="" if not stream_end else "\n",
+                                                                       file=out, flush=True)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.do_sample else {}
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                repetition_penalty=args.repetition_penalty, streamer=streamer,
+                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def run(args: argparse.Namespace, lines=None, out=None) -> None:
+    """Load, then generate for ``--prompt`` or each turn read from ``lines`` (standard input), printing to ``out``."""
+    lines, out = lines if lines is not None else sys.stdin, out if out is not None else sys.stdout
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32)
+    model, tokenizer = load(args.model_name, args.base_model, dtype, device)
+    if not args.chat:
+        generate(model, tokenizer, args.prompt, args, out)
+        return
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--chat: {args.model_name}'s tokenizer has no chat template; drop --chat to continue "
+                         "the prompt as text")
+    turns = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in lines)
+    messages: list[dict] = []
+    for turn in turns:
+        if not turn:
+            break
+        messages.append({"role": "user", "content": turn})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages.append({"role": "assistant", "content": generate(model, tokenizer, text, args, out)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.prompt is None and not args.chat:
+        print("leantune: error: give --prompt TEXT, or --chat to type turns", file=sys.stderr)
+        return 2
+    try:
+        run(args)
+    except (OSError, ValueError) as err:  # a missing model or run, a mismatched base: one line
+        print(f"leantune: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
