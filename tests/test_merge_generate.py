@@ -66,19 +66,28 @@ def test_a_merged_adapter_equals_peft_merge_and_unload_shard_by_shard(tiny_model
     told: list[str] = []
     merge_run(run_dir, tmp_path / "merged", base=str(sharded_base), log=told.append)
     assert sorted(p.name for p in (tmp_path / "merged").glob("*.safetensors")) == shards
-    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()
+    index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
+    base_index = json.loads((sharded_base / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == base_index["metadata"]["total_size"]  # the tensors' bytes
+    assert index["weight_map"] == base_index["weight_map"]
     assert (tmp_path / "merged" / "tokenizer.json").is_file() and (tmp_path / "merged" / "config.json").is_file()
     assert any(line.startswith("merged 4 LoRA pairs") for line in told)
     _assert_same_model(tmp_path / "merged", _peft_merged(sharded_base, run_dir))
+    merge_run(run_dir, tmp_path / "bf16", base=str(sharded_base), dtype="bfloat16", log=told.append)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert _load(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16  # the config says what the shards hold
 
 
 def test_a_qlora_trained_adapter_merges_onto_the_unquantized_base_and_says_so(tiny_model_dir, tmp_path):
     pytest.importorskip("bitsandbytes")
-    run_dir = tmp_path / "run"
+    run_dir, lines = tmp_path / "run", []
     finetuning.run(parse_run_config([
         "--model_name", str(tiny_model_dir), "--use_peft", "--quantization", "4bit", "--context_length", "64",
         "--max_train_step", "2", "--num_epochs", "1", "--run_validation", "false", "--num_workers_dataloader", "0",
-        "--lr", "1e-2", "--output_dir", str(run_dir)]), log=lambda _line: None)
+        "--lr", "1e-2", "--enable_memory_monitoring", "--output_dir", str(run_dir)]), log=lines.append)
+    # the run's last line says how to try what it saved
+    assert lines[-1] == (f"try it: leantune generate --model_name {run_dir} --chat --prompt \"Name three colours.\"; "
+                         f"fold the adapter into its base: leantune merge {run_dir} {run_dir}-merged")
     assert json.loads((run_dir / "leantune_adapter.json").read_text())["quantization"] == "4bit"
     told: list[str] = []
     assert merge.main([str(run_dir), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
@@ -128,4 +137,17 @@ def test_generate_errors_are_one_line(tmp_path, capsys):
     assert err == f"leantune: error: --model_name {tmp_path / 'missing'}: no such directory (a model directory, " \
                   "a LoRA run's output_dir or a hub name)"
     assert generate.main(["--model_name", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "leantune: error: give --prompt TEXT, or --chat to type turns"
+    assert capsys.readouterr().err.strip() == "leantune: error: give --prompt TEXT (not empty), or --chat to type turns"
+
+
+def test_generate_says_a_missing_relative_path_or_a_mismatched_base_in_one_line(tiny_model_dir, block_aligned_model_dir,
+                                                                                 tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()  # "out/quickstart" from the wrong folder: a path, not a hub id to retry
+    assert generate.main(["--model_name", "out/quickstart", "--prompt", "x"]) == 2
+    assert "out/quickstart: no such directory" in capsys.readouterr().err
+    run_dir = _adapter(tiny_model_dir, tmp_path / "run")
+    assert generate.main(["--model_name", str(run_dir), "--base_model", str(block_aligned_model_dir), "--prompt",
+                          "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leantune: error: ") and "\n" not in err

@@ -122,3 +122,20 @@ def _meta_model(config):
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_loaded_state_steps_a_weight_it_had_no_state_for():
+    """Loading keeps torch's default: a weight the saved state did not step gets a fresh state on its step."""
+    from leantune.optimizers.bitsandbytes_sharded import sharded_adamw_8bit
+
+    params = [torch.nn.Parameter(torch.randn(64, 256)) for _ in range(2)]
+    first = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    params[0].grad = torch.randn(64, 256)
+    first.step()
+    loaded = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    loaded.load_state_dict(first.state_dict())
+    assert torch.equal(loaded.state[params[0]]["state1"], first.state[params[0]]["state1"])
+    for p in params:
+        p.grad = torch.randn(64, 256)
+    loaded.step()
+    assert loaded.state[params[1]]["step"] == 1 and loaded.state[params[0]]["step"] == 2

@@ -82,10 +82,18 @@ def base_shards(base_dir: Path) -> list[str]:
 
 
 def check_pairs_fit(lora: LoraPairs, base_dir: Path, shards: list[str], described: str) -> None:
-    """Every LoRA pair has its weight in the base, of the shape ``B @ A`` makes; else one line saying so."""
-    shapes = {name: entry["shape"] for shard in shards
-              for name, entry in tensor_entries(read_header(base_dir / shard)[0])}
+    """Every LoRA pair has its weight in the base, of the shape ``B @ A`` makes, in a floating-point dtype; every
+    tensor's dtype is one this reader knows; else one line saying so."""
+    entries = {name: entry for shard in shards for name, entry in tensor_entries(read_header(base_dir / shard)[0])}
+    unknown = sorted({entry["dtype"] for entry in entries.values()} - set(DTYPES))
+    if unknown:
+        raise MergeRefused(f"{described} stores {', '.join(unknown)} tensors, which leantune merge does not read; "
+                           "merge onto a bfloat16, float16 or float32 base")
+    shapes = {name: entry["shape"] for name, entry in entries.items()}
     for name, (a, b) in lora.pairs.items():
+        if name in entries and not DTYPES[entries[name]["dtype"]].is_floating_point:
+            raise MergeRefused(f"{described}'s {name} is stored as {entries[name]['dtype']} (a quantized base): merge "
+                               "onto the unquantized base, given with --model_name")
         expected = [a.shape[1], b.shape[0]] if lora.fan_in_fan_out else [b.shape[0], a.shape[1]]
         if name not in shapes:
             raise MergeRefused(f"the adapter changes {name}, which {described} does not have: it was trained on "
@@ -97,9 +105,10 @@ def check_pairs_fit(lora: LoraPairs, base_dir: Path, shards: list[str], describe
 
 
 def merge_shards(base_dir: Path, out_dir: Path, shards: list[str], lora: LoraPairs,
-                 dtype: Optional[torch.dtype], log: Callable[[str], None] = print) -> dict[str, str]:
-    """Write each merged shard to ``out_dir`` under its base name; returns the weight map (name -> shard)."""
-    weight_map, merged = {}, 0
+                 dtype: Optional[torch.dtype], log: Callable[[str], None] = print) -> tuple[dict[str, str], int]:
+    """Write each merged shard to ``out_dir`` under its base name; returns the weight map (name -> shard) and the
+    tensors' bytes (an index's ``total_size``)."""
+    weight_map, total = {}, 0
     for shard in shards:
         header, start = read_header(base_dir / shard)
         entries = dict(tensor_entries(header))
@@ -115,13 +124,10 @@ def merge_shards(base_dir: Path, out_dir: Path, shards: list[str], lora: LoraPai
                 delta = (delta.T if lora.fan_in_fan_out else delta) * lora.scale
                 return (tensor.float() + delta).to(out)
 
-            write_streamed(out_dir / shard, layout, make, header.get("__metadata__"))
-        merged += sum(name in lora.pairs for name in entries)
+            total += write_streamed(out_dir / shard, layout, make, header.get("__metadata__"))
         weight_map.update({name: shard for name in entries})
         log(f"merged {shard}: {len(entries)} tensors")
-    if merged != len(lora.pairs):
-        raise MergeRefused(f"merged {merged} of the adapter's {len(lora.pairs)} LoRA pairs")
-    return weight_map
+    return weight_map, total
 
 
 def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -83,8 +84,11 @@ def _load_state_dict(self, state_dict: dict, move_to_device: bool = True) -> Non
         raise ValueError("the saved optimizer state has other parameter groups than this optimizer")
     params = {old: param for old, param in zip((i for g in saved_groups for i in g["params"]),
                                                (p for g in groups for p in g["params"]))}
-    state = {}
+    state: defaultdict = defaultdict(dict)  # as torch keeps it: a weight with no saved state gets one on its step
     for key, saved in state_dict["state"].items():
+        if key not in params:  # kept as it is, as torch and bitsandbytes keep it
+            state[key] = saved
+            continue
         saved = {**saved, **saved.get(self._FSDP_WRAPPED_QUANT_STATE_KEY, {})}
         saved.pop(self._FSDP_WRAPPED_QUANT_STATE_KEY, None)
         param = params[key]

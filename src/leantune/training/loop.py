@@ -354,3 +354,5 @@ class Trainer:
             self.outputs.write_report(self.steps, self.epochs, self.results(), self.monitor.rows)
         if self.dist.distributed and not failed and hasattr(self.monitor, "summary"):
             self.outputs.log_rank_spread(self.monitor.summary(), self.device)
+        if self.outputs.try_line and not failed:
+            self.log(self.outputs.try_line)

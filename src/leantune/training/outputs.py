@@ -7,6 +7,7 @@ never hides how the run itself ended.
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from pathlib import Path
 from typing import Callable, Optional
@@ -62,6 +63,8 @@ def _median(values) -> Optional[float]:
 class RunOutputs:
     """The files of ``--output_dir`` a run writes besides its training states, and its closing lines."""
 
+    try_line: Optional[str] = None  # how to try the saved model: the run's last line
+
     def __init__(self, cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print):
         self.cfg, self.dist, self.log = cfg, dist, log
         self.output_dir = Path(cfg.output.output_dir)
@@ -92,10 +95,10 @@ class RunOutputs:
                     "model_type": unwrap_model(model).config.model_type, "quantization": self.cfg.quant.quantization,
                     "quant_type": self.cfg.quant.quant_type})
         self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
-        out = self.output_dir
+        out = shlex.quote(str(self.output_dir))
         merge = f"; fold the adapter into its base: leantune merge {out} {out}-merged" if is_peft else ""
         chat = " --chat" if getattr(tokenizer, "chat_template", None) else ""
-        self.log(f"try it: leantune generate --model_name {out}{chat} --prompt \"Name three colours.\"{merge}")
+        self.try_line = f"try it: leantune generate --model_name {out}{chat} --prompt \"Name three colours.\"{merge}"
         return self.output_dir
 
     def write_report(self, steps: list[dict], epochs: list[dict], summary: dict, memory_rows: list[dict]) -> None:

@@ -31,10 +31,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each turn")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=50)
-    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    # unset, the model's own generation_config.json decides
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top_p", type=float)
+    p.add_argument("--top_k", type=int)
+    p.add_argument("--repetition_penalty", type=float)
     p.add_argument("--seed", type=int, default=0, help="for --do_sample")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on a GPU that has it, else float32")
     return p
@@ -45,7 +46,9 @@ def load(model_name: str, base_model: str | None, dtype: torch.dtype, device: to
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(model_name)
-    if not path.exists() and (model_name.startswith((".", "/", "~")) or model_name.count("/") > 1):
+    # not a hub id (one "owner/name"), or its first part is a local folder: a path, missing; no hub retries for it
+    if not path.exists() and (model_name.startswith((".", "/", "~")) or model_name.count("/") != 1
+                              or Path(model_name.split("/")[0]).is_dir()):
         raise OSError(f"--model_name {model_name}: no such directory (a model directory, a LoRA run's output_dir or a "
                       "hub name)")
     if (path / ADAPTER_CONFIG).is_file():
@@ -66,12 +69,14 @@ def generate(model, tokenizer, text: str, args: argparse.Namespace, out) -> str:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     streamer.on_finalized_text = lambda piece, stream_end=False: print(piece, end="" if not stream_end else "\n",
                                                                        file=out, flush=True)
-    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if args.do_sample else {}
+    given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                 repetition_penalty=args.repetition_penalty)
+    options = {name: value for name, value in given.items() if value is not None}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(args.seed)
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                repetition_penalty=args.repetition_penalty, streamer=streamer,
-                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+                                streamer=streamer, pad_token_id=pad, **options)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
     if not args.chat:
         generate(model, tokenizer, args.prompt, args, out)
         return
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None:  # checked once the tokenizer is read (a run's may differ from its base's)
         raise ValueError(f"--chat: {args.model_name}'s tokenizer has no chat template; drop --chat to continue "
                          "the prompt as text")
     turns = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in lines)
@@ -101,12 +106,15 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.prompt is None and not args.chat:
-        print("leantune: error: give --prompt TEXT, or --chat to type turns", file=sys.stderr)
+    if (args.prompt is None and not args.chat) or args.prompt == "":
+        print("leantune: error: give --prompt TEXT (not empty), or --chat to type turns", file=sys.stderr)
         return 2
     try:
         run(args)
-    except (OSError, ValueError) as err:  # a missing model or run, a mismatched base: one line
-        print(f"leantune: error: {str(err).splitlines()[0]}", file=sys.stderr)
+    except (OSError, ValueError, RuntimeError) as err:  # a missing model or run, a mismatched base: one line
+        lines = str(err).strip().splitlines()
+        print(f"leantune: error: {lines[0] if lines else type(err).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # leaving the --chat loop
+        return 0
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -35,6 +36,9 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     base_dir = resolve_base(base or config.get("base_model_name_or_path"), run_dir)
     facts = json.loads((run_dir / RUN_FACTS).read_text()) if (run_dir / RUN_FACTS).is_file() else {}
     base_config = json.loads((base_dir / "config.json").read_text())
+    if base_config.get("quantization_config"):
+        raise MergeRefused(f"{base_dir} is a quantized checkpoint; merge onto the unquantized base, given with "
+                           "--model_name")
     if facts.get("model_type") and facts["model_type"] != base_config.get("model_type"):
         raise MergeRefused(f"the adapter was trained on a {facts['model_type']} model, {base_dir} is a "
                            f"{base_config.get('model_type')}; give its base with --model_name")
@@ -46,8 +50,11 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
-        weight_map = merge_shards(base_dir, staging, shards, lora, DTYPES.get(dtype), log)
-        _write_companions(base_dir, run_dir, staging, base_config, dtype, weight_map, shards)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the model from other users once renamed
+        weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPES.get(dtype), log)
+        _write_companions(base_dir, run_dir, staging, base_config, dtype)
+        if len(shards) > 1 or (base_dir / INDEX).is_file():
+            _write_index(base_dir, staging, weight_map, total)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -74,6 +81,9 @@ def resolve_base(name: Optional[str], run_dir: Path) -> Path:
         raise MergeRefused(f"{run_dir / ADAPTER_CONFIG} names no base model; give it with --model_name")
     if Path(name).is_dir():
         return Path(name)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name.split("/")[0]).is_dir():
+        raise MergeRefused(f"base model {name!r}: no such directory (a relative path is read from where you run "
+                           "this, which may not be where training ran); give it with --model_name")
     try:
         from huggingface_hub import snapshot_download
 
@@ -83,20 +93,31 @@ def resolve_base(name: Optional[str], run_dir: Path) -> Path:
                            "); give a local directory with --model_name") from None
 
 
-def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[str],
-                      weight_map: dict, shards: list[str]) -> None:
-    """The config (with the dtype written), the generation config, the index, and the run's tokenizer."""
+def _write_index(base_dir: Path, out: Path, weight_map: dict, total: int) -> None:
+    """The base's index with the merged tensors' bytes (its other metadata kept)."""
+    metadata = json.loads((base_dir / INDEX).read_text()).get("metadata", {}) if (base_dir / INDEX).is_file() else {}
+    (out / INDEX).write_text(json.dumps({"metadata": {**metadata, "total_size": total}, "weight_map": weight_map},
+                                        indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[str]) -> None:
+    """The config (with the dtype written), the generation config and the run's tokenizer."""
     from transformers import AutoTokenizer
 
     config = dict(base_config)
-    if dtype is not None:
-        config["torch_dtype"] = dtype
+    if dtype is not None:  # transformers 5 reads "dtype"; older configs spell it "torch_dtype"
+        config["dtype"] = dtype
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", out / "generation_config.json")
-    if len(shards) > 1 or (base_dir / INDEX).is_file():
-        total = sum((out / shard).stat().st_size for shard in shards)
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     has_tokenizer = any((run_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     AutoTokenizer.from_pretrained(run_dir if has_tokenizer else base_dir).save_pretrained(out)
 
