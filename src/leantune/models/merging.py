@@ -21,11 +21,13 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.models.safetensors_stream import DTYPES, read_header, read_tensor, tensor_entries, write_streamed
+from leantune.models.safetensors_stream import (SAFETENSORS_DTYPES, read_header, read_tensor, tensor_entries,
+                                               write_streamed)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 INDEX = "model.safetensors.index.json"
+DTYPE_CHOICES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # --dtype's
 RUN_FACTS = "leantune_adapter.json"  # what a LoRA run saves beside its adapter: the base's model type, its quantization
 PREFIX = "base_model.model."  # peft's prefix before the base model's own parameter names
 
@@ -85,13 +87,13 @@ def check_pairs_fit(lora: LoraPairs, base_dir: Path, shards: list[str], describe
     """Every LoRA pair has its weight in the base, of the shape ``B @ A`` makes, in a floating-point dtype; every
     tensor's dtype is one this reader knows; else one line saying so."""
     entries = {name: entry for shard in shards for name, entry in tensor_entries(read_header(base_dir / shard)[0])}
-    unknown = sorted({entry["dtype"] for entry in entries.values()} - set(DTYPES))
+    unknown = sorted({entry["dtype"] for entry in entries.values()} - set(SAFETENSORS_DTYPES))
     if unknown:
         raise MergeRefused(f"{described} stores {', '.join(unknown)} tensors, which leantune merge does not read; "
                            "merge onto a bfloat16, float16 or float32 base")
     shapes = {name: entry["shape"] for name, entry in entries.items()}
     for name, (a, b) in lora.pairs.items():
-        if name in entries and not DTYPES[entries[name]["dtype"]].is_floating_point:
+        if name in entries and not SAFETENSORS_DTYPES[entries[name]["dtype"]].is_floating_point:
             raise MergeRefused(f"{described}'s {name} is stored as {entries[name]['dtype']} (a quantized base): merge "
                                "onto the unquantized base, given with --model_name")
         expected = [a.shape[1], b.shape[0]] if lora.fan_in_fan_out else [b.shape[0], a.shape[1]]
@@ -112,7 +114,8 @@ def merge_shards(base_dir: Path, out_dir: Path, shards: list[str], lora: LoraPai
     for shard in shards:
         header, start = read_header(base_dir / shard)
         entries = dict(tensor_entries(header))
-        layout = [(name, _output_dtype(DTYPES[entry["dtype"]], dtype), entry["shape"]) for name, entry in entries.items()]
+        layout = [(name, _output_dtype(SAFETENSORS_DTYPES[entry["dtype"]], dtype), entry["shape"])
+                  for name, entry in entries.items()]
         with open(base_dir / shard, "rb") as source:
             def make(name: str) -> torch.Tensor:
                 tensor = read_tensor(source, entries[name], start)

@@ -17,10 +17,10 @@ from typing import BinaryIO, Callable, Iterable
 
 import torch
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
+NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -33,10 +33,10 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 def read_tensor(file: BinaryIO, entry: dict, data_start: int) -> torch.Tensor:
     """One tensor of an open safetensors file, read into a buffer of its own."""
-    if entry["dtype"] not in DTYPES:
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"safetensors dtype {entry['dtype']} is not supported here")
     begin, end = entry["data_offsets"]
-    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
     raw = tensor.reshape(-1).view(torch.uint8).numpy()
     if raw.nbytes != end - begin:
         raise ValueError(f"a tensor's byte range ({end - begin}) does not match its shape {entry['shape']}")

@@ -15,7 +15,8 @@ TRAJECTORY_FLAGS = ("model_name", "tokenizer_name", "use_peft", "peft_method", "
                     "lora_alpha", "lora_dropout", "lora_target_modules", "dataset", "data_path",
                     "custom_dataset_file", "column_map", "chat_template", "assistant_turns", "batching_strategy",
                     "packed_examples", "overlong_examples", "context_length", "val_fraction", "batch_size_training",
-                    "gradient_accumulation_steps", "seed", "lr", "weight_decay", "gamma", "gradient_clipping", "gradient_clipping_threshold", "use_fp16",
+                    "gradient_accumulation_steps", "seed", "lr", "weight_decay", "gamma", "gradient_clipping",
+                    "gradient_clipping_threshold", "use_fp16",
                     "mixed_precision", "model_dtype", "loss_chunk_size", "optimizer", "pure_bf16",
                     "optimizer_in_backward", "quantization", "quant_type", "use_double_quant", "compute_dtype")
 

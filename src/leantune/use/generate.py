@@ -18,9 +18,7 @@ from typing import Sequence
 
 import torch
 
-from leantune.models.merging import ADAPTER_CONFIG
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from leantune.models.merging import ADAPTER_CONFIG, DTYPE_CHOICES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top_k", type=int)
     p.add_argument("--repetition_penalty", type=float)
     p.add_argument("--seed", type=int, default=0, help="for --do_sample")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on a GPU that has it, else float32")
+    p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), help="default: bfloat16 on a GPU that has it, else float32")
     return p
 
 
@@ -85,7 +83,7 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
     lines, out = lines if lines is not None else sys.stdin, out if out is not None else sys.stdout
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (
+    dtype = DTYPE_CHOICES[args.dtype] if args.dtype else (
         torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32)
     model, tokenizer = load(args.model_name, args.base_model, dtype, device)
     if not args.chat:

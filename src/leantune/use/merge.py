@@ -18,12 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
-
-from leantune.models.merging import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX, RUN_FACTS, MergeRefused, base_shards,
-                                     check_pairs_fit, load_adapter, merge_shards)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from leantune.models.merging import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPE_CHOICES, INDEX, RUN_FACTS, MergeRefused,
+                                     base_shards, check_pairs_fit, load_adapter, merge_shards)
 
 
 def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: Optional[str] = None,
@@ -51,7 +47,7 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the model from other users once renamed
-        weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPES.get(dtype), log)
+        weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPE_CHOICES.get(dtype), log)
         _write_companions(base_dir, run_dir, staging, base_config, dtype)
         if len(shards) > 1 or (base_dir / INDEX).is_file():
             _write_index(base_dir, staging, weight_map, total)
@@ -127,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a LoRA run's --output_dir (adapter_model.safetensors)")
     parser.add_argument("out_dir", type=Path, help="where the merged model goes (new or empty)")
     parser.add_argument("--model_name", help="the base model (a directory or a hub name); default: the adapter's own")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="the merged weights' dtype; default: the base's")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), help="the merged weights' dtype; default: the base's")
     args = parser.parse_args(argv)
     try:
         merge_run(args.run_dir, args.out_dir, args.model_name, args.dtype)
