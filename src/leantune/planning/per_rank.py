@@ -124,7 +124,8 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
     early_in_share = 0 if cpu_offload else _split(sum(p.numel() * p.element_size() for p in early), world_size)
     return ShardingShapes(
         gathered_bytes=sizes.gathered(root) + 2 * sizes.gathered(layer), layer_in_flight_bytes=sizes.in_flight(layer),
-        loss_gathered_bytes=sizes.gathered(root) + sizes.gathered(layer),
+        # one rank: FSDP2 frees an all-gather's output at once (it keeps it to the next gather only among several)
+        loss_gathered_bytes=sizes.gathered(root) + (sizes.gathered(layer) if world_size > 1 else 0),
         root_gather_bytes=sizes.gathered(root) + sizes.in_flight(root), layer_reduce_bytes=sizes.reduced(layer),
         root_reduce_bytes=sizes.reduced(root), root_early_grad_bytes=sizes.gathered(early) - early_in_share,
         pinned_host_bytes=sizes.pinned(list(model.parameters())) if cpu_offload else 0,
