@@ -42,8 +42,10 @@ FLAG_WALK = {
                   "runs: precision: bfloat16 weights on the CPU"),
     "anyprecision": (["--enable_fsdp", "--optimizer", "anyprecision", "--pure_bf16"],
                      "runs: optimizer: leantune's AnyPrecisionAdamW", "runs: optimizer: leantune's AnyPrecisionAdamW"),
+    # the tiny model's rows are 64 elements: every weight keeps float32 moments sharded, and the start-up line says so
     "8-bit optimizer": (["--enable_fsdp", "--optimizer", "adamw_8bit"],
-                        "runs: optimizer: leantune's ShardedAdamW8bit", "runs: optimizer: leantune's ShardedAdamW8bit"),
+                        "runs: keep float32 moments (8 bytes a parameter): their rows are not whole 256-element blocks",
+                        "runs: keep float32 moments (8 bytes a parameter): their rows are not whole 256-element blocks"),
     "in backward": (["--enable_fsdp", "--optimizer_in_backward"], "runs: each weight stepped in backward",
                     "runs: each weight stepped in backward"),
     "auto batch": (["--enable_fsdp", "--auto_batch_size", "--memory_budget_gb", "2", "--target_global_batch_size",

@@ -44,5 +44,6 @@ def describe_optimizer(tc: TrainingConfig, optimizer: torch.optim.Optimizer) -> 
     kind = f"{type(optimizer).__module__.split('.')[0]}'s {type(optimizer).__name__}"
     fused = ", fused kernel" if optimizer.defaults.get("fused") else ""
     how = ", each weight stepped in backward" if tc.optimizer_in_backward else ""
+    layout = optimizer.layout_note() if hasattr(optimizer, "layout_note") else ""  # what it keeps on FSDP2's shards
     return (f"optimizer: {kind} (--optimizer {tc.optimizer}){fused}, lr {tc.lr:g}, weight decay {tc.weight_decay:g}"
-            f"{how}; the learning rate times {tc.gamma:g} after each epoch")
+            f"{how}; the learning rate times {tc.gamma:g} after each epoch{layout}")
