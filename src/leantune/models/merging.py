@@ -14,6 +14,7 @@ embedding adapters) is refused by name, not merged wrongly.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,20 +118,24 @@ def merge_shards(base_dir: Path, out_dir: Path, shards: list[str], lora: LoraPai
         layout = [(name, _output_dtype(SAFETENSORS_DTYPES[entry["dtype"]], dtype), entry["shape"])
                   for name, entry in entries.items()]
         with open(base_dir / shard, "rb") as source:
-            def make(name: str) -> torch.Tensor:
-                tensor = read_tensor(source, entries[name], start)
-                out = _output_dtype(tensor.dtype, dtype)
-                if name not in lora.pairs:
-                    return tensor.to(out)
-                a, b = lora.pairs[name]
-                delta = b.float() @ a.float()
-                delta = (delta.T if lora.fan_in_fan_out else delta) * lora.scale
-                return (tensor.float() + delta).to(out)
-
+            make = functools.partial(_merged_tensor, source, entries, start, lora, dtype)
             total += write_streamed(out_dir / shard, layout, make, header.get("__metadata__"))
         weight_map.update({name: shard for name in entries})
         log(f"merged {shard}: {len(entries)} tensors")
     return weight_map, total
+
+
+def _merged_tensor(source, entries: dict, start: int, lora: LoraPairs, dtype: Optional[torch.dtype],
+                   name: str) -> torch.Tensor:
+    """One tensor of the base, read, with its LoRA product added in float32 where the adapter changes it, cast."""
+    tensor = read_tensor(source, entries[name], start)
+    out = _output_dtype(tensor.dtype, dtype)
+    if name not in lora.pairs:
+        return tensor.to(out)
+    a, b = lora.pairs[name]
+    delta = b.float() @ a.float()
+    delta = (delta.T if lora.fan_in_fan_out else delta) * lora.scale
+    return (tensor.float() + delta).to(out)
 
 
 def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
