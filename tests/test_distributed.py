@@ -105,17 +105,23 @@ BF16_GRAD_NORM_RTOL = 1e-2
 
 def test_two_ranks_step_anyprecision_on_bf16_weights_as_one_process(tiny_model_dir, tmp_path):
     """AnyPrecisionAdamW with --pure_bf16 under FSDP2 steps each rank's shard (DTensors' local tensors)."""
-    common = ["--model_name", str(tiny_model_dir), *FAST, "--optimizer", "anyprecision", "--pure_bf16",
-              "--enable_activation_checkpointing", "--max_train_step", "4"]
+    _four_steps_as_one_process(tiny_model_dir, ["--optimizer", "anyprecision", "--pure_bf16"], tmp_path,
+                               BF16_LOSS_TOL, BF16_GRAD_NORM_RTOL)
+
+
+def _four_steps_as_one_process(model_dir, flags: list[str], tmp_path, loss_tol: float, norm_rtol: float) -> None:
+    """Four steps of ``flags`` on two ranks (batch 2 each) give one process's (batch 4) losses and gradient norms."""
+    common = ["--model_name", str(model_dir), *FAST, *flags, "--enable_activation_checkpointing", "--max_train_step",
+              "4"]
     run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
         log=lambda _: None)
     result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) == 4 and one[-1] < one[0]  # it trained
-    assert two == pytest.approx(one, rel=0, abs=BF16_LOSS_TOL)
+    assert two == pytest.approx(one, rel=0, abs=loss_tol)
     norms_one, norms_two = step_losses(tmp_path / "one", "grad_norm"), step_losses(tmp_path / "two", "grad_norm")
-    assert norms_two == pytest.approx(norms_one, rel=BF16_GRAD_NORM_RTOL, abs=0)
+    assert norms_two == pytest.approx(norms_one, rel=norm_rtol, abs=0)
 
 
 # 8-bit moments round each update to one of 256 codes: a gradient that differs in its last float32 bits (another
@@ -127,17 +133,8 @@ EIGHT_BIT_GRAD_NORM_RTOL = 1e-4
 def test_two_ranks_step_adamw_8bit_as_one_process(block_aligned_model_dir, tmp_path):
     """bitsandbytes' 8-bit AdamW on each rank's shards: rows of 256 elements make a shard's blocks the whole
     weight's, so every weight keeps its 8-bit moments and steps as in one process."""
-    common = ["--model_name", str(block_aligned_model_dir), *FAST, "--optimizer", "adamw_8bit",
-              "--enable_activation_checkpointing", "--max_train_step", "4"]
-    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
-        log=lambda _: None)
-    result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
-    assert len(one) == len(two) == 4 and one[-1] < one[0]
-    assert two == pytest.approx(one, rel=0, abs=DIST_LOSS_TOL)
-    norms_one, norms_two = step_losses(tmp_path / "one", "grad_norm"), step_losses(tmp_path / "two", "grad_norm")
-    assert norms_two == pytest.approx(norms_one, rel=EIGHT_BIT_GRAD_NORM_RTOL, abs=0)
+    _four_steps_as_one_process(block_aligned_model_dir, ["--optimizer", "adamw_8bit"], tmp_path, DIST_LOSS_TOL,
+                               EIGHT_BIT_GRAD_NORM_RTOL)
 
 
 def test_the_per_rank_plan_holds_each_ranks_measured_step(tiny_model_dir):
