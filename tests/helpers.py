@@ -11,6 +11,18 @@ from leantune.memory.meter import ActivationMeter
 from leantune.training.step import forward_hidden
 
 
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-process gloo group in this process, for FSDP2 on the CPU without torchrun."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def make_batch(vocab: int, batch: int = 2, seq: int = 64, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, seq), generator=generator)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,10 @@ def test_two_ranks_give_the_losses_of_one_process(case, tiny_model_dir, tmp_path
     assert result.stdout.count("epoch 1: train loss") == 1  # logs from rank 0 only
     if "--quantization" in CASES[case]:  # the adapter alone, written once, equal to one process's
         from safetensors.torch import load_file
+
+        read, whole = map(float, re.search(r"shard-first: rank 0 read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB",
+                                           result.stdout).groups())
+        assert 0.45 < read / whole < 0.55  # its half of every tensor (whole blocks of the 4-bit ones), no more
 
         one_adapter, two_adapter = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("one", "two"))
         assert sorted(two_adapter) == sorted(one_adapter) and all("lora_" in key for key in two_adapter)

@@ -4,16 +4,15 @@ tests/test_distributed.py."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from helpers import one_rank_group
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.optimizers import build
@@ -24,15 +23,6 @@ bnb = pytest.importorskip("bitsandbytes")
 # 8-bit when sharded: rows of whole blocks (512 and 256 elements); float32: a row of 64 (4,096 elements, 8-bit in one
 # process), a 1-D weight, odd shapes, LoRA B's rank-8 rows; small (100,) float32 anyhow
 SHAPES = [(1024, 512), (512, 256), (64, 64), (8192,), (63, 65), (1000, 100), (4096, 8), (100,)]
-
-
-@contextlib.contextmanager
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded_weights(seed: int = 0) -> torch.nn.Module:

@@ -21,7 +21,7 @@ import torch
 from leantune.builders.loaders import RunData
 from leantune.builders.model import build_model, describe_loss
 from leantune.builders.monitor import build_monitor
-from leantune.builders.sharding import device_peak_bytes, shard, start_distributed
+from leantune.builders.sharding import device_peak_bytes, shard, shard_first_checkpoint, start_distributed
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
@@ -87,7 +87,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if saved is not None:
         check_compatible(saved, memory.cfg.flat(), resume, dist.world_size)
     precision = choose_precision(memory.cfg, device)
-    memory, model, tokenizer, loaders = _load(memory, facts, (resume, saved), precision, dist, log, traces)
+    memory, model, tokenizer, loaders, checkpoint = _load(memory, facts, (resume, saved), precision, dist, log, traces)
     cfg = memory.cfg
     loggers.record_flags({k: v for k, v in cfg.flat().items() if flags[k] != v})  # as planned, confirmed and timed
     loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
@@ -97,7 +97,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     log(describe_loss(loss_model.loss_fn))
     if dist.sharded:
         shard(loss_model, cfg.distributed, cfg.training.batch_size_training, dist, device, precision, log,
-              peak_before=loaded_peak)
+              peak_before=loaded_peak, checkpoint=checkpoint)
     if cfg.data.packs_apart:
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
     if cfg.training.compile:  # after the checks, which run once and need no compiling
@@ -158,15 +158,17 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     the batch confirmed by one real step (the loaders made again if it backed off).
 
     ``resume``: the state's directory and what ``read_state`` read from it (both None when not resuming).
-    Returns the memory plan as confirmed, the model, the tokenizer and (train, validation) loaders.
+    Returns the memory plan as confirmed, the model, the tokenizer, (train, validation) loaders and the checkpoint
+    a 4-bit base under FSDP is read from shard-first as it is sharded (None for any other run: the model is whole).
     """
     cfg, (path, saved) = memory.cfg, resume
     tokenizer = load_tokenizer(cfg.model)
     data = RunData(cfg.data, cfg.training, tokenizer, log, dist)
     loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
+    checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype, log)
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer,
-                                   timed_next=len(memory.candidates) >= 2)
+                                   timed_next=len(memory.candidates) >= 2, shard_first=checkpoint is not None)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
     memory = choose_by_timing(memory, model, precision, log)  # auto with --auto_batch_size: the fastest candidate
@@ -175,7 +177,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name
             check_compatible(saved, confirmed.cfg.flat(), path, dist.world_size)
         loaders = data.loaders(confirmed.cfg.training)
-    return confirmed, model, tokenizer, loaders
+    return confirmed, model, tokenizer, loaders, checkpoint
 
 
 def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optional[float], log=print,

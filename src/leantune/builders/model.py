@@ -21,6 +21,7 @@ from leantune.models.facts import (ModelFacts, logit_transform, meta_model, posi
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
+from leantune.models.skeleton import quantized_skeleton
 from leantune.models.structure import unwrap_model
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
@@ -85,12 +86,14 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
 
 
 def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional[ModelFacts] = None,
-                on_meta: bool = False, tokenizer=None, timed_next: bool = False):
+                on_meta: bool = False, tokenizer=None, timed_next: bool = False, shard_first: bool = False):
     """Tokenizer and model on the precision's device, with LoRA and checkpointing applied as configured.
 
     ``facts``: the model's, as the run read them (its attention implementation); read here when not
     given. ``on_meta``: build the model from its config on the meta device, no weight read (a rank
     that will receive its shards from rank 0, ``--low_cpu_fsdp``). ``tokenizer``: one already loaded.
+    ``shard_first``: a 4-bit base's skeleton, each rank's shards read and quantized as FSDP shards it
+    (``distributed.shard_first``); LoRA's weights made as a whole load makes them.
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     facts = facts if facts is not None else run_model_facts(cfg.model, precision.device.type,
@@ -98,6 +101,9 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     if on_meta:
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
+    elif shard_first:
+        skeleton = quantized_skeleton(facts.config, precision.weight_dtype, run_bnb_config(cfg.quant, precision))
+        model, report = prepare_model(skeleton, cfg, precision, place=lambda _model: None)
     else:
         # under FSDP a quantized base is quantized in host memory too, and fully_shard moves its shards
         loads_on = torch.device("cpu") if cfg.distributed.enable_fsdp else precision.device
@@ -109,8 +115,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
         f"{describe_attention(unwrap_model(model).config._attn_implementation)}) "
-        f"{'on the host until FSDP shards it onto ' if cfg.distributed.enable_fsdp else 'on '}{precision.device}")
-    if cfg.quant.enabled:
+        f"{_where(cfg.distributed.enable_fsdp, shard_first)}{precision.device}")
+    if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))
     if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then
         log(report.summary_line())
@@ -123,3 +129,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
             f"{cfg.training.tiled_mlp}): no batch x context x intermediate tensor; one more MLP forward in backward")
     return model, tokenizer
 
+
+def _where(enable_fsdp: bool, shard_first: bool) -> str:
+    if shard_first:
+        return "read shard-first (each rank its own rows, quantized as they are read) onto "
+    return "on the host until FSDP shards it onto " if enable_fsdp else "on "

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from leantune.config import ConfigError, DistributedConfig, ModelConfig
+from leantune.config import ConfigError, DistributedConfig, ModelConfig, QuantizationConfig
 from leantune.distributed.context import DistContext, init_distributed, launched_world_size
 from leantune.distributed.fsdp import load_from_rank0, shard_model
+from leantune.distributed.shard_first import ShardFirstLoad
+from leantune.models.checkpoint_slices import CheckpointSlices, local_checkpoint_dir, why_not_in_slices
+from leantune.models.facts import meta_model
+from leantune.models.loading import resolve_model_path
+from leantune.models.quantized import describe_quantization
 from leantune.precision import Precision, choose_device
 from leantune.training.step import CausalLMLoss
 
@@ -33,9 +40,27 @@ def check_offload_device(dc: DistributedConfig, device_type: str, fix: str = "Dr
                           f"they are there already. {fix}")
 
 
+def shard_first_checkpoint(mc: ModelConfig, quant: QuantizationConfig, dc: DistributedConfig, config,
+                           weight_dtype: torch.dtype, log=print) -> Optional[CheckpointSlices]:
+    """The checkpoint a 4-bit base under FSDP is read from shard-first (``distributed.shard_first``), or None:
+    not such a run, or a model or checkpoint that cannot be read so (said in a note: each rank then loads the
+    whole base in host memory and keeps its shard). ``config``: the model's, as the run reads it."""
+    if not (dc.enable_fsdp and quant.quantization == "4bit"):
+        return None
+    checkpoint, why = CheckpointSlices.find(local_checkpoint_dir(resolve_model_path(mc.model_name)))
+    if checkpoint is not None:
+        why = why_not_in_slices(checkpoint, meta_model(config, weight_dtype, cpu_stand_in=False), weight_dtype)
+    if why:
+        log(f"note: each rank loads the whole 4-bit base in host memory, then keeps its shard: {why}")
+        return None
+    return checkpoint
+
+
 def shard(loss_model: CausalLMLoss, dc: DistributedConfig, batch: int, dist: DistContext, device: torch.device,
-          precision: Precision, log=print, peak_before: int = 0) -> None:
-    """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards.
+          precision: Precision, log=print, peak_before: int = 0,
+          checkpoint: Optional[CheckpointSlices] = None) -> None:
+    """FSDP2 over the processes; with --low_cpu_fsdp rank 0's weights are broadcast into the others' shards;
+    with ``checkpoint`` (a 4-bit base's skeleton, ``shard_first_checkpoint``) each rank reads its shards from it.
     ``batch``: rows per batch, for the sharding line. ``peak_before``: the device's peak while loading
     (see ``sharded_memory_line``).
 
@@ -45,11 +70,18 @@ def shard(loss_model: CausalLMLoss, dc: DistributedConfig, batch: int, dist: Dis
     """
     low_cpu = dc.low_cpu_fsdp and dist.world_size > 1  # one process read the weights itself
     rank0_state = loss_model.state_dict() if low_cpu and dist.is_main else {}  # the full weights, before sharding
+    shard_first = ShardFirstLoad(checkpoint, precision.weight_dtype) if checkpoint is not None else None
+    if shard_first is not None:
+        shard_first.keep(loss_model)
     shard_model(loss_model, dist, device, precision.compute_dtype, dc.fsdp_cpu_offload)
     if low_cpu:
-        load_from_rank0(loss_model, rank0_state, dist, device)
+        load_from_rank0(loss_model, rank0_state, dist, device, dc.fsdp_cpu_offload)
         del rank0_state
-    log(describe_sharding(dc, batch, dist))
+    if shard_first is not None:
+        shard_first.fill(loss_model, dist, device, dc.fsdp_cpu_offload)
+    log(describe_sharding(dc, batch, dist, shard_first.read_note(dist.rank) if shard_first is not None else ""))
+    if shard_first is not None:  # the base was quantized as it was read: its line now
+        log(describe_quantization(QuantizationConfig(quantization="4bit"), loss_model))
     if device.type == "cuda":
         log(sharded_memory_line(device, peak_before))
 
@@ -68,9 +100,9 @@ def sharded_memory_line(device: torch.device, peak_before: int = 0) -> str:
             f"peak {peak / 2**20:,.0f} MiB while loading and sharding")
 
 
-def describe_sharding(dc: DistributedConfig, batch: int, dist: DistContext) -> str:
+def describe_sharding(dc: DistributedConfig, batch: int, dist: DistContext, shard_first: str = "") -> str:
     """The start-up line that says FSDP is in force, over how many processes (``batch`` rows each), with which
-    offload."""
+    offload; ``shard_first``: what a shard-first load read (``ShardFirstLoad.read_note``), when there was one."""
     world = dist.world_size
     processes = f"{world} processes" if world > 1 else "1 process"
     where = ("parameters, gradients and optimizer state in host memory (CPU offload), one layer at a time on "
@@ -79,6 +111,8 @@ def describe_sharding(dc: DistributedConfig, batch: int, dist: DistContext) -> s
     if dc.low_cpu_fsdp:
         loads = ("; rank 0 read the weights and broadcast them (--low_cpu_fsdp)" if world > 1 else
                  "; --low_cpu_fsdp: the one process read the weights itself, nothing to broadcast")
+    if shard_first:
+        loads = f"; each rank read and quantized only its own rows of the 4-bit base (shard-first: {shard_first})"
     line = (f"fsdp: FSDP2 over {processes}, each decoder layer and the model+loss root a unit; {where}{loads}; "
             f"batch {batch} per process, {batch * world} per step in all")
     if world == 1 and not dc.fsdp_cpu_offload:

@@ -38,10 +38,16 @@ def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch
         fully_shard(layer, **options)
     fully_shard(loss_model, **options)
     for layer, state in states:
-        state.to(device)  # in place: the scales, code books and nested state
-        layer.quant_state = state
-        layer.register_forward_pre_hook(_gathered_as_packed_bytes)
+        attach_quantization_state(layer, state, device)
     return loss_model
+
+
+def attach_quantization_state(layer: torch.nn.Module, state, device: torch.device) -> None:
+    """Keep a sharded 4-bit layer's quantization state on the layer, on the device that computes, where
+    ``Linear4bit.forward`` finds it for the gathered weight; check each gathered weight's dtype as it runs."""
+    state.to(device)  # in place: the scales, code books and nested state
+    layer.quant_state = state
+    layer.register_forward_pre_hook(_gathered_as_packed_bytes)
 
 
 def _gathered_as_packed_bytes(layer: torch.nn.Module, _args) -> None:
@@ -94,7 +100,7 @@ def full_state_dict(loss_model: torch.nn.Module, trainable_only: bool) -> dict:
 
 
 def load_from_rank0(loss_model: torch.nn.Module, rank0_state: dict, context: DistContext,
-                    device: torch.device) -> None:
+                    device: torch.device, cpu_offload: bool) -> None:
     """``--low_cpu_fsdp``: fill the sharded model of every rank from the full state dict only rank 0 holds.
 
     The other ranks built their model on the meta device; their shards get memory here and receive
@@ -105,8 +111,18 @@ def load_from_rank0(loss_model: torch.nn.Module, rank0_state: dict, context: Dis
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not context.is_main:
-        loss_model.to_empty(device=device)
+        materialize(loss_model, device, cpu_offload)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(loss_model, rank0_state if context.is_main else {}, options=options)
     for buffer in loss_model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def materialize(loss_model: torch.nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Give a model sharded on the meta device memory, values unset: its shards where FSDP2 keeps them (the
+    host under CPU offload, which FSDP2 checks), its buffers on ``device``, where the forward reads them."""
+    loss_model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    for module in loss_model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)

@@ -186,4 +186,8 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 def _weights_in(param: torch.Tensor) -> int:
     """The weights a parameter holds: a packed 4-bit one holds two a byte (its ``quant_state`` knows the shape)."""
     state = getattr(param, "quant_state", None)
-    return state.shape.numel() if state is not None else param.numel()
+    if state is not None:
+        return state.shape.numel()
+    if type(param).__name__ == "Params4bit" and param.dtype == torch.uint8:  # packed, its state made as it shards
+        return param.numel() * 2
+    return param.numel()

@@ -168,19 +168,25 @@ def base_weight_bytes(model: torch.nn.Module) -> Optional[dict]:
     layers = quantized_layers(model)
     if not layers:
         return None
-    storages = {}  # each storage once: an 8-bit weight's int8 codes are also its ``CB``
+    storages, sharded = {}, 0  # each storage once: an 8-bit weight's int8 codes are also its ``CB``
     for layer in layers:
-        for tensor in (layer.weight, *carried_tensors(layer.weight)):
+        weight = layer.weight
+        if hasattr(weight, "to_local"):  # sharded by FSDP2: the whole packed weight's bytes, its state on the layer
+            sharded += weight.numel() * weight.element_size()
+            tensors = carried_tensors(layer.quant_state)
+        else:
+            tensors = [weight, *carried_tensors(weight)]
+        for tensor in tensors:
             storages[id(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
     bf16 = sum(layer.in_features * layer.out_features * 2 for layer in layers)
-    return {"quantized_bytes": sum(storages.values()), "bf16_bytes": bf16}
+    return {"quantized_bytes": sharded + sum(storages.values()), "bf16_bytes": bf16}
 
 
 def describe_quantization(quant: QuantizationConfig, model: torch.nn.Module) -> str:
     """The run's line about its quantized base: what, how, and its bytes against bfloat16's."""
     layers = quantized_layers(model)
     if quant.quantization == "4bit":
-        state = layers[0].weight.quant_state
+        state = getattr(layers[0].weight, "quant_state", None) or layers[0].quant_state  # on the layer once sharded
         double = ", double quantization" if state.nested else ""
         compute = str(layers[0].compute_dtype).removeprefix("torch.")
         how = f"{state.quant_type} blocks of {state.blocksize}{double}, {compute} compute"

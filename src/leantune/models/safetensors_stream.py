@@ -33,15 +33,26 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 def read_tensor(file: BinaryIO, entry: dict, data_start: int) -> torch.Tensor:
     """One tensor of an open safetensors file, read into a buffer of its own."""
+    begin, end = entry["data_offsets"]
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is not None and torch.Size(entry["shape"]).numel() * dtype.itemsize != end - begin:
+        raise ValueError(f"a tensor's byte range ({end - begin}) does not match its shape {entry['shape']}")
+    return read_rows(file, entry, data_start, 0, entry["shape"][0] if entry["shape"] else 1)
+
+
+def read_rows(file: BinaryIO, entry: dict, data_start: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` (the first dimension) of one tensor of an open safetensors file, read into a buffer of
+    their own: only their bytes are read (rows of a row-major tensor lie one after another)."""
     if entry["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"safetensors dtype {entry['dtype']} is not supported here")
-    begin, end = entry["data_offsets"]
-    tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+    shape = list(entry["shape"])
+    if not 0 <= start <= stop <= (shape[0] if shape else 1):
+        raise ValueError(f"rows {start}:{stop} are not within a tensor of shape {shape}")
+    tensor = torch.empty([stop - start, *shape[1:]] if shape else [], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
     raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    if raw.nbytes != end - begin:
-        raise ValueError(f"a tensor's byte range ({end - begin}) does not match its shape {entry['shape']}")
-    file.seek(data_start + begin)
-    if file.readinto(memoryview(raw)) != raw.nbytes:
+    row_bytes = torch.Size(shape[1:]).numel() * tensor.element_size()
+    file.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+    if raw.nbytes and file.readinto(memoryview(raw)) != raw.nbytes:
         raise ValueError("the file ends inside a tensor")
     return tensor
 

@@ -1,0 +1,218 @@
+"""A 4-bit base read shard-first under FSDP2: each rank's bytes and scales are those of the whole weight's
+quantization, a rank reads only the blocks that hold its bytes, the skeleton makes LoRA's weights as a whole
+load does, and the filled shards are the whole load's, bit for bit. Two ranks against one process (losses,
+adapter, resume): tests/test_distributed.py's qlora cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import one_rank_group
+from leantune.cli_args import parse_run_config
+from leantune.distributed.shard_first import join_padded, scale_counts, shard_rows
+from leantune.models.quantized_slices import covering_elements, owned_blocks, quant_state, quantize_bytes
+
+bnb = pytest.importorskip("bitsandbytes")
+QLORA = ["--use_peft", "--quantization", "4bit", "--enable_fsdp", "--lora_dropout", "0"]
+
+
+def _rank_parts(weight: torch.Tensor, world: int, blocksize: int) -> tuple[list, list]:
+    flat, numel = weight.reshape(-1), weight.numel()
+    rows = (numel + 1) // 2
+    packed, scales = [], []
+    for rank in range(world):
+        start, stop = shard_rows(rows, rank, world)
+        first, last = covering_elements(start, stop, numel, blocksize)
+        part, owned = quantize_bytes(flat[first:last], element_start=first, byte_start=start, byte_stop=stop,
+                                     numel=numel, blocksize=blocksize, quant_type="nf4")
+        packed.append(part)
+        scales.append(owned)
+    return packed, scales
+
+
+# rows of 64 (every shard whole blocks), rows of 576, shapes whose shards cut blocks and bytes, a weight smaller
+# than the ranks
+@pytest.mark.parametrize("shape", [(64, 64), (96, 576), (130, 70), (7, 9), (1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_ranks_bytes_and_scales_join_into_the_whole_weights_quantization(shape, dtype):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    whole, whole_state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    for world in (1, 2, 3, 4, 5):
+        packed, scales = _rank_parts(weight, world, 64)
+        assert torch.equal(torch.cat(packed), whole), world
+        state = quant_state(torch.cat(scales), shape, dtype, 64, "nf4", nested=True)
+        for name in ("absmax", "offset"):
+            assert torch.equal(getattr(state, name), getattr(whole_state, name)), (world, name)
+        assert torch.equal(state.state2.absmax, whole_state.state2.absmax)
+        assert torch.equal(state.state2.code, whole_state.state2.code)
+        assert state.shape == whole_state.shape and state.dtype == whole_state.dtype
+
+
+@pytest.mark.parametrize("shape", [(130, 70), (100, 64), (7, 9)])  # shards that cut blocks: the ranks keep unequal counts
+def test_the_scales_each_rank_sends_padded_join_into_the_whole_weights(shape):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    _, whole = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=False, quant_type="nf4")
+    rows, world = (weight.numel() + 1) // 2, 3
+    _, scales = _rank_parts(weight, world, 64)
+    counts = scale_counts(weight.numel(), rows, 64, world)
+    assert counts == [part.numel() for part in scales] and len(set(counts)) > 1
+    padded = [torch.cat([part, torch.full((max(counts) - part.numel(),), -1.0)]) for part in scales]
+    assert torch.equal(join_padded(padded, counts), whole.absmax)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_a_rank_reads_only_the_blocks_that_hold_its_bytes(world):
+    numel, blocksize = 8192 * 1024 + 96, 64  # shards cut blocks
+    rows = numel // 2
+    owned = 0
+    for rank in range(world):
+        start, stop = shard_rows(rows, rank, world)
+        first, last = covering_elements(start, stop, numel, blocksize)
+        assert first <= 2 * start and last >= min(2 * stop, numel)  # every element of its bytes
+        assert last - first <= 2 * (stop - start) + 2 * blocksize  # and at most a block more on each side
+        block_first, block_last = owned_blocks(start, stop, numel, blocksize)
+        assert block_first == owned  # the ranks' blocks follow on: each block's scale kept by one rank
+        owned = block_last
+    assert owned == -(-numel // blocksize)
+
+
+def _whole_and_skeleton(model_dir, argv: list[str]):
+    """The model a whole 4-bit load makes (with LoRA) and the skeleton a shard-first load makes, each from the
+    same seed; returns (whole, skeleton, cfg, precision)."""
+    from leantune.builders.model import build_model
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(model_dir), *argv])
+    precision = choose_precision(cfg, torch.device("cpu"))
+    models = []
+    for shard_first in (False, True):
+        torch.manual_seed(cfg.training.seed)
+        model, _ = build_model(cfg, precision, log=lambda _: None, shard_first=shard_first)
+        models.append(model)
+    return models[0], models[1], cfg, precision
+
+
+def test_the_skeleton_makes_loras_weights_and_buffers_as_a_whole_load_and_holds_no_weight(tiny_model_dir):
+    from leantune.models.loading import count_parameters
+    from leantune.models.skeleton import is_stand_in
+
+    whole, skeleton, _, _ = _whole_and_skeleton(tiny_model_dir, QLORA)
+    real = {name: t for name, t in [*skeleton.named_parameters(), *skeleton.named_buffers()] if t.device.type != "meta"}
+    lora = {name for name in real if ".lora_" in name}
+    assert lora and lora == {name for name, _ in whole.named_parameters() if ".lora_" in name}
+    wholes = dict([*whole.named_parameters(), *whole.named_buffers()])
+    for name in lora | {name for name, _ in skeleton.named_buffers()}:
+        assert torch.equal(real[name], wholes[name]), name
+    stand_ins = [name for name, t in real.items() if is_stand_in(t)]
+    assert len(stand_ins) == 14 and all(real[name].untyped_storage().nbytes() == 1 for name in stand_ins)
+    assert set(real) == lora | set(stand_ins) | {name for name, _ in skeleton.named_buffers()}  # the rest on meta
+    assert count_parameters(skeleton) == count_parameters(whole)  # the run's model line: a stand-in is 2 a byte
+
+
+# float32 weights (the CPU's default), bfloat16 weights quantized from bfloat16 values (a GPU run's), and the
+# other 4-bit format without the double quantization
+@pytest.mark.parametrize("weights", [[], ["--pure_bf16"], ["--quant_type", "fp4", "--no_use_double_quant"]])
+def test_a_shard_first_load_fills_the_shards_a_whole_load_makes(weights, tiny_model_dir):
+    from leantune.builders.step import loss_model_for
+    from leantune.distributed.context import DistContext
+    from leantune.distributed.fsdp import shard_model
+    from leantune.distributed.shard_first import ShardFirstLoad
+    from leantune.models.checkpoint_slices import CheckpointSlices
+
+    whole, skeleton, cfg, precision = _whole_and_skeleton(tiny_model_dir, [*QLORA, *weights])
+    assert precision.weight_dtype == (torch.bfloat16 if "--pure_bf16" in weights else torch.float32)
+    context, cpu = DistContext(rank=0, world_size=1, sharded=True), torch.device("cpu")
+    with one_rank_group():
+        whole_loss = shard_model(loss_model_for(whole, cfg.training, sharded=True), context, cpu, None, False)
+        load = ShardFirstLoad(CheckpointSlices.find(tiny_model_dir)[0], precision.weight_dtype)
+        skeleton_loss = loss_model_for(skeleton, cfg.training, sharded=True)
+        load.keep(skeleton_loss)
+        shard_model(skeleton_loss, context, cpu, None, False)
+        load.fill(skeleton_loss, context, cpu)
+        expected = dict([*whole_loss.named_parameters(), *whole_loss.named_buffers()])
+        for name, tensor in [*skeleton_loss.named_parameters(), *skeleton_loss.named_buffers()]:
+            assert tensor.dtype == expected[name].dtype and torch.equal(_local(tensor), _local(expected[name])), name
+        pairs = [(a, b) for a, b in zip(whole_loss.modules(), skeleton_loss.modules()) if hasattr(a, "quant_state")]
+        assert len(pairs) == 14
+        for whole_layer, layer in pairs:
+            ours, theirs = layer.quant_state.as_dict(packed=True), whole_layer.quant_state.as_dict(packed=True)
+            assert ours.keys() == theirs.keys()
+            assert [key for key in ours if not torch.equal(ours[key], theirs[key])] == []
+    assert load.checkpoint.bytes_read == load.whole_bytes > 0  # one rank reads all of it, once
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _shard_first_or_why(model_dir, config, argv=QLORA, weight_dtype=torch.float32) -> tuple[bool, list[str]]:
+    from leantune.builders.sharding import shard_first_checkpoint
+
+    cfg, lines = parse_run_config(["--model_name", str(model_dir), *argv]), []
+    chosen = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, config, weight_dtype, lines.append)
+    return chosen is not None, lines
+
+
+def test_a_checkpoint_that_cannot_be_read_in_slices_loads_whole_and_says_why(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert _shard_first_or_why(tiny_model_dir, config) == (True, [])
+    assert _shard_first_or_why(tiny_model_dir, config, ["--use_peft", "--enable_fsdp"]) == (False, [])  # not 4-bit
+    note = "note: each rank loads the whole 4-bit base in host memory, then keeps its shard: "
+    pickled = tmp_path / "pickled"  # weights in a pickle, which loads whole
+    pickled.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", pickled)
+    torch.save(load_file(tiny_model_dir / "model.safetensors"), pickled / "pytorch_model.bin")
+    assert _shard_first_or_why(pickled, config) == (False, [
+        f"{note}{pickled} has no model.safetensors or model.safetensors.index.json (its weights are in "
+        "pytorch_model.bin, which loads whole)"])
+    changed = {"renamed": ("lm_head.weight", lambda t: t, "output.weight"),  # names transformers changes as it loads
+               "packed": ("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.uint8).reshape(-1, 1)[:64], None)}
+    whys = {"renamed": "its checkpoint has no tensor named lm_head.weight",  # a pre-quantized or other checkpoint
+            "packed": "its checkpoint's model.layers.0.self_attn.q_proj.weight is U8 [64, 1], not the model's [64, 64]"}
+    for case, (key, change, new_key) in changed.items():
+        folder = tmp_path / case
+        shutil.copytree(tiny_model_dir, folder)
+        tensors = load_file(folder / "model.safetensors")
+        tensors[new_key or key] = change(tensors.pop(key))
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        chosen, lines = _shard_first_or_why(folder, config)
+        assert not chosen and lines[0].startswith(f"{note}{whys[case]}"), lines
+
+
+def test_models_whose_loading_changes_their_weights_load_whole(tiny_model_dir):
+    from transformers import AutoConfig, GPT2Config
+
+    quantized = AutoConfig.from_pretrained(tiny_model_dir)
+    quantized.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    assert _shard_first_or_why(tiny_model_dir, quantized)[1][0].endswith(
+        "its checkpoint is quantized already (its config has a quantization_config)")
+    gpt2 = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128)  # Conv1D layers, stored transposed
+    assert _shard_first_or_why(tiny_model_dir, gpt2)[1][0].endswith(
+        "its layers are Conv1D, whose weights transformers transposes before quantizing them")
+
+
+def test_a_checkpoints_rows_and_elements_are_read_as_stored(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from leantune.models.checkpoint_slices import CheckpointSlices
+
+    stored = load_file(tiny_model_dir / "model.safetensors")
+    checkpoint, why = CheckpointSlices.find(tiny_model_dir)
+    assert why == "" and all(checkpoint.entry(key)["shape"] == list(stored[key].shape) for key in stored)
+    try:
+        for key in ("model.layers.1.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"):
+            tensor = stored[key]
+            rows = tensor.shape[0]
+            for start, stop in ((0, rows), (1, rows // 2 + 1), (rows - 1, rows), (rows, rows)):
+                assert torch.equal(checkpoint.rows(key, start, stop), tensor[start:stop]), (key, start, stop)
+            flat = tensor.reshape(-1)
+            for start, stop in ((0, flat.numel()), (3, 61), (flat.numel() - 5, flat.numel())):
+                assert torch.equal(checkpoint.elements(key, start, stop), flat[start:stop]), (key, start, stop)
+    finally:
+        checkpoint.close()
