@@ -49,7 +49,8 @@ def test_each_ranks_bytes_and_scales_join_into_the_whole_weights_quantization(sh
         assert state.shape == whole_state.shape and state.dtype == whole_state.dtype
 
 
-@pytest.mark.parametrize("shape", [(130, 70), (100, 64), (7, 9)])  # shards that cut blocks: the ranks keep unequal counts
+# shards that cut blocks: the ranks keep unequal counts of scales
+@pytest.mark.parametrize("shape", [(130, 70), (100, 64), (7, 9)])
 def test_the_scales_each_rank_sends_padded_join_into_the_whole_weights(shape):
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     _, whole = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=False, quant_type="nf4")
@@ -172,7 +173,8 @@ def test_a_checkpoint_that_cannot_be_read_in_slices_loads_whole_and_says_why(tin
         f"{note}{pickled} has no model.safetensors or model.safetensors.index.json (its weights are in "
         "pytorch_model.bin, which loads whole)"])
     changed = {"renamed": ("lm_head.weight", lambda t: t, "output.weight"),  # names transformers changes as it loads
-               "packed": ("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.uint8).reshape(-1, 1)[:64], None)}
+               "packed": ("model.layers.0.self_attn.q_proj.weight",
+                          lambda t: t.to(torch.uint8).reshape(-1, 1)[:64], None)}
     whys = {"renamed": "its checkpoint has no tensor named lm_head.weight",  # a pre-quantized or other checkpoint
             "packed": "its checkpoint's model.layers.0.self_attn.q_proj.weight is U8 [64, 1], not the model's [64, 64]"}
     for case, (key, change, new_key) in changed.items():

@@ -166,7 +166,8 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     data = RunData(cfg.data, cfg.training, tokenizer, log, dist)
     loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
-    checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype, log)
+    checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype,
+                                        log)
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer,
                                    timed_next=len(memory.candidates) >= 2, shard_first=checkpoint is not None)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)

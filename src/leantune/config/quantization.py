@@ -69,7 +69,7 @@ def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsd
                           "weights to the dtype it gathers in, which would convert the packed bytes as numbers); "
                           "drop it (uint8, which FSDP2 gathers as it is)")
     if low_cpu_fsdp:
-        raise ConfigError(f"{flag}: not with --low_cpu_fsdp; drop it: under --enable_fsdp each rank reads and quantizes "
-                          "only its own rows of a 4-bit base's safetensors checkpoint (shard-first), and where the "
-                          "checkpoint cannot be read so (a start-up note says why), rank 0's quantization state "
-                          "cannot be broadcast into the other ranks' empty shards")
+        raise ConfigError(f"{flag}: not with --low_cpu_fsdp; drop it: under --enable_fsdp each rank reads and "
+                          "quantizes only its own rows of a 4-bit base's safetensors checkpoint (shard-first), and "
+                          "where the checkpoint cannot be read so (a start-up note says why), rank 0's quantization "
+                          "state cannot be broadcast into the other ranks' empty shards")
