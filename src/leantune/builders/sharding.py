@@ -77,10 +77,12 @@ def shard(loss_model: CausalLMLoss, dc: DistributedConfig, batch: int, dist: Dis
     if low_cpu:
         load_from_rank0(loss_model, rank0_state, dist, device, dc.fsdp_cpu_offload)
         del rank0_state
+    read = ""
     if shard_first is not None:
         shard_first.fill(loss_model, dist, device, dc.fsdp_cpu_offload)
-    log(describe_sharding(dc, batch, dist, shard_first.read_note(dist.rank) if shard_first is not None else ""))
-    if shard_first is not None:  # the base was quantized as it was read: its line now
+        read = shard_first.read_note(dist.rank)
+    log(describe_sharding(dc, batch, dist, read))
+    if read:  # the base was quantized as it was read: its line now
         log(describe_quantization(QuantizationConfig(quantization="4bit"), loss_model))
     if device.type == "cuda":
         log(sharded_memory_line(device, peak_before))

@@ -53,7 +53,8 @@ class ShardFirstLoad:
         """Hold the skeleton's real tensors (LoRA, buffers) by name and each 4-bit weight's format, then put
         the stand-ins on meta."""
         named = [*loss_model.named_parameters(), *loss_model.named_buffers()]
-        self.kept = {name: tensor.detach().clone() for name, tensor in named
+        # the tensors themselves: to_empty gives the module new ones, so these are not written over
+        self.kept = {name: tensor.detach() for name, tensor in named
                      if tensor.device.type != "meta" and not is_stand_in(tensor)}
         for name, layer in _quantized_weight_names(loss_model).items():
             weight = layer.weight
