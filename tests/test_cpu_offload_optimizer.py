@@ -20,7 +20,7 @@ from leantune import finetuning
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
-from leantune.optimizers import ENTRIES, build, ladder, saves_own_state
+from leantune.optimizers import ENTRIES, build, ladder, loading_into, saves_own_state
 from leantune.optimizers.torchao_cpu_offload import MIN_OFFLOADED_SIZE
 from leantune.planning.fake_step import trace_step
 from leantune.training.checkpoint_files import load_checkpoint_file
@@ -91,7 +91,10 @@ def test_a_saved_state_loads_weights_only_and_continues_exactly(stood_in_cuda, t
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
     resumed = build(NAME, copies, lr=1e-2, weight_decay=0.1, device_type="cuda")
-    resumed.load_state_dict(load_checkpoint_file(tmp_path / "optimizer.pt"))
+    with loading_into(resumed):  # as a resume loads it
+        resumed.load_state_dict(load_checkpoint_file(tmp_path / "optimizer.pt"))
+    # the state the memory tracker counts is the loaded one, not the empty one the optimizer was built with
+    assert [tuple(p.shape) for p in resumed.state] == [(64,)]
     for step in range(3, 6):
         _step(optimizer, params, step)
         _step(resumed, copies, step)

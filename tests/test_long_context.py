@@ -301,6 +301,37 @@ def test_max_context_finds_the_longest_context_that_fits():
     assert not beyond.fits  # the next context searched (a multiple of 1024 here) does not fit
 
 
+def test_max_context_reaches_the_models_own_position_limit_when_memory_allows_more():
+    """The limit (4,096 with rope x2) is a context the search may end on, though neither of its first two traces
+    is it."""
+    cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--rope_scaling_factor", "2"])
+    config = extend_positions(model_config("tiny"), 2)
+    config._attn_implementation = "varlen"
+    search = find_max_context(cfg, config, CPU, 4 * 2**30)
+    assert search.max_context == search.position_limit == 4096 < search.best.memory_allows
+    assert search.best.plan.context_length == 4096 and search.best.plan.fits
+
+
+def _result(context: int, flops: int, expandable: bool = False):
+    from leantune.planning.max_context import ContextResult
+    from leantune.planning.plan import ModePlan
+
+    plan = ModePlan("full", "full", "cuda", 1, context, *([0] * 9), flops=flops, traced_tokens=context, fits=True)
+    levers = {"activation_checkpointing_mode": "full", "tiled_mlp": "auto", "expandable_segments": expandable}
+    return ContextResult(levers, context, plan, context, 2)
+
+
+def test_the_longest_context_wins_and_of_equals_the_fewest_flops_then_the_allocator_as_it_is():
+    from leantune.planning.max_context import best_of
+
+    cheap, dear, longer = _result(8192, 8192 * 10), _result(8192, 8192 * 12), _result(9216, 9216 * 50)
+    for order in ([cheap, dear], [dear, cheap]):
+        assert best_of(order) is cheap
+    assert best_of([cheap, dear, longer]) is longer
+    settings, expanded = _result(8192, 8192 * 10), _result(8192, 8192 * 10, expandable=True)
+    assert best_of([expanded, settings]) is settings and best_of([settings, expanded]) is settings
+
+
 def test_plan_max_context_prints_one_json_object(capsys):
     code = plan_cli.main(["--model_name", "tiny", "--batch_size_training", "1", "--max_context",
                           "--memory_budget_gb", "0.2", "--json"])
@@ -384,6 +415,9 @@ def test_varlen_refuses_a_binding_sliding_window_a_padded_batch_and_a_multi_toke
     q, k = torch.zeros(1, 4, 12, 8), torch.zeros(1, 2, 12, 8)
     with pytest.raises(VarlenAttentionError, match="sliding window of 4 tokens"):
         varlen_attention_forward(torch.nn.Module(), q, k, k, None, sliding_window=4,
+                                 **{SEGMENTS: Segments(((10, 2),), packed=True)})
+    with pytest.raises(VarlenAttentionError, match="sliding window of 9 tokens and an example here is 10 long"):
+        varlen_attention_forward(torch.nn.Module(), q, k, k, None, sliding_window=9,  # a window of W over W + 1
                                  **{SEGMENTS: Segments(((10, 2),), packed=True)})
     varlen_attention_forward(torch.nn.Module(), q, k, k, None, sliding_window=10,
                              **{SEGMENTS: Segments(((10, 2),), packed=True)})  # no span longer than the window

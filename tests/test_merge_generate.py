@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -22,14 +23,14 @@ def _load(path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _adapter(base_dir, run_dir, seed=0):
+def _adapter(base_dir, run_dir, seed=0, **lora):
     """A LoRA adapter as peft saves it, with B drawn (it starts at zero), and the base's tokenizer."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
-    model = get_peft_model(_load(base_dir), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                       lora_dropout=0.0))
+    lora = {"target_modules": ["q_proj", "v_proj"], **lora}
+    model = get_peft_model(_load(base_dir), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, **lora))
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)
@@ -75,7 +76,33 @@ def test_a_merged_adapter_equals_peft_merge_and_unload_shard_by_shard(tiny_model
     _assert_same_model(tmp_path / "merged", _peft_merged(sharded_base, run_dir))
     merge_run(run_dir, tmp_path / "bf16", base=str(sharded_base), dtype="bfloat16", log=told.append)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert _load(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16  # the config says what the shards hold
+    merged = _load(tmp_path / "bf16", dtype="auto")
+    assert merged.dtype == torch.bfloat16  # the config says what the shards hold
+    # summed in float32, then rounded once: peft's float32 merge cast to bfloat16, bit for bit
+    reference = _peft_merged(sharded_base, run_dir).state_dict()
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, reference[name].to(torch.bfloat16)), name
+    bf16_index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    assert bf16_index["metadata"]["total_size"] == base_index["metadata"]["total_size"] // 2  # its own bytes
+
+
+def test_rslora_and_a_conv1d_base_merge_as_peft_merges_them(tiny_model_dir, tmp_path):
+    """rsLoRA scales by alpha / sqrt(r); GPT-2's Conv1D stores its weights transposed (peft's fan_in_fan_out)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    run_dir = _adapter(tiny_model_dir, tmp_path / "rslora", use_rslora=True)
+    merge_run(run_dir, tmp_path / "rslora-merged", log=lambda _: None)
+    _assert_same_model(tmp_path / "rslora-merged", _peft_merged(tiny_model_dir, run_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=4, n_positions=64, vocab_size=len(tokenizer)))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    # c_attn is 64 x 192 as stored, c_proj square: merged untransposed it would be silently wrong
+    run_dir = _adapter(tmp_path / "gpt2", tmp_path / "conv1d", target_modules=["c_attn", "c_proj"],
+                       fan_in_fan_out=True)
+    merge_run(run_dir, tmp_path / "conv1d-merged", log=lambda _: None)
+    _assert_same_model(tmp_path / "conv1d-merged", _peft_merged(tmp_path / "gpt2", run_dir))
 
 
 def test_a_qlora_trained_adapter_merges_onto_the_unquantized_base_and_says_so(tiny_model_dir, tmp_path):
@@ -151,3 +178,48 @@ def test_generate_says_a_missing_relative_path_or_a_mismatched_base_in_one_line(
                           "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("leantune: error: ") and "\n" not in err
+
+
+def _prompts_seen(model, monkeypatch) -> list[list[int]]:
+    """The token ids each ``model.generate`` call is given, recorded as it runs."""
+    seen, original = [], model.generate
+
+    def recording(**kwargs):
+        seen.append(kwargs["input_ids"][0].tolist())
+        return original(**kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    return seen
+
+
+def test_do_sample_samples_by_its_seed_and_greedy_does_not(tiny_model_dir, monkeypatch):
+    model, tokenizer = generate.load(str(tiny_model_dir), None, torch.float32, torch.device("cpu"))
+    texts = {}
+    for flags in (["--do_sample", "--seed", "1"], ["--do_sample", "--seed", "2"], ["--seed", "1"], ["--seed", "2"]):
+        args = generate.parser().parse_args(["--model_name", "x", "--max_new_tokens", "12", "--temperature", "1.5",
+                                             *flags])
+        texts[" ".join(flags)] = generate.generate(model, tokenizer, "Name three colours.", args, out=io.StringIO())
+    assert texts["--do_sample --seed 1"] != texts["--do_sample --seed 2"]  # a random model's tokens, drawn twice
+    assert texts["--seed 1"] == texts["--seed 2"] != texts["--do_sample --seed 1"]
+
+
+def test_a_chat_prompt_holds_the_templates_bos_once(tiny_model_dir, tmp_path, monkeypatch):
+    """A tokenizer that adds BOS to what it encodes (as Llama 3's does) must not add it before a chat template's own."""
+    import shutil
+
+    from tokenizers import processors
+
+    folder = tmp_path / "bos-adding"
+    shutil.copytree(tiny_model_dir, folder)
+    model, tokenizer = generate.load(str(folder), None, torch.float32, torch.device("cpu"))
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
+    assert tokenizer("Hi")["input_ids"][0] == bos
+    seen = _prompts_seen(model, monkeypatch)
+    for flags in (["--chat"], []):
+        args = generate.parser().parse_args(["--model_name", "x", "--max_new_tokens", "2", *flags])
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=False) if flags else "Hi"
+        generate.generate(model, tokenizer, text, args, out=io.StringIO())
+    assert [ids.count(bos) for ids in seen] == [1, 1] and all(ids[0] == bos for ids in seen)

@@ -5,6 +5,8 @@ adapter, resume): tests/test_distributed.py's qlora cases."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -218,3 +220,111 @@ def test_a_checkpoints_rows_and_elements_are_read_as_stored(tiny_model_dir):
                 assert torch.equal(checkpoint.elements(key, start, stop), flat[start:stop]), (key, start, stop)
     finally:
         checkpoint.close()
+
+
+STORED = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.randn(2, 4).bfloat16(), "c": torch.tensor(-7)}
+
+
+def _rewritten_header(path, into, change):
+    """``path`` with its header changed by ``change(header)``, its bytes as they were."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    change(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    into.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length:])
+    return into
+
+
+def test_a_tensor_and_its_rows_read_as_stored_and_what_lies_outside_is_refused(tmp_path):
+    """Each dtype and a scalar read as stored; rows past a tensor's end (the next tensor's bytes), a dtype the
+    reader does not know, and a header whose byte range is not its shape's are refused before a byte is read."""
+    from safetensors.torch import save_file
+
+    from leantune.models.safetensors_stream import read_header, read_rows, read_tensor
+
+    path = tmp_path / "three.safetensors"
+    save_file(STORED, path)
+    header, start = read_header(path)
+    with open(path, "rb") as file:
+        for name, tensor in STORED.items():
+            read = read_tensor(file, header[name], start)
+            assert read.dtype == tensor.dtype and read.shape == tensor.shape and torch.equal(read, tensor), name
+        assert torch.equal(read_rows(file, header["a"], start, 1, 3), STORED["a"][1:3])
+        for name, rows in (("a", (2, 4)), ("a", (0, 4)), ("a", (-1, 2)), ("a", (2, 1)), ("c", (0, 2))):
+            shape = list(STORED[name].shape)
+            with pytest.raises(ValueError, match=rf"rows {rows[0]}:{rows[1]} are not within a tensor of shape "
+                                                 rf"{re.escape(str(shape))}"):
+                read_rows(file, header[name], start, *rows)
+        with pytest.raises(ValueError, match="safetensors dtype F8_E4M3 is not supported here"):
+            read_rows(file, {**header["a"], "dtype": "F8_E4M3"}, start, 0, 1)
+    # b's shape claimed as 1 x 4: its range still holds 2 rows' bytes (16, not from byte 0)
+    lying = _rewritten_header(path, tmp_path / "lying.safetensors", lambda h: h["b"].update(shape=[1, 4]))
+    header, start = read_header(lying)
+    with open(lying, "rb") as file:
+        with pytest.raises(ValueError, match=r"a tensor's byte range \(16\) does not match its shape \[1, 4\]"):
+            read_tensor(file, header["b"], start)
+
+
+def test_the_header_lists_tensors_in_the_order_their_bytes_lie():
+    from leantune.models.safetensors_stream import tensor_entries
+
+    header = {"z": {"data_offsets": [0, 8]}, "__metadata__": {}, "a": {"data_offsets": [8, 8]},
+              "m": {"data_offsets": [8, 16]}}
+    assert [name for name, _ in tensor_entries(header)] == ["z", "a", "m"]
+
+
+@pytest.mark.parametrize("name_length", range(8))  # every length of the header modulo 8
+def test_a_streamed_file_starts_its_data_8_byte_aligned_and_loads_as_written(tmp_path, name_length):
+    from safetensors.torch import load_file
+
+    from leantune.models.safetensors_stream import read_header, write_streamed
+
+    tensors = {"w" * (1 + name_length): torch.randn(3, 5), "bias": torch.arange(4, dtype=torch.int64)}
+    path = tmp_path / "streamed.safetensors"
+    layout = [(name, t.dtype, list(t.shape)) for name, t in tensors.items()]
+    assert write_streamed(path, layout, tensors.__getitem__) == 3 * 5 * 4 + 4 * 8  # the data's bytes
+    header, data_start = read_header(path)
+    assert data_start % 8 == 0  # the format's alignment: 8 bytes of length, then a header padded to 8
+    assert header["__metadata__"] == {"format": "pt"}  # what transformers looks for
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    write_streamed(path, layout, tensors.__getitem__, metadata={"format": "pt", "total": "1"})
+    assert read_header(path)[0]["__metadata__"] == {"format": "pt", "total": "1"}
+    for wrong in (torch.zeros(3, 5, dtype=torch.float64), torch.zeros(5, 3)):  # made unlike its layout: refused
+        with pytest.raises(ValueError, match=r"made torch.float\d+ \[\d, \d\], laid out torch.float32 \[3, 5\]"):
+            write_streamed(path, layout, lambda name: wrong if name.startswith("w") else tensors[name])
+
+
+def test_a_weight_stored_transposed_or_modules_kept_in_float32_under_bf16_load_whole(tiny_model_dir, tmp_path):
+    """A transposed weight has its element count but not its shape: read in slices it would quantize wrong, so the
+    checkpoint is refused by its shape. A model that keeps modules in float32 loads whole for bf16 weights only."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from leantune.models.checkpoint_slices import CheckpointSlices, why_not_in_slices
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    checkpoint, _ = CheckpointSlices.find(tiny_model_dir)
+    assert why_not_in_slices(checkpoint, model, torch.float32) == ""
+    assert why_not_in_slices(checkpoint, model, torch.bfloat16) == ""
+    model._keep_in_fp32_modules = ["lm_head"]
+    assert why_not_in_slices(checkpoint, model, torch.float32) == ""  # float32 weights: nothing kept apart
+    assert why_not_in_slices(checkpoint, model, torch.bfloat16) == (
+        "it keeps some modules in float32 as it loads (transformers' _keep_in_fp32_modules)")
+    model._keep_in_fp32_modules = None
+    folder = tmp_path / "transposed"
+    shutil.copytree(tiny_model_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.0.mlp.gate_proj.weight"  # 128 x 64, stored 64 x 128
+    tensors[key] = tensors[key].T.contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert why_not_in_slices(CheckpointSlices.find(folder)[0], model, torch.float32) == (
+        f"its checkpoint's {key} is F32 [64, 128], not the model's [128, 64] in floating point")

@@ -129,3 +129,26 @@ def test_a_loaded_state_steps_a_weight_it_had_no_state_for():
         p.grad = torch.randn(64, 256)
     loaded.step()
     assert loaded.state[params[1]]["step"] == 1 and loaded.state[params[0]]["step"] == 2
+
+
+def test_a_loaded_state_keeps_its_codes_and_scales_in_their_own_dtypes_on_bfloat16_weights():
+    """The 8-bit codes, their float32 scales and code books are loaded as saved: cast to the weight's bfloat16, the
+    kernel would read them as float32 bytes. The moments a small weight keeps in float take its dtype."""
+    from leantune.optimizers.bitsandbytes_sharded import sharded_adamw_8bit
+
+    params = [torch.nn.Parameter(torch.randn(64, 256, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))]
+    first = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    first.step()
+    saved = first.state_dict()
+    loaded = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    loaded.load_state_dict(saved)
+    for p in params:
+        before, after = first.state[p], loaded.state[p]
+        assert before.keys() == after.keys()
+        for key, value in before.items():
+            if torch.is_tensor(value):
+                assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
+    assert {first.state[params[0]][k].dtype for k in ("state1", "absmax1", "qmap1")} == {torch.uint8, torch.float32}

@@ -50,3 +50,55 @@ def test_an_out_of_memory_in_validation_suggests_a_smaller_validation_batch_firs
     cfg = parse_run_config(["--val_batch_size", "8", "--use_peft", "--enable_activation_checkpointing"])
     fixes = memory_fixes(cfg, torch.device("cuda"), in_validation=True)
     assert fixes[0] == "a smaller validation batch: --val_batch_size 4"
+
+
+class _Saves:
+    """A model or tokenizer that writes nothing: the RNG is what this state is about."""
+
+    def save_pretrained(self, *args, **kwargs):
+        pass
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy
+
+    return torch.rand(3).tolist(), random.random(), float(numpy.random.rand())
+
+
+def _rank_saves_and_restores_its_own_rng(rank: int, world: int, store_path: str, root: str) -> None:
+    import random
+
+    import numpy
+    import torch.distributed as dist
+
+    from leantune.distributed.context import DistContext
+    from leantune.training.state import StateParts, TrainingStateStore
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        for _ in range(rank + 1):  # the ranks draw differently (their own dropout masks, their own data)
+            torch.rand(5), random.random(), numpy.random.rand()
+        layer = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(layer.parameters())
+        parts = StateParts(_Saves(), True, _Saves(), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1),
+                           None, layer, DistContext(rank=rank, world_size=world))
+        state = TrainingStateStore(root, log=lambda _: None)
+        state.save(1, parts, {"global_step": 1})
+        expected = _draws()  # what this rank draws after the save
+        _draws()
+        dist.barrier()
+        state.load(state.root / "checkpoint-1", parts)
+        assert _draws() == expected, rank
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_each_rank_resumes_its_own_random_state(tmp_path):
+    """Rank 1 drew differently before the save: it resumes its own RNG (torch, Python, NumPy), not rank 0's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_saves_and_restores_its_own_rng, args=(2, str(tmp_path / "store"), str(tmp_path / "state")),
+             nprocs=2)

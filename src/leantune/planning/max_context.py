@@ -115,14 +115,19 @@ def find_max_context(cfg: RunConfig, config, target: torch.device, budget: int,
         log(f"  {describe_levers(levers)}: {result.max_context:,} tokens"
             + (f" ({result.plan.peak_bytes / GIB:.2f} GiB)" if result.plan else ""))
         results.append(result)
-    best = max(results, key=lambda r: (r.max_context, -flops_per_token(r.plan) if r.plan else 0,
-                                       not r.levers["expandable_segments"]))
+    best = best_of(results)
     untiled = _without_tiling(cfg, config, target, budget, traces, best)
     if untiled is not None:
         log(f"  {describe_levers(untiled.levers)}: fits {untiled.max_context:,} tokens too, with less compute")
         results.append(untiled)
         best = untiled
     return ContextSearch(best, results, budget, limit, time.perf_counter() - started)
+
+
+def best_of(results: list[ContextResult]) -> ContextResult:
+    """The longest context; of equals, the fewest FLOPs per token, then the allocator's settings as they are."""
+    return max(results, key=lambda r: (r.max_context, -flops_per_token(r.plan) if r.plan else 0,
+                                       not r.levers["expandable_segments"]))
 
 
 def describe_levers(levers: dict) -> str:
