@@ -7,7 +7,7 @@ blank lines), so the mutated module's code objects keep their names and first li
 functions by them and swaps their code. Only what runs when a function is called is mutated: function and
 lambda bodies, not signatures (defaults are evaluated once, at import), annotations, docstrings or module-level
 statements. A string is mutated only where it looks like a key or a name (no spaces): a message's wording is
-not behaviour, what its f-string computes is. A line holding ``# pragma: no mutate`` is left alone.
+not behaviour, what its f-string computes is; for the same reason no ``help=`` or ``description=`` is dropped. A line holding ``# pragma: no mutate`` is left alone.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _ARITHMETIC = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"), a
                ast.FloorDiv: ("//", "/"), ast.Mod: ("%", "//"), ast.Pow: ("**", "*"), ast.LShift: ("<<", ">>"),
                ast.RShift: (">>", "<<"), ast.BitAnd: ("&", "|"), ast.BitOr: ("|", "&")}
 _SWAPPED_CALLS = {"min": "max", "max": "min", "any": "all", "all": "any"}
+_DOCUMENTATION = {"help", "description", "epilog", "metavar"}  # keywords whose value is words for people
 
 
 @dataclass(frozen=True)
@@ -288,9 +289,14 @@ class _Finder(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         if isinstance(node.func, ast.Name) and node.func.id in _SWAPPED_CALLS:
             self._replace(node.func, _SWAPPED_CALLS[node.func.id], "swapped call")
+        for child in [node.func, *node.args, *(k.value for k in node.keywords if k.arg not in _DOCUMENTATION)]:
+            self.visit(child)
+        self._dropped_keywords(node)
+
+    def _dropped_keywords(self, node: ast.Call) -> None:
         arguments = sorted([*node.args, *node.keywords], key=self._start)
         for keyword in node.keywords:
-            if keyword.arg is None:
+            if keyword.arg is None or keyword.arg in _DOCUMENTATION:
                 continue
             position = arguments.index(keyword)
             if position > 0:  # from the end of the argument before it: ", name=value"
@@ -299,4 +305,3 @@ class _Finder(ast.NodeVisitor):
                 self._add(self._start(keyword), self._start(arguments[1]), "", "dropped keyword")
             else:
                 self._replace(keyword, "", "dropped keyword")
-        self.generic_visit(node)

@@ -49,7 +49,7 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the model from other users once renamed
         weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPE_CHOICES.get(dtype), log)
         _write_companions(base_dir, run_dir, staging, base_config, dtype)
-        if len(shards) > 1 or (base_dir / INDEX).is_file():
+        if (base_dir / INDEX).is_file():  # a base in several shards has one, and one shard may
             _write_index(base_dir, staging, weight_map, total)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
@@ -91,7 +91,7 @@ def resolve_base(name: Optional[str], run_dir: Path) -> Path:
 
 def _write_index(base_dir: Path, out: Path, weight_map: dict, total: int) -> None:
     """The base's index with the merged tensors' bytes (its other metadata kept)."""
-    metadata = json.loads((base_dir / INDEX).read_text()).get("metadata", {}) if (base_dir / INDEX).is_file() else {}
+    metadata = json.loads((base_dir / INDEX).read_text()).get("metadata", {})
     (out / INDEX).write_text(json.dumps({"metadata": {**metadata, "total_size": total}, "weight_map": weight_map},
                                         indent=2))
 
@@ -114,7 +114,7 @@ def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dic
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", out / "generation_config.json")
-    has_tokenizer = any((run_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    has_tokenizer = (run_dir / "tokenizer_config.json").is_file()  # every saved tokenizer writes it
     AutoTokenizer.from_pretrained(run_dir if has_tokenizer else base_dir).save_pretrained(out)
 
 
