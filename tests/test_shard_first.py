@@ -209,6 +209,7 @@ def test_a_checkpoints_rows_and_elements_are_read_as_stored(tiny_model_dir):
     stored = load_file(tiny_model_dir / "model.safetensors")
     checkpoint, why = CheckpointSlices.find(tiny_model_dir)
     assert why == "" and all(checkpoint.entry(key)["shape"] == list(stored[key].shape) for key in stored)
+    assert checkpoint.entry("__metadata__") is None  # the header's metadata is no tensor
     try:
         for key in ("model.layers.1.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"):
             tensor = stored[key]
@@ -320,6 +321,9 @@ def test_a_weight_stored_transposed_or_modules_kept_in_float32_under_bf16_load_w
     assert why_not_in_slices(checkpoint, model, torch.bfloat16) == (
         "it keeps some modules in float32 as it loads (transformers' _keep_in_fp32_modules)")
     model._keep_in_fp32_modules = None
+    model._keep_in_fp32_modules_strict = ["lm_head"]
+    assert why_not_in_slices(checkpoint, model, torch.bfloat16).endswith("(transformers' _keep_in_fp32_modules)")
+    model._keep_in_fp32_modules_strict = None
     folder = tmp_path / "transposed"
     shutil.copytree(tiny_model_dir, folder)
     tensors = load_file(folder / "model.safetensors")
@@ -328,3 +332,90 @@ def test_a_weight_stored_transposed_or_modules_kept_in_float32_under_bf16_load_w
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     assert why_not_in_slices(CheckpointSlices.find(folder)[0], model, torch.float32) == (
         f"its checkpoint's {key} is F32 [64, 128], not the model's [128, 64] in floating point")
+
+
+def _open_files() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_sharded_checkpoint_reads_from_each_shard_through_one_open_file_each(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.checkpoint_slices import CheckpointSlices
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    stored = {k: v for path in (tmp_path / "sharded").glob("*.safetensors") for k, v in load_file(path).items()}
+    checkpoint, why = CheckpointSlices.find(tmp_path / "sharded")
+    assert why == "" and checkpoint.entry("__metadata__") is None and checkpoint.entry("missing") is None
+    before = _open_files()
+    key = "model.layers.1.mlp.down_proj.weight"  # 64 x 128
+    for _ in range(3):
+        assert torch.equal(checkpoint.rows(key, 2, 5), stored[key][2:5])
+    assert _open_files() == before + 1  # its file opened once, kept open
+    flat = stored[key].reshape(-1)
+    for start, stop in ((128 + 3, 256 - 5), (130, 131), (5 * 128, 6 * 128 + 1)):  # ranges starting past row 0
+        assert torch.equal(checkpoint.elements(key, start, stop), flat[start:stop]), (start, stop)
+    assert torch.equal(checkpoint.rows("lm_head.weight", 0, 2), stored["lm_head.weight"][:2])  # another shard
+    checkpoint.close()
+    assert _open_files() == before
+    assert torch.equal(checkpoint.rows(key, 0, 1), stored[key][:1])  # a closed checkpoint opens its files again
+    checkpoint.close()
+    assert checkpoint.bytes_read == (3 * 3 + 1 + 1 + 2 + 1) * 128 * 4 + 2 * 64 * 4  # the rows read, each time
+
+
+def test_a_folder_without_weights_says_so_and_a_hub_id_fetches_its_index_and_files(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from leantune.models.checkpoint_slices import CheckpointSlices, local_checkpoint_dir
+
+    (tmp_path / "empty").mkdir()
+    assert CheckpointSlices.find(tmp_path / "empty") == (
+        None, f"{tmp_path / 'empty'} has no model.safetensors or model.safetensors.index.json")
+    assert local_checkpoint_dir(str(tiny_model_dir)) == tiny_model_dir
+    index = tmp_path / "index.json"
+    index.write_text('{"weight_map": {"a": "s2.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}}')
+    fetched = []
+
+    def snapshot_download(source, allow_patterns):
+        fetched.append((source, allow_patterns))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda source, name: str(index))
+    assert local_checkpoint_dir("org/sharded") == tmp_path / "snapshot"
+
+    def no_index(source, name):
+        raise EntryNotFoundError("no index")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_index)
+    local_checkpoint_dir("org/single")
+    assert fetched == [("org/sharded", ["s1.safetensors", "s2.safetensors", "model.safetensors.index.json", "*.json"]),
+                       ("org/single", ["model.safetensors", "model.safetensors.index.json", "*.json"])]
+
+
+def test_an_empty_shard_quantizes_to_no_bytes_and_no_scales():
+    packed, scales = quantize_bytes(torch.zeros(0), element_start=0, byte_start=5, byte_stop=5, numel=8, blocksize=64,
+                                    quant_type="nf4")
+    assert (packed.shape, packed.dtype, scales.shape, scales.dtype) == ((0, 1), torch.uint8, (0,), torch.float32)
+
+
+@pytest.mark.parametrize("blocksize", [128, 256])
+def test_other_block_sizes_join_into_the_whole_weights_quantization(blocksize):
+    weight = torch.randn(40, 100, generator=torch.Generator().manual_seed(2))
+    whole, state = bnb.functional.quantize_4bit(weight, blocksize=blocksize, compress_statistics=False,
+                                                quant_type="fp4")
+    numel, rows = weight.numel(), (weight.numel() + 1) // 2
+    packed, scales = [], []
+    for rank in range(3):
+        start, stop = shard_rows(rows, rank, 3)
+        first, last = covering_elements(start, stop, numel, blocksize)
+        part, owned = quantize_bytes(weight.reshape(-1)[first:last], element_start=first, byte_start=start,
+                                     byte_stop=stop, numel=numel, blocksize=blocksize, quant_type="fp4")
+        packed.append(part)
+        scales.append(owned)
+    assert torch.equal(torch.cat(packed), whole) and torch.equal(torch.cat(scales), state.absmax)
