@@ -487,3 +487,223 @@ def test_positions_extend_for_each_kind_of_layer_and_chunked_attention_takes_sdp
     chunked = copy.deepcopy(LlamaConfig(**SHAPE))
     chunked.attention_chunk_size = 16
     assert resolve_attention(chunked, "auto", "cpu") == "sdpa"
+
+
+def test_segments_know_their_longest_span_their_rows_and_their_offsets():
+    segments = Segments(((3, 5), (2, 6)))
+    assert segments.longest == 6 and segments.rows == 2 and not segments.one_span_per_row()
+    offsets = segments.cumulative(torch.device("cpu"))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 3, 8, 10, 16]
+    assert Segments(((4,), (4,))).one_span_per_row() and Segments(((5, 4), (4, 5))).longest == 5
+    assert segments_of(packed_positions([3, 5], rows=2), 2, 8) == Segments(((3, 5), (3, 5)), packed=True)
+    assert segments_of(None, 2, 8) == Segments(((8,), (8,)), packed=False)
+
+
+def _reference(q, k, v, spans, scale, dropout=0.0):
+    """Causal attention over each span alone, the key/value heads repeated: (B, S, H, D)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    rows = []
+    for index, row in enumerate(spans):
+        parts = [torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale,
+                                                                  dropout_p=dropout)
+                 for a, b, c in zip(*(t[index:index + 1].split(list(row), dim=2) for t in (q, k, v)))]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows).transpose(1, 2)
+
+
+def _qkv(seed=0, length=12):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, heads, length, 8, generator=generator) for heads in (4, 2, 2))
+
+
+@pytest.mark.parametrize("spans", [((12,), (12,)), ((5, 7), (12,))])
+def test_varlen_attends_within_spans_with_the_scale_given_and_one_call_a_batch_of_whole_rows(spans, monkeypatch):
+    from leantune.models.varlen_attention import varlen_attention_forward
+
+    q, k, v = _qkv()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    whole = spans == ((12,), (12,))
+    kwargs = {} if whole else {SEGMENTS: Segments(spans, packed=True)}  # whole rows: read from no position ids
+    out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.3, **kwargs)
+    assert len(calls) == (1 if whole else 3)  # rows of one example each: the one call the sdpa path makes
+    torch.testing.assert_close(out, _reference(q, k, v, spans, 0.3), rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    dropped, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, dropout=0.5, scaling=0.3, **kwargs)
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, _reference(q, k, v, spans, 0.3, dropout=0.5), rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_refuses_a_mask_soft_capping_and_sink_logits():
+    from leantune.models.varlen_attention import VarlenAttentionError, varlen_attention_forward
+
+    q, k, v = _qkv()
+    segments = {SEGMENTS: Segments(((12,), (12,)))}
+    with pytest.raises(VarlenAttentionError, match="takes no attention mask"):
+        varlen_attention_forward(torch.nn.Module(), q, k, v, torch.zeros(2, 1, 12, 12), **segments)
+    for extra in ({"softcap": 30.0}, {"s_aux": torch.zeros(4)}):
+        with pytest.raises(VarlenAttentionError, match="Module soft-caps its scores or adds sink logits"):
+            varlen_attention_forward(torch.nn.Module(), q, k, v, None, **segments, **extra)
+
+
+def test_a_model_with_varlen_attention_generates_as_with_sdpa():
+    """transformers' own generate: a cache, one new token at a time against it, is SDPA's call."""
+    sdpa, varlen = twin_models()
+    prompt = torch.randint(0, 101, (1, 7), generator=torch.Generator().manual_seed(3))
+    outputs = [model.eval().generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0) for model in
+               (sdpa, varlen)]
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == 11
+
+
+def _stand_in_flash(grouped: bool, window: bool, calls: list):
+    """PyTorch's varlen flash kernel as a CPU reference (SDPA over each span), with the keywords of one of its
+    versions; it records what it was given."""
+    def attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, causal=False, enable_gqa=False):
+        calls.append(dict(cu=cu_seq_q.tolist(), dtype=cu_seq_q.dtype, same=torch.equal(cu_seq_q, cu_seq_k),
+                          longest=(max_q, max_k), heads=(query.shape[1], key.shape[1]), causal=causal,
+                          gqa=enable_gqa, scale=scale))
+        bounds = cu_seq_q.tolist()
+        parts = [torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(parts)
+
+    if grouped and window:
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                   enable_gqa=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, tuple(window_size) == (-1, 0),
+                          enable_gqa)
+    else:
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal)
+    return kernel
+
+
+@pytest.mark.parametrize("newer", [True, False])
+def test_the_flash_call_gets_the_layout_offsets_heads_and_causality_its_kernel_takes(newer, monkeypatch):
+    """On a GPU the flattened batch goes to PyTorch's varlen kernel in one call; here a CPU stand-in with the
+    signature of a newer kernel (window_size, grouped heads) or an older one (is_causal, heads repeated) checks what
+    it is given and computes the reference."""
+    from leantune.models import varlen_attention
+
+    calls = []
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash(newer, newer, calls))
+    monkeypatch.setattr(varlen_attention, "_flash_varlen_usable", lambda query, dropout: True)
+    q, k, v = _qkv(seed=1)
+    spans = ((5, 7), (3, 9))
+    out, _ = varlen_attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.3,
+                                                       **{SEGMENTS: Segments(spans, packed=True)})
+    torch.testing.assert_close(out, _reference(q, k, v, spans, 0.3), rtol=1e-6, atol=1e-6)
+    assert calls == [dict(cu=[0, 5, 12, 15, 24], dtype=torch.int32, same=True, longest=(9, 9),
+                          heads=(4, 2) if newer else (4, 4), causal=True, gqa=newer, scale=0.3)]
+
+
+def _tiled_layer_mlp(tokens=8):
+    (model,) = twin_models(("varlen",))
+    tile_mlps(model, tokens)
+    return model, model.get_decoder().layers[0].mlp
+
+
+def _graph_of(mlp, x) -> str:
+    return type(mlp(x).grad_fn).__name__
+
+
+def test_only_rows_longer_than_a_tile_run_in_tiles():
+    _, mlp = _tiled_layer_mlp(8)
+    tiled = "_TiledMLPFunctionBackward"
+    assert _graph_of(mlp, torch.randn(2, 9, 64)) == tiled and _graph_of(mlp, torch.randn(9, 64)) == tiled
+    assert _graph_of(mlp, torch.randn(2, 8, 64)) != tiled and _graph_of(mlp, torch.randn(64)) != tiled
+
+
+def test_a_tiled_mlp_trains_its_weights_from_an_input_without_gradient_and_skips_an_unused_weight():
+    plain, tiled = twin_models(("varlen", "varlen"))
+    for model in (plain, tiled):  # a trainable weight the MLP never uses (an adapter switched off, say)
+        model.get_decoder().layers[0].mlp.unused = torch.nn.Parameter(torch.ones(3))
+    tile_mlps(tiled, 8)
+    x = torch.randn(2, 30, 64, generator=torch.Generator().manual_seed(7))  # no gradient wanted for it
+    grads = []
+    for model in (plain, tiled):
+        mlp = model.get_decoder().layers[0].mlp
+        mlp(x).pow(2).sum().backward()
+        grads.append({name: p.grad for name, p in mlp.named_parameters()})
+    assert grads[1]["unused"] is None and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        if grad is not None:
+            torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_under_float16_autocast_the_tiles_recompute_in_float16():
+    plain, tiled = twin_models(("varlen", "varlen"))
+    tile_mlps(tiled, 8)
+    x = torch.randn(2, 30, 64, generator=torch.Generator().manual_seed(8))
+    grads = []
+    for model in (plain, tiled):
+        mlp, inputs = model.get_decoder().layers[0].mlp, x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = mlp(inputs)
+        assert out.dtype == torch.float16
+        out.float().pow(2).sum().backward()
+        grads.append(inputs.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-3)
+    assert not torch.equal(grads[0], _bf16_recomputed_grad(plain, x))  # float16's rounding, not bfloat16's
+
+
+def _bf16_recomputed_grad(model, x):
+    inputs = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.get_decoder().layers[0].mlp(inputs)
+    out.float().pow(2).sum().backward()
+    return inputs.grad
+
+
+def test_tiling_again_changes_the_tile_untiling_twice_does_nothing_and_a_replaced_forward_is_refused():
+    model, mlp = _tiled_layer_mlp(8)
+    assert tile_mlps(model, 16) == 2 and tiled_tokens(model) == 16  # re-tiled, not wrapped twice
+    untile_mlps(model)
+    untile_mlps(model)
+    assert tiled_tokens(model) is None and "forward" not in vars(mlp)
+    mlp.forward = lambda x: x  # another library's hook on the instance
+    with pytest.raises(TypeError, match="LlamaMLP's forward is replaced on the instance already"):
+        tile_mlps(model, 8)
+
+
+def test_a_layer_without_an_mlp_tiles_its_norms_only():
+    from leantune.models.tiled_mlp import mlp_of, tiled_modules
+
+    (model,) = twin_models(("varlen",))
+    layer = model.get_decoder().layers[0]
+    assert mlp_of(layer) is layer.mlp and len(tiled_modules(layer)) == 3
+    layer.mlp = None  # an experts block leantune does not tile stands here in a mixture of experts
+    assert mlp_of(layer) is None and tiled_modules(layer) == [layer.input_layernorm, layer.post_attention_layernorm]
+    holder = torch.nn.Module()
+    holder.mlp = "not a module"
+    assert mlp_of(holder) is None
+
+
+def test_on_cuda_the_tiles_replay_the_cuda_generator_too(monkeypatch):
+    """The CUDA generator's state is saved with the CPU's and set again around each tile's recompute (CUDA's
+    calls stood in: the device's state is a tensor like the CPU's)."""
+    from leantune.models import tiled_mlp
+
+    cuda_states, forked = [torch.tensor([7], dtype=torch.uint8)], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: cuda_states[-1])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: cuda_states.append(state))
+    real_fork = torch.random.fork_rng
+
+    def fork_rng(devices):
+        forked.append(devices)
+        return real_fork(devices=[])
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    gpu = torch.device("cuda", 0)
+    state = tiled_mlp._rng_state(gpu)
+    assert torch.equal(state[1], torch.tensor([7], dtype=torch.uint8)) and torch.equal(state[0], torch.get_rng_state())
+    with tiled_mlp._replayed_rng(gpu, state):
+        pass
+    assert forked == [[gpu]] and len(cuda_states) == 2 and cuda_states[-1] is state[1]
+    assert tiled_mlp._rng_state(CPU)[1] is None
+    with tiled_mlp._replayed_rng(CPU, tiled_mlp._rng_state(CPU)):
+        pass
+    assert forked[-1] == [] and len(cuda_states) == 2
