@@ -54,9 +54,9 @@ def _linear(levers, context):
     return 100 * MB + 1000 * context
 
 
-def _search(budget, positions=131072, flags=(), target="cpu", traces=None, log=None):
+def _search(budget, positions=131072, flags=(), target="cpu", traces=None, log=None, hidden=64):
     cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", *flags])
-    return find_max_context(cfg, _config(positions), torch.device(target), budget, traces,
+    return find_max_context(cfg, _config(positions, hidden), torch.device(target), budget, traces,
                             log if log is not None else (lambda _: None))
 
 
@@ -203,3 +203,57 @@ def test_a_search_reads_as_json_with_every_combination_tried():
                      "tried": [{"levers": levers, "max_context": 0, "memory_allows": 0, "contexts": 2, "plan": None},
                                {"levers": levers, "max_context": 2048, "memory_allows": 3000, "contexts": 3,
                                 "plan": dataclasses.asdict(plan)}]}
+
+
+BASE = 100 * MB
+SHAPES = {  # name: (peak(context), budget, positions, hidden, the answer, the contexts planned in order)
+    # the line far too long (a cliff past 8k): down to one step past the last fit, then up by what the slack is
+    # worth, then down to the step above
+    "cliff": (lambda c: BASE + 1000 * c + max(0, c - 8192) * 20000, BASE + 1000 * 50_000, 131072, 64, 9216,
+              [4096, 8192, 49152, 9216, 28672, 10240]),
+    # the line too short (the peak grows slower past 8k): up by what each fit's slack is worth on the line
+    "concave": (lambda c: BASE + 2000 * min(c, 8192) + 500 * max(0, c - 8192), BASE + 2000 * 8192 + 500 * 30_000,
+                131072, 64, 37888, [4096, 8192, 15360, 20480, 24576, 27648, 29696, 31744, 32768, 33792, 34816,
+                                    35840, 36864, 37888, 38912]),
+    "flat, over": (lambda c: BASE, BASE - 1, 131072, 64, 0, [4096, 8192, 1024]),
+    "flat, under": (lambda c: BASE, BASE + 1, 20_000, 64, 19456, [4096, 8192, *range(9216, 19457, 1024)]),
+    "half a byte a token": (lambda c: BASE + c // 2, BASE + 10_000, 131072, 64, 19456, [4096, 8192, 19456, 20480]),
+    # under 16k positions steps of 128; no two contexts below the limit to draw a line through: bisection
+    "no line": (lambda c: BASE + 1000 * c, BASE + 1000 * 1000, 3000, 1024, 896, [1536, 768, 1152, 896, 1024]),
+    "bisection off the steps": (lambda c: BASE + 1000 * c, BASE + 1000 * 300, 600, 64, 256, [256, 384]),
+    # a wide model starts where --tiled_mlp auto tiles: four times its hidden size
+    "wide model": (lambda c: BASE + 1000 * c, BASE + 1000 * 50_000, 131072, 2048, 49152,
+                   [8192, 16384, 49152, 50176]),
+    "16k positions: steps of 1024": (lambda c: BASE + 1000 * c, BASE + 1000 * 50_000, 16384, 64, 16384,
+                                     [4096, 8192, 16384]),
+    "the answer planned already": (lambda c: BASE + 1000 * c, BASE + 1000 * 8700, 131072, 64, 8192,
+                                   [4096, 8192, 9216]),  # 8192 is not planned twice
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_search_plans_each_context_once_and_brackets_the_answer(shape, monkeypatch):
+    peak, budget, positions, hidden, answer, planned = SHAPES[shape]
+    plans = MadeUpPlans(monkeypatch, lambda levers, context: peak(context))
+    search = _search(budget, positions=positions, hidden=hidden)
+    fits = [c for c in planned if peak(c) <= budget]
+    assert search.max_context == answer == max(fits, default=0) and plans.contexts() == planned
+    assert answer + (1024 if positions >= 16384 else 128) in planned or answer == positions // 1024 * 1024 or (
+        answer + 128 > positions)  # the next step was planned and did not fit, or is past the positions
+
+
+def test_the_combinations_share_one_set_of_traces(monkeypatch):
+    plans = MadeUpPlans(monkeypatch, _linear)
+    _search(BASE + 1000 * 50_000, target="cuda")
+    assert plans.traces[0] is not None and all(t is plans.traces[0] for t in plans.traces)
+
+
+def test_a_lever_combination_is_planned_at_its_context_with_its_allocator_setting(monkeypatch):
+    asked = []
+    monkeypatch.setattr(max_context, "plan_modes", lambda run, config, target, modes, budget, traces, expandable:
+                        asked.append((run.data.context_length, run.training.tiled_mlp, modes, expandable)) or ["plan"])
+    cfg = parse_run_config(["--model_name", "tiny"])
+    for expandable in (False, True):
+        levers = {"activation_checkpointing_mode": "offload", "tiled_mlp": "off", "expandable_segments": expandable}
+        assert max_context._plan(cfg, model_config("tiny"), torch.device("cuda"), GIB, None, levers, 3072) == "plan"
+    assert asked == [(3072, "off", ["offload"], False), (3072, "off", ["offload"], True)]
