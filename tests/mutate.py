@@ -20,6 +20,7 @@ survived when they pass, unreached when no test runs its line.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -247,13 +248,20 @@ def swap_in(mutant: Mutant, source: str, path: Path) -> int:
     """Give every live function compiled from the mutated unit of ``path`` the mutated code; returns how many."""
     mutated = compile(mutant.apply(source), str(path), "exec", dont_inherit=True)
     wanted = _code_named(mutated, mutant.unit, mutant.unit_line)
-    live = [obj for obj in gc.get_objects() if isinstance(obj, types.FunctionType)
-            and obj.__code__.co_filename == str(path) and obj.__code__.co_qualname == mutant.unit
-            and obj.__code__.co_firstlineno == mutant.unit_line]
+    live, caches = [], []
+    for obj in gc.get_objects():
+        if isinstance(obj, types.FunctionType) and obj.__code__.co_filename == str(path) and (
+                obj.__code__.co_qualname, obj.__code__.co_firstlineno) == (mutant.unit, mutant.unit_line):
+            live.append(obj)
+        elif isinstance(obj, functools._lru_cache_wrapper):
+            caches.append(obj)
     if wanted is None:
         return 0
     for function in live:
         function.__code__ = wanted
+    for cache in caches:  # a memoised function's results were made by its old code
+        if any(cache.__wrapped__ is function for function in live):
+            cache.cache_clear()
     return len(live)
 
 

@@ -260,3 +260,63 @@ def test_on_cuda_steps_in_backward_equal_the_steps_after_it_and_stay_within_the_
     optimizers[1].load_state_dict(restored)
     moment = optimizers[1].state[next(models[1].parameters())]["exp_avg"]
     assert moment.codes.device.type == moment.qmap.device.type == "cuda"
+
+
+def test_which_weights_keep_4bit_moments_and_the_state_the_planner_makes_for_them():
+    from leantune.optimizers.torchao_4bit import quantized
+
+    assert quantized(torch.empty(4096)) and quantized(torch.empty(64, 128))
+    for shape in ((4095,), (256,), (4097,)):  # too small, too small though whole blocks, not whole blocks
+        assert not quantized(torch.empty(shape)), shape
+    stand_in = FourBitAdamWStandIn([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as the planner may have it: the state keeps its own dtypes
+    try:
+        big = stand_in.new_state(torch.zeros(64, 128, dtype=torch.bfloat16, device="meta"))
+        small = stand_in.new_state(torch.zeros(8, dtype=torch.bfloat16, device="meta"))
+    finally:
+        torch.set_default_dtype(default)
+    assert {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in big.items()} == {
+        "step": ((), torch.float32, "cpu"),
+        **{f"{m}.{part}": spec for m in ("exp_avg", "exp_avg_sq") for part, spec in
+           (("codes", ((4096,), torch.uint8, "meta")), ("scale", ((64,), torch.float32, "meta")),
+            ("qmap", ((16,), torch.float32, "meta")))}}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in small.items()} == {
+        "step": ((), torch.float32), "exp_avg": ((8,), torch.bfloat16), "exp_avg_sq": ((8,), torch.bfloat16)}
+
+
+def test_the_stand_in_allocates_update_buffers_for_4bit_weights_only(monkeypatch):
+    from leantune.optimizers import torchao_4bit
+
+    stand_in = FourBitAdamWStandIn([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0)
+    small, big = torch.zeros(8, device="meta"), torch.zeros(64, 128, device="meta")
+    made, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: made.append((args, kwargs)) or empty(*args, **kwargs))
+    stand_in.while_updating(small)
+    assert made == []
+    stand_in.while_updating(big)
+    assert made == [((64 * 128 * torchao_4bit.STEP_BYTES_PER_ELEMENT,), {"dtype": torch.uint8, "device": torch.device(
+        "meta")})]
+
+
+def test_building_it_silences_one_warning_of_torch_not_every_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        build("adamw_4bit", [torch.nn.Parameter(torch.zeros(4096))], lr=1e-3, weight_decay=0.0, device_type="cpu")
+        ignored = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None
+                   and "_stable_hash_for_caching" in f[1].pattern]
+        assert ignored and ignored[0][1].pattern == "OptimState4bit does not implement _stable_hash_for_caching"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            warnings.warn("another warning", UserWarning)
+        assert [str(w.message) for w in caught] == ["another warning"]
+
+
+def test_the_bf16_advice_names_4bit_adamw_only_where_bf16_weights_are_allowed_and_not_taken():
+    from leantune.optimizers import ENTRIES
+
+    applies = ENTRIES["adamw_4bit"].advice[1].applies
+    four, plain = ENTRIES["adamw_4bit"], ENTRIES["adamw"]
+    assert applies(four, False, True)
+    assert not applies(plain, False, True) and not applies(four, True, True) and not applies(four, False, False)

@@ -90,3 +90,76 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(tmp_path):
     torch.save({"ranks": [state]}, tmp_path / "rng_state.pth")
     with pytest.raises(ConfigError, match=r"rng_state.pth holds (more than tensors and plain values|a NumPy float64)"):
         load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)
+
+
+def test_a_state_saved_on_a_gpu_loads_on_the_cpu(tmp_path, monkeypatch):
+    """Tensors tagged with a CUDA device (a state saved by a GPU run) are read into host memory."""
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"state": {0: {"exp_avg": torch.ones(3)}}}, tmp_path / "optimizer.pt")
+    loaded = load_checkpoint_file(tmp_path / "optimizer.pt")
+    assert loaded["state"][0]["exp_avg"].device.type == "cpu" and torch.equal(loaded["state"][0]["exp_avg"],
+                                                                               torch.ones(3))
+
+
+class _DtypeByName:
+    """int64, pickled through the generic ``numpy.dtype`` constructor (which weights_only allows) rather than its
+    own class (which it refuses)."""
+
+    with_state = False
+
+    def __reduce__(self):
+        state = ((3, "<", None, None, None, -1, -1, 0),) if self.with_state else ()
+        return numpy.dtype, ("i8", False, True), *state
+
+
+class _Int64Array:
+    """A NumPy int64 array pickled with ``_DtypeByName``: what a crafted file could hold."""
+
+    def __reduce__(self):
+        core = getattr(numpy, "_core", None) or numpy.core
+        return (core.multiarray._reconstruct, (numpy.ndarray, (0,), b"b"),
+                (1, (3,), _DtypeByName(), False, numpy.zeros(3, dtype=numpy.int64).tobytes()))
+
+
+def test_numpy_arrays_are_checked_wherever_they_sit_and_only_where_allowed(tmp_path):
+    good = numpy.zeros(3, dtype=numpy.uint32)
+    for nested in ({"a": [good, (good, {"b": good})]}, [good], (good,)):
+        torch.save(nested, tmp_path / "rng_state.pth")
+        load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)
+    bad = _Int64Array()  # its dtype made by the allowed numpy.dtype: only leantune's own check can refuse it
+    for nested in ({"a": [good, {"b": bad}]}, [bad], (good, bad)):
+        torch.save(nested, tmp_path / "rng_state.pth")
+        with pytest.raises(ConfigError, match="rng_state.pth holds a NumPy int64 array, which leantune never saves"):
+            load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)
+    with pytest.raises(ConfigError, match=r"holds more than tensors and plain values \(it names "
+                                          r"numpy\.(_core|core)\.multiarray\._reconstruct\)"):
+        load_checkpoint_file(tmp_path / "rng_state.pth")  # arrays only where asked
+    _DtypeByName.with_state = True  # its byte order set too: torch's unpickler names the int64 dtype's class
+    try:
+        torch.save([_Int64Array()], tmp_path / "rng_state.pth")
+    finally:
+        _DtypeByName.with_state = False
+    with pytest.raises(ConfigError, match=r"rng_state.pth holds more than tensors and plain values \(it names "
+                                          r"numpy.dtypes.Int64DType\); loading it could run code"):
+        load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)
+
+
+def test_a_damaged_files_reason_is_its_errors_first_line_cut_short(tmp_path):
+    from leantune.training.checkpoint_files import _unreadable
+
+    err = RuntimeError("WeightsUnpickler error: " + "x" * 200 + "\nsecond line")
+    assert str(_unreadable("--resume_from_checkpoint ck: optimizer.pt", err)) == (
+        f"--resume_from_checkpoint ck: optimizer.pt cannot be read (RuntimeError: {'x' * 120}): the state is "
+        "damaged; resume from another one, or start the run afresh")
+    assert "(EOFError: the end)" in str(_unreadable("w", EOFError("the end")))
+    assert unpickler_warning("2.9") is not None and unpickler_warning("3.0.0") is None
+
+
+def test_the_numpy_constructor_is_allowed_under_its_current_and_its_old_name():
+    from leantune.training.checkpoint_files import _numpy_uint32_arrays
+
+    allowed = _numpy_uint32_arrays()
+    reconstruct = allowed[0]
+    assert reconstruct.__module__ in ("numpy._core.multiarray", "numpy.core.multiarray")
+    assert (reconstruct, "numpy.core.multiarray._reconstruct") in allowed and numpy.ndarray in allowed

@@ -287,3 +287,40 @@ def test_on_cuda_it_steps_as_fused_adamw_and_holds_no_large_weights_state_on_the
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(params, reference))
     assert all(state["exp_avg"].device.type == "cuda" for state in optimizer.state.values())
     assert all(p.numel() < MIN_OFFLOADED_SIZE for p in optimizer.state)
+
+
+def test_its_defaults_are_what_leantune_reads_and_zero_grad_waits_for_the_copies(stood_in_cuda, monkeypatch):
+    synced = []
+    monkeypatch.setattr(_Stream, "synchronize", lambda self: synced.append(1))
+    optimizer = build(NAME, _params(), lr=1e-2, weight_decay=0.1, device_type="cuda")
+    assert optimizer.defaults == {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    optimizer.zero_grad()
+    assert synced == [1]  # no copy still reads a gradient about to be freed
+
+
+def test_with_every_weight_offloaded_no_state_is_on_the_device_and_a_saved_state_loads(stood_in_cuda, tmp_path):
+    params = [torch.nn.Parameter(torch.randn(MIN_OFFLOADED_SIZE)) for _ in range(2)]
+    optimizer = build(NAME, params, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    assert optimizer.state == {} and optimizer.d_opt is None
+    _step(optimizer, params, 0)
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed = build(NAME, [torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, weight_decay=0.1,
+                    device_type="cuda")
+    with loading_into(resumed):
+        resumed.load_state_dict(load_checkpoint_file(tmp_path / "optimizer.pt"))
+    assert resumed.state == {}
+
+
+def test_its_stand_in_offloads_weights_from_the_threshold_on():
+    from leantune.optimizers.torchao_cpu_offload import OffloadedAdamWStandIn
+
+    edge, below = torch.nn.Parameter(torch.zeros(MIN_OFFLOADED_SIZE)), torch.nn.Parameter(torch.zeros(
+        MIN_OFFLOADED_SIZE - 1))
+    stand_in = OffloadedAdamWStandIn([edge, below], 1e-3, 0.0)
+    offloaded, kept = stand_in.new_state(edge), stand_in.new_state(below)
+    assert {k: (v.shape, v.dtype) for k, v in offloaded.items()} == {"step": ((), torch.float32)}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in kept.items()} == {
+        "step": ((), torch.float32), "exp_avg": ((MIN_OFFLOADED_SIZE - 1,), torch.float32),
+        "exp_avg_sq": ((MIN_OFFLOADED_SIZE - 1,), torch.float32)}
+    host, pinned = stand_in.host_state_bytes()
+    assert pinned > 0 and host == pinned + 2 * MIN_OFFLOADED_SIZE * 4  # the edge weight's copies and moments

@@ -281,3 +281,43 @@ def test_a_run_applies_return_host_memory_and_says_so(tiny_model_dir, tmp_path, 
         assert said == ([f"host memory: allocations of 1 MiB or more mapped on their own, so freed tensors return to "
                          f"the system (--return_host_memory {setting})"] if expected else []), said
     assert applied == [True]
+
+
+def test_the_mmap_threshold_is_set_through_glibcs_mallopt_and_its_absence_said(monkeypatch):
+    """libc stood in (setting the threshold here would change this test process's heap): the call mallopt gets,
+    what its answer means, and a system without it."""
+    import ctypes
+
+    from leantune.memory import host_allocator
+
+    calls, opened = [], []
+
+    class Libc:
+        def __init__(self, name):
+            opened.append(name)
+            self.mallopt = self.Mallopt()
+
+        class Mallopt:
+            def __call__(self, parameter, value):
+                calls.append((parameter, value, self.argtypes, self.restype))
+                return self.answer
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: {"c": "libc.so.6"}.get(name))
+    monkeypatch.setattr(ctypes, "CDLL", Libc)
+    for answer, expected in ((1, True), (0, False)):
+        monkeypatch.setattr(Libc.Mallopt, "answer", answer, raising=False)
+        assert host_allocator.map_large_allocations(5 * 2**20) is expected
+    assert opened == ["libc.so.6"] * 2
+    assert calls[0] == (-3, 5 * 2**20, [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)  # no name found: glibc's soname
+    host_allocator.map_large_allocations()
+    assert opened[-1] == "libc.so.6" and calls[-1][1] == 2**20
+
+    def missing(name):
+        raise OSError("no libc")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert host_allocator.map_large_allocations() is False
+    assert host_allocator.return_host_memory("on", "cpu", 512) == (
+        "host memory: --return_host_memory needs glibc's mallopt, which this system lacks; left as it is")
+    assert host_allocator.return_host_memory("off", "cpu", 100_000) is None

@@ -62,7 +62,7 @@ def test_a_line_marked_no_mutate_is_left_alone():
     assert ("clamp", "<", "<=") in _edits(TOY) and ("clamp", "<", "<=") not in _edits(marked)
 
 
-TOY_TESTS = '''from toy import clamp, scale
+TOY_TESTS = '''from toy import clamp, doubled, scale
 
 
 def test_clamp():
@@ -70,10 +70,13 @@ def test_clamp():
 
 
 def test_scale():
-    assert scale(3) == 6
+    assert scale(3) == 6 and doubled(3) == 6
 '''
 
-TOY_MODULE = '''def clamp(x, low, high):
+TOY_MODULE = '''import functools
+
+
+def clamp(x, low, high):
     if x < low:
         return low
     return min(x, high)
@@ -84,6 +87,11 @@ scale = lambda x: x * 2
 
 def unused(x):
     return x + 1
+
+
+@functools.cache
+def doubled(x):
+    return 2 * x
 '''
 
 
@@ -101,10 +109,10 @@ def test_a_run_kills_spares_and_excuses_mutants_as_the_tests_decide(tmp_path):
     found = json.loads((tmp_path / "out.json").read_text())
     (row,) = found["modules"]
     # unused's three mutants reach no test; the equivalent is excused; the rest are killed (the swapped code is
-    # what the tests ran, the module-level lambda's included)
-    assert row["mutants"] == len(mutants_of("toy.py", TOY_MODULE)) == 12, result.stdout
-    assert (row["killed"], row["survived"], row["unreached"], row["equivalent"]) == (8, 0, 3, 1), result.stdout
+    # what the tests ran, the module-level lambda's and the memoised function's included)
+    assert row["mutants"] == len(mutants_of("toy.py", TOY_MODULE)) == 16, result.stdout
+    assert (row["killed"], row["survived"], row["unreached"], row["equivalent"]) == (12, 0, 3, 1), result.stdout
     assert sorted(found["not_killed"][str(tmp_path / "toy.py")]) == [
         "unused | return x + 1 | + -> -", "unused | return x + 1 | 1 -> 2",
         "unused | return x + 1 | return x + 1 -> return None"]
-    assert row["score"] == round(8 / 11, 4) and result.returncode == 1  # below 85%
+    assert row["score"] == round(12 / 15, 4) and result.returncode == 1  # below 85%

@@ -152,3 +152,123 @@ def test_a_loaded_state_keeps_its_codes_and_scales_in_their_own_dtypes_on_bfloat
             if torch.is_tensor(value):
                 assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
     assert {first.state[params[0]][k].dtype for k in ("state1", "absmax1", "qmap1")} == {torch.uint8, torch.float32}
+
+
+def test_which_weights_keep_8bit_moments_when_sharded():
+    from leantune.optimizers.bitsandbytes_sharded import eight_bit_when_sharded
+
+    assert eight_bit_when_sharded(torch.Size((16, 256))) and eight_bit_when_sharded(torch.Size((8, 512)))
+    for shape in ((8, 256), (4096,), (32, 200), (16, 256, 1)):  # too small, 1-D, rows not whole blocks, 3-D
+        assert not eight_bit_when_sharded(torch.Size(shape)), shape
+
+
+def test_a_loaded_state_keeps_keys_it_has_no_weight_for_and_its_groups_learning_rate():
+    from leantune.optimizers.bitsandbytes_sharded import sharded_adamw_8bit
+
+    params = [torch.nn.Parameter(torch.randn(64, 256))]
+    first = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    params[0].grad = torch.randn(64, 256)
+    first.step()
+    saved = first.state_dict()
+    saved["param_groups"][0]["lr"] = 5e-4  # the schedule had moved it
+    saved["state"][7] = {"kept": torch.ones(2)}  # a weight this optimizer does not hold
+    loaded = sharded_adamw_8bit(params, lr=1e-3, weight_decay=0.0)
+    loaded.load_state_dict(saved)
+    assert loaded.param_groups[0]["lr"] == 5e-4 and loaded.param_groups[0]["params"] == params
+    assert torch.equal(loaded.state[7]["kept"], torch.ones(2))
+    two_groups = sharded_adamw_8bit([{"params": params}, {"params": [torch.nn.Parameter(torch.randn(4))]}],
+                                    lr=1e-3, weight_decay=0.0)
+    with pytest.raises(ValueError, match="the saved optimizer state has other parameter groups than this optimizer"):
+        two_groups.load_state_dict(first.state_dict())
+
+
+def test_a_loaded_value_takes_its_weights_dtype_and_device_unless_kept():
+    from leantune.optimizers.bitsandbytes_sharded import _placed
+
+    weight = torch.zeros(2, dtype=torch.bfloat16, device="meta")
+    moment = torch.ones(2)
+    assert _placed(3, weight, False, True) == 3
+    assert _placed(moment, weight, False, True).dtype == torch.bfloat16 and _placed(moment, weight, False, True).is_meta
+    assert _placed(moment, weight, True, True).dtype == torch.float32  # codes, scales, code books: as saved
+    assert _placed(moment, weight, False, False).device.type == "cpu"  # the loader placed them already
+    assert _placed(torch.ones(2, dtype=torch.int64), weight, False, False).dtype == torch.int64
+
+
+def test_its_start_up_note_counts_the_weights_that_keep_float32_moments():
+    with one_rank_group():
+        holder = _sharded_weights()
+        optimizer = build("adamw_8bit", list(holder.parameters()), lr=1e-2, weight_decay=0.1, device_type="cpu",
+                          sharded=True)
+        big = sum(math.prod(shape) for shape in SHAPES if math.prod(shape) >= 4096)
+        fallback = big - 1024 * 512 - 512 * 256
+        assert optimizer.layout_note() == (
+            f"; sharded, {fallback:,} of the {big:,} parameters in weights of 4,096 elements or more keep float32 "
+            "moments (8 bytes a parameter): their rows are not whole 256-element blocks")
+        whole_blocks = torch.nn.Module()
+        whole_blocks.w = torch.nn.Parameter(torch.randn(16, 256))
+        fully_shard(whole_blocks)
+        assert build("adamw_8bit", [whole_blocks.w], lr=1e-2, weight_decay=0.1, device_type="cpu",
+                     sharded=True).layout_note() == ""
+
+
+def test_a_shard_steps_only_with_a_contiguous_gradient_of_its_own_dtype_and_its_scales_are_row_major():
+    with one_rank_group():
+        holder = torch.nn.Module()
+        holder.w = torch.nn.Parameter(torch.randn(16, 512, dtype=torch.bfloat16))
+        holder.norm = torch.nn.Parameter(torch.randn(4096, dtype=torch.bfloat16))  # float32 moments when sharded
+        holder.one = torch.nn.Parameter(torch.randn(1))
+        fully_shard(holder)
+        optimizer = build("adamw_8bit", list(holder.parameters()), lr=1e-2, weight_decay=0.0, device_type="cpu",
+                          sharded=True)
+        before = holder.one.full_tensor().clone()
+        for p in holder.parameters():
+            p.grad = DTensor.from_local(torch.randn_like(p.to_local()), p.device_mesh, p.placements)
+        optimizer.step()
+        assert not torch.equal(holder.one.full_tensor(), before)  # a one-element weight steps too
+        state = optimizer.state[holder.norm]
+        assert state["state1"].dtype == state["state2"].dtype == torch.float32
+        scales = optimizer.state[holder.w]["absmax1"]
+        assert scales.shape == (16, 2) and scales.stride() == (2, 1) and scales.to_local().dtype == torch.float32
+        wrong = DTensor.from_local(torch.randn(16, 512), holder.w.device_mesh, holder.w.placements)
+        holder.w.grad_dtype = None  # torch's own check would refuse it first; FSDP2's mixed precision may not
+        holder.w.grad = wrong  # float32 for bfloat16 weights
+        with pytest.raises(RuntimeError, match="8-bit AdamW needs a contiguous shard and gradient of one dtype"):
+            optimizer.step()
+        strided = torch.randn(512, 16, dtype=torch.bfloat16).t()
+        holder.w.grad = DTensor.from_local(strided, holder.w.device_mesh, holder.w.placements)
+        with pytest.raises(RuntimeError, match="contiguous shard and gradient"):
+            optimizer.step()
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __eq__(self, other):
+        return self.name == other.name
+
+    __hash__ = object.__hash__
+
+
+def test_on_a_side_stream_the_kernel_is_ordered_between_the_streams_work(monkeypatch):
+    """bitsandbytes launches on the default stream: stepping from another one (FSDP2's reduce-scatter stream, in
+    backward) orders the default stream after it and it after the default stream (CUDA's calls stood in)."""
+    from leantune.optimizers.bitsandbytes_sharded import _on_the_default_stream
+
+    log = []
+    default, side = _Stream("default", log), _Stream("side", log)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: default)
+    for current, expected in ((side, ["default waits for side", "kernel", "side waits for default"]),
+                              (default, ["kernel"])):
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device, current=current: current)
+        log.clear()
+        with _on_the_default_stream(torch.device("cuda", 0)):
+            log.append("kernel")
+        assert log == expected
+    log.clear()
+    with _on_the_default_stream(torch.device("cpu")):  # nothing to order on the CPU
+        log.append("kernel")
+    assert log == ["kernel"]
