@@ -111,9 +111,15 @@ class MutationSession:
         items = list(session.items)
         self.items = {item.nodeid: item for item in items}
         cov = coverage.Coverage(data_file=None, include=[str(t.path) for t in self.targets], config_file=False)
+        paths = {str(t.path) for t in self.targets}
+        memoised = [obj for obj in gc.get_objects() if isinstance(obj, functools._lru_cache_wrapper)
+                    and getattr(getattr(obj, "__wrapped__", None), "__code__", None) is not None
+                    and obj.__wrapped__.__code__.co_filename in paths]
         cov.start()
         for index, item in enumerate(items):
             cov.switch_context(item.nodeid)
+            for cache in memoised:  # each test that calls a memoised function runs (and so reaches) its body
+                cache.cache_clear()
             # the last test tears down to the first one's chain: the session's fixtures stay for the children
             following = items[index + 1] if index + 1 < len(items) else items[0]
             reports = runtestprotocol(item, nextitem=following, log=True)

@@ -303,7 +303,10 @@ def test_building_it_silences_one_warning_of_torch_not_every_warning():
     import warnings
 
     with warnings.catch_warnings():
-        build("adamw_4bit", [torch.nn.Parameter(torch.zeros(4096))], lr=1e-3, weight_decay=0.0, device_type="cpu")
+        warnings.resetwarnings()  # none from earlier builds
+        optimizer = build("adamw_4bit", [torch.nn.Parameter(torch.zeros(4096))], lr=1e-3, weight_decay=0.25,
+                          device_type="cpu")
+        assert optimizer.param_groups[0]["weight_decay"] == 0.25 and optimizer.param_groups[0]["lr"] == 1e-3
         ignored = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None
                    and "_stable_hash_for_caching" in f[1].pattern]
         assert ignored and ignored[0][1].pattern == "OptimState4bit does not implement _stable_hash_for_caching"

@@ -159,7 +159,11 @@ def test_a_damaged_files_reason_is_its_errors_first_line_cut_short(tmp_path):
 def test_the_numpy_constructor_is_allowed_under_its_current_and_its_old_name():
     from leantune.training.checkpoint_files import _numpy_uint32_arrays
 
-    allowed = _numpy_uint32_arrays()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # NumPy 2 warns where numpy.core is read
+        allowed = _numpy_uint32_arrays()
     reconstruct = allowed[0]
     assert reconstruct.__module__ in ("numpy._core.multiarray", "numpy.core.multiarray")
     assert (reconstruct, "numpy.core.multiarray._reconstruct") in allowed and numpy.ndarray in allowed
