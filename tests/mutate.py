@@ -32,6 +32,7 @@ import tempfile
 import time
 import tomllib
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,9 +113,11 @@ class MutationSession:
         self.items = {item.nodeid: item for item in items}
         cov = coverage.Coverage(data_file=None, include=[str(t.path) for t in self.targets], config_file=False)
         paths = {str(t.path) for t in self.targets}
-        memoised = [obj for obj in gc.get_objects() if isinstance(obj, functools._lru_cache_wrapper)
-                    and getattr(getattr(obj, "__wrapped__", None), "__code__", None) is not None
-                    and obj.__wrapped__.__code__.co_filename in paths]
+        with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
+            warnings.simplefilter("ignore")
+            memoised = [obj for obj in gc.get_objects() if isinstance(obj, functools._lru_cache_wrapper)
+                        and getattr(getattr(obj, "__wrapped__", None), "__code__", None) is not None
+                        and obj.__wrapped__.__code__.co_filename in paths]
         cov.start()
         for index, item in enumerate(items):
             cov.switch_context(item.nodeid)
@@ -255,7 +258,11 @@ def swap_in(mutant: Mutant, source: str, path: Path) -> int:
     mutated = compile(mutant.apply(source), str(path), "exec", dont_inherit=True)
     wanted = _code_named(mutated, mutant.unit, mutant.unit_line)
     live, caches = [], []
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, (types.FunctionType,
+                                                                       functools._lru_cache_wrapper))]
+    for obj in objects:
         if isinstance(obj, types.FunctionType) and obj.__code__.co_filename == str(path) and (
                 obj.__code__.co_qualname, obj.__code__.co_firstlineno) == (mutant.unit, mutant.unit_line):
             live.append(obj)
@@ -298,10 +305,10 @@ def _kill(pid: int) -> None:
 
 def report(targets: list[Target], seconds: float, show=True) -> list[dict]:
     rows = [t.counts() for t in targets]
-    print(f"\n{'module':<50} {'mutants':>7} {'killed':>7} {'survived':>8} {'unreached':>9} {'equivalent':>10} "
-          f"{'score':>6}")
+    print(f"\n{'module':<50} {'mutants':>7} {'killed':>7} {'(timed out)':>11} {'survived':>8} {'unreached':>9} "
+          f"{'equivalent':>10} {'score':>6}")
     for row in rows:
-        print(f"{row['module']:<50} {row['mutants']:>7} {row['killed']:>7} {row['survived']:>8} "
+        print(f"{row['module']:<50} {row['mutants']:>7} {row['killed']:>7} {row['timed_out']:>11} {row['survived']:>8} "
               f"{row['unreached']:>9} {row['equivalent']:>10} {row['score']:>6.1%}")
     print(f"({seconds:.0f} s; timed-out mutants count as killed; score = killed / (mutants - equivalent))")
     for target in targets:
