@@ -47,6 +47,7 @@ class Mutant:
 
     source_line: str = ""  # the line the edit starts on, as it was
     statement_line: int = 0  # where the statement holding the edit starts (coverage counts statements' lines)
+    unit_ordinal: int = 0  # among units of the same name and first line (two lambdas on one line)
     ordinal: int = 0  # among mutants of the same function, line text and edit (a line with two "<=")
 
     @property
@@ -94,6 +95,15 @@ def mutants_of(path: str, source: str) -> list[Mutant]:
     return numbered
 
 
+def _outer_lambdas(node: ast.AST):
+    """The lambdas in ``node`` that no other lambda holds, in source order."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Lambda):
+            yield child
+        else:
+            yield from _outer_lambdas(child)
+
+
 def _compiles(source: str, path: str) -> bool:
     try:
         compile(source, path, "exec", dont_inherit=True)
@@ -105,7 +115,8 @@ def _compiles(source: str, path: str) -> bool:
 class _Finder(ast.NodeVisitor):
     def __init__(self, path: str, source: str):
         self.path, self.source, self.found = path, source, []
-        self.unit: Optional[tuple[str, int]] = None  # the outermost function or lambda being walked
+        self.unit: Optional[tuple[str, int, int]] = None  # the outermost function or lambda: name, line, ordinal
+        self.units_seen: dict[tuple[str, int], int] = {}
         self.scope: list[str] = []  # class and function names around, as in a qualified name
         self.docstrings: set[int] = set()
         self.statements: list[int] = []  # first lines of the statements being walked
@@ -147,7 +158,8 @@ class _Finder(ast.NodeVisitor):
             return
         line = self.source.count("\n", 0, start) + 1
         self.found.append(Mutant(self.path, self.unit[0], self.unit[1], line, start, stop, old, new, operator,
-                                 self._lines[line - 1], self.statements[-1] if self.statements else line))
+                                 self._lines[line - 1], self.statements[-1] if self.statements else line,
+                                 self.unit[2]))
 
     def _replace(self, node: ast.AST, new: str, operator: str) -> None:
         self._add(self._start(node), self._stop(node), new, operator)
@@ -175,15 +187,19 @@ class _Finder(ast.NodeVisitor):
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.visit(statement)
             else:  # runs at import; lambdas in it (registry entries) run when called
-                for child in ast.walk(statement):
-                    if isinstance(child, ast.Lambda):
-                        self.visit_Lambda(child)
+                for child in _outer_lambdas(statement):
+                    self.visit_Lambda(child)
+
+    def _enter_unit(self, qualname: str, first: int) -> None:
+        ordinal = self.units_seen.get((qualname, first), 0)
+        self.units_seen[(qualname, first)] = ordinal + 1
+        self.unit = (qualname, first, ordinal)
 
     def visit_FunctionDef(self, node) -> None:
         outer = self.unit is None
         if outer:
-            first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-            self.unit = (".".join([*self.scope, node.name]), first)
+            self._enter_unit(".".join([*self.scope, node.name]),
+                             node.decorator_list[0].lineno if node.decorator_list else node.lineno)
         self.scope += [node.name, "<locals>"]
         if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
             self.docstrings.add(id(node.body[0].value))
@@ -197,10 +213,12 @@ class _Finder(ast.NodeVisitor):
 
     def visit_Lambda(self, node: ast.Lambda) -> None:
         outer = self.unit is None
-        if outer:
-            self.unit = (".".join([*self.scope, "<lambda>"]), node.lineno)
+        if outer:  # a registry's lambda: what runs when it is called starts on its own first line
+            self._enter_unit(".".join([*self.scope, "<lambda>"]), node.lineno)
+            self.statements.append(node.lineno)
         self.visit(node.body)
         if outer:
+            self.statements.pop()
             self.unit = None
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:

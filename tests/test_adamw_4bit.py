@@ -268,21 +268,25 @@ def test_which_weights_keep_4bit_moments_and_the_state_the_planner_makes_for_the
     assert quantized(torch.empty(4096)) and quantized(torch.empty(64, 128))
     for shape in ((4095,), (256,), (4097,)):  # too small, too small though whole blocks, not whole blocks
         assert not quantized(torch.empty(shape)), shape
+    from torchao.optim.subclass_4bit import OptimState4bit
+
     stand_in = FourBitAdamWStandIn([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as the planner may have it: the state keeps its own dtypes
-    try:
-        big = stand_in.new_state(torch.zeros(64, 128, dtype=torch.bfloat16, device="meta"))
-        small = stand_in.new_state(torch.zeros(8, dtype=torch.bfloat16, device="meta"))
-    finally:
-        torch.set_default_dtype(default)
-    assert {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in big.items()} == {
-        "step": ((), torch.float32, "cpu"),
-        **{f"{m}.{part}": spec for m in ("exp_avg", "exp_avg_sq") for part, spec in
-           (("codes", ((4096,), torch.uint8, "meta")), ("scale", ((64,), torch.float32, "meta")),
-            ("qmap", ((16,), torch.float32, "meta")))}}
-    assert {k: (tuple(v.shape), v.dtype) for k, v in small.items()} == {
-        "step": ((), torch.float32), "exp_avg": ((8,), torch.bfloat16), "exp_avg_sq": ((8,), torch.bfloat16)}
+    for dtype in (torch.float32, torch.bfloat16):  # the default dtype: torchao makes its scales in it
+        torch.set_default_dtype(dtype)
+        try:
+            big = stand_in.new_state(torch.zeros(64, 128, dtype=torch.bfloat16, device="meta"))
+            small = stand_in.new_state(torch.zeros(8, dtype=torch.bfloat16, device="meta"))
+            theirs = OptimState4bit.zeros((64, 128), signed=True, block_size=BLOCK, device="meta")
+        finally:
+            torch.set_default_dtype(default)
+        parts = {"codes": theirs.codes, "scale": theirs.scale, "qmap": theirs.qmap}
+        assert {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in big.items()} == {
+            "step": ((), torch.float32, "cpu"),
+            **{f"{m}.{part}": (tuple(t.shape), t.dtype, "meta") for m in ("exp_avg", "exp_avg_sq")
+               for part, t in parts.items()}}, dtype
+        assert {k: (tuple(v.shape), v.dtype) for k, v in small.items()} == {
+            "step": ((), torch.float32), "exp_avg": ((8,), torch.bfloat16), "exp_avg_sq": ((8,), torch.bfloat16)}
 
 
 def test_the_stand_in_allocates_update_buffers_for_4bit_weights_only(monkeypatch):
@@ -295,8 +299,9 @@ def test_the_stand_in_allocates_update_buffers_for_4bit_weights_only(monkeypatch
     stand_in.while_updating(small)
     assert made == []
     stand_in.while_updating(big)
-    assert made == [((64 * 128 * torchao_4bit.STEP_BYTES_PER_ELEMENT,), {"dtype": torch.uint8, "device": torch.device(
-        "meta")})]
+    (args, kwargs), = made
+    assert args == (64 * 128 * torchao_4bit.STEP_BYTES_PER_ELEMENT,)
+    assert kwargs.get("dtype") == torch.uint8 and torch.device(kwargs.get("device", "cpu")).type == "meta"
 
 
 def test_building_it_silences_one_warning_of_torch_not_every_warning():

@@ -145,6 +145,16 @@ def test_numpy_arrays_are_checked_wherever_they_sit_and_only_where_allowed(tmp_p
         load_checkpoint_file(tmp_path / "rng_state.pth", numpy_arrays=True)
 
 
+def test_a_hostile_file_is_refused_even_where_torch_is_told_to_unpickle_everything(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD changes torch.load's default only: leantune asks for weights_only itself."""
+    marker = tmp_path / "created"
+    torch.save({"state": CreatesAFile(marker)}, tmp_path / "optimizer.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(ConfigError, match="holds more than tensors and plain values"):
+        load_checkpoint_file(tmp_path / "optimizer.pt")
+    assert not marker.exists()
+
+
 def test_a_damaged_files_reason_is_its_errors_first_line_cut_short(tmp_path):
     from leantune.training.checkpoint_files import _unreadable
 
@@ -154,6 +164,8 @@ def test_a_damaged_files_reason_is_its_errors_first_line_cut_short(tmp_path):
         "damaged; resume from another one, or start the run afresh")
     assert "(EOFError: the end)" in str(_unreadable("w", EOFError("the end")))
     assert unpickler_warning("2.9") is not None and unpickler_warning("3.0.0") is None
+    assert unpickler_warning("2.6.0a0+ecf3bae40a.nv25.01") is not None  # NVIDIA's builds
+    assert unpickler_warning("2.10.0rc1") is None and unpickler_warning("2.9.1rc2+cu126") is not None
 
 
 def test_the_numpy_constructor_is_allowed_under_its_current_and_its_old_name():

@@ -318,7 +318,7 @@ def test_its_stand_in_offloads_weights_from_the_threshold_on():
         MIN_OFFLOADED_SIZE - 1))
     stand_in = OffloadedAdamWStandIn([edge, below], 1e-3, 0.0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as the planner may have it: AdamW's step count stays float32
+    torch.set_default_dtype(torch.bfloat16)  # whatever the default dtype, AdamW's step count is float32
     try:
         offloaded, kept = stand_in.new_state(edge), stand_in.new_state(below)
     finally:

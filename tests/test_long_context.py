@@ -537,6 +537,15 @@ def test_varlen_attends_within_spans_with_the_scale_given_and_one_call_a_batch_o
     torch.testing.assert_close(dropped, _reference(q, k, v, spans, 0.3, dropout=0.5), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("length", [2, 4])  # as many tokens as key/value heads, as query heads
+def test_grouped_heads_are_shared_whatever_the_rows_length(length):
+    from leantune.models.varlen_attention import varlen_attention_forward
+
+    q, k, v = _qkv(seed=4, length=length)
+    out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, **{SEGMENTS: Segments(((length,),) * 2)})
+    torch.testing.assert_close(out, _reference(q, k, v, ((length,), (length,)), None), rtol=1e-6, atol=1e-6)
+
+
 def test_varlen_refuses_a_mask_soft_capping_and_sink_logits():
     from leantune.models.varlen_attention import VarlenAttentionError, varlen_attention_forward
 
@@ -628,8 +637,13 @@ def test_a_tiled_mlp_trains_its_weights_from_an_input_without_gradient_and_skips
     for model in (plain, tiled):
         mlp = model.get_decoder().layers[0].mlp
         mlp(x).pow(2).sum().backward()
-        grads.append({name: p.grad for name, p in mlp.named_parameters()})
+        grads.append({name: None if p.grad is None else p.grad.clone() for name, p in mlp.named_parameters()})
     assert grads[1]["unused"] is None and grads[0].keys() == grads[1].keys()
+    mlp, made, empty_like = tiled.get_decoder().layers[0].mlp, [], torch.empty_like
+    with pytest.MonkeyPatch.context() as patched:  # no gradient buffer the size of an input that wants none
+        patched.setattr(torch, "empty_like", lambda t, **kw: made.append(tuple(t.shape)) or empty_like(t, **kw))
+        mlp(x).pow(2).sum().backward()
+    assert (2, 30, 64) not in made
     for name, grad in grads[0].items():
         if grad is not None:
             torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7)

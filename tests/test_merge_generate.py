@@ -314,6 +314,7 @@ def test_generate_takes_bfloat16_on_a_gpu_that_has_it_and_the_dtype_asked_for(mo
         raise OSError("")  # stop there: one line naming the error, whatever its text
 
     monkeypatch.setattr(generate, "load", load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this test decides what the machine has
     assert generate.main(["--model_name", "m", "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == "leantune: error: OSError"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -534,6 +535,16 @@ def test_a_merge_that_fails_midway_leaves_nothing_behind(tiny_model_dir, tmp_pat
     with pytest.raises(OSError, match="disk full"):
         merge_run(_adapter(tiny_model_dir, tmp_path / "run"), tmp_path / "out", log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    real_rmtree = merge_module.shutil.rmtree
+
+    def stubborn(path, ignore_errors=False):  # a file the filesystem will not let go of (NFS's .nfs files)
+        real_rmtree(path, ignore_errors=True)
+        if not ignore_errors:
+            raise OSError("Device or resource busy")
+
+    monkeypatch.setattr(merge_module.shutil, "rmtree", stubborn)
+    with pytest.raises(OSError, match="disk full"):  # the user's error, not the clean-up's
+        merge_run(tmp_path / "run", tmp_path / "out", log=lambda _: None)
 
 
 class _Flushes(io.StringIO):

@@ -334,10 +334,17 @@ def test_a_weight_stored_transposed_or_modules_kept_in_float32_under_bf16_load_w
         f"its checkpoint's {key} is F32 [64, 128], not the model's [128, 64] in floating point")
 
 
-def _open_files() -> int:
+def _open_files(folder) -> int:
+    """This process's open descriptors of files in ``folder``."""
     import os
 
-    return len(os.listdir("/proc/self/fd"))
+    opened = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened += os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder))
+        except OSError:  # closed meanwhile
+            pass
+    return opened
 
 
 def test_a_sharded_checkpoint_reads_from_each_shard_through_one_open_file_each(tiny_model_dir, tmp_path):
@@ -350,17 +357,17 @@ def test_a_sharded_checkpoint_reads_from_each_shard_through_one_open_file_each(t
     stored = {k: v for path in (tmp_path / "sharded").glob("*.safetensors") for k, v in load_file(path).items()}
     checkpoint, why = CheckpointSlices.find(tmp_path / "sharded")
     assert why == "" and checkpoint.entry("__metadata__") is None and checkpoint.entry("missing") is None
-    before = _open_files()
+    before = _open_files(tmp_path / "sharded")
     key = "model.layers.1.mlp.down_proj.weight"  # 64 x 128
     for _ in range(3):
         assert torch.equal(checkpoint.rows(key, 2, 5), stored[key][2:5])
-    assert _open_files() == before + 1  # its file opened once, kept open
+    assert _open_files(tmp_path / "sharded") == before + 1  # its file opened once, kept open
     flat = stored[key].reshape(-1)
     for start, stop in ((128 + 3, 256 - 5), (130, 131), (5 * 128, 6 * 128 + 1)):  # ranges starting past row 0
         assert torch.equal(checkpoint.elements(key, start, stop), flat[start:stop]), (start, stop)
     assert torch.equal(checkpoint.rows("lm_head.weight", 0, 2), stored["lm_head.weight"][:2])  # another shard
     checkpoint.close()
-    assert _open_files() == before
+    assert _open_files(tmp_path / "sharded") == before
     assert torch.equal(checkpoint.rows(key, 0, 1), stored[key][:1])  # a closed checkpoint opens its files again
     checkpoint.close()
     assert checkpoint.bytes_read == (3 * 3 + 1 + 1 + 2 + 1) * 128 * 4 + 2 * 64 * 4  # the rows read, each time
@@ -398,7 +405,11 @@ def test_a_folder_without_weights_says_so_and_a_hub_id_fetches_its_index_and_fil
                        ("org/single", ["model.safetensors", "model.safetensors.index.json", "*.json"])]
 
 
-def test_an_empty_shard_quantizes_to_no_bytes_and_no_scales():
+def test_an_empty_shard_quantizes_to_no_bytes_and_no_scales(monkeypatch):
+    def kernel_launch(elements, **kwargs):  # a CUDA kernel launched on nothing: an error, not empty bytes
+        raise RuntimeError("launched on an empty tensor")
+
+    monkeypatch.setattr(bnb.functional, "quantize_4bit", kernel_launch)
     packed, scales = quantize_bytes(torch.zeros(0), element_start=0, byte_start=5, byte_stop=5, numel=8, blocksize=64,
                                     quant_type="nf4")
     assert (packed.shape, packed.dtype, scales.shape, scales.dtype) == ((0, 1), torch.uint8, (0,), torch.float32)

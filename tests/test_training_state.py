@@ -76,7 +76,10 @@ def _rank_saves_and_restores_its_own_rng(rank: int, world: int, store_path: str,
     from leantune.distributed.context import DistContext
     from leantune.training.state import StateParts, TrainingStateStore
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    import datetime
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a rank that fails ends the other's wait
     try:
         for _ in range(rank + 1):  # the ranks draw differently (their own dropout masks, their own data)
             torch.rand(5), random.random(), numpy.random.rand()
@@ -91,8 +94,8 @@ def _rank_saves_and_restores_its_own_rng(rank: int, world: int, store_path: str,
         dist.barrier()
         state.load(state.root / "checkpoint-1", parts)
         assert _draws() == expected, rank
-    finally:
         dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 

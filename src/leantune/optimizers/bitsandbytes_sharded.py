@@ -64,9 +64,8 @@ def _init_state(self, group: dict, param, gindex: int, pindex: int) -> None:
         state["state1"] = torch.zeros_like(param, dtype=torch.float32)
         state["state2"] = torch.zeros_like(param, dtype=torch.float32)
         return
-    if "dynamic" not in self.name2qmap:
-        self.fill_qmap()
-    # the code books: 256 constants, the same on every rank (saved once, as plain tensors)
+    # the code books (filled when the optimizer is made): 256 constants, the same on every rank (saved once, as
+    # plain tensors)
     for key, name in (("qmap1", "dynamic"), ("qmap2", "udynamic")):
         self.name2qmap[name] = self.name2qmap[name].to(param.device)
         state[key] = self.name2qmap[name]

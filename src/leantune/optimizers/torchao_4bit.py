@@ -64,9 +64,9 @@ class FourBitAdamWStandIn(PlannedStep):
 def _moment(name: str, param: torch.Tensor) -> dict:
     if not quantized(param):
         return {name: torch.zeros_like(param)}
-    # float32 scales and code book whatever the default dtype (the planner may build under bfloat16)
+    # as torchao's OptimState4bit.zeros makes them: the scales in the default dtype, the code book in float32
     return {f"{name}.codes": torch.zeros(param.numel() // 2, dtype=torch.uint8, device=param.device),
-            f"{name}.scale": torch.zeros(param.numel() // BLOCK, dtype=torch.float32, device=param.device),
+            f"{name}.scale": torch.zeros(param.numel() // BLOCK, device=param.device),
             f"{name}.qmap": torch.zeros(CODE_BOOK, dtype=torch.float32, device=param.device)}
 
 

@@ -79,7 +79,9 @@ def _numpy_uint32_arrays() -> list:
 
 def unpickler_warning(version: str = torch.__version__) -> Optional[str]:
     """The line a resume prints on a torch whose restricted unpickler has a known memory-corruption flaw."""
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    # "2.10.0", "2.6.0a0+ecf3bae40a.nv25.01" (NVIDIA's builds), "2.10.0rc1": the release's major and minor
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(numbers.group(1)), int(numbers.group(2))) if numbers else SAFE_UNPICKLER_TORCH
     if release >= SAFE_UNPICKLER_TORCH:
         return None
     return (f"warning: torch {version}'s weights_only unpickler, which reads this training state, can be made to "

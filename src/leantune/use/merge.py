@@ -103,7 +103,8 @@ def _umask() -> int:
 
 
 def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[str]) -> None:
-    """The config (with the dtype written), the generation config and the run's tokenizer."""
+    """The config (with the dtype written), the generation config and the tokenizer: the run's where it saved
+    one (its tokenizer_config.json, which save_pretrained writes with every tokenizer), otherwise the base's."""
     from transformers import AutoTokenizer
 
     config = dict(base_config)
