@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 import types
-import warnings
 from pathlib import Path
 
 from mutation_operators import Mutant
@@ -59,6 +58,7 @@ class MutationSession:
     def pytest_configure(self, config) -> None:
         import torch
 
+        self.config = config
         torch.set_num_threads(1)  # a forked child cannot use an OpenMP pool its parent started
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -214,6 +214,9 @@ class MutationSession:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:  # it writes to its own copy of the terminal: a child reports to its parent
+                self.config.pluginmanager.unregister(reporter)
             if mutant is not None:
                 self._apply(target, mutant)
             code = self._run_tests(tests, record)
@@ -252,9 +255,9 @@ class MutationSession:
 
 
 def _heap(kind) -> list:
-    with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
+    """The heap's objects of exactly type ``kind`` (``type``, not ``isinstance``: a dead weak proxy raises when
+    asked its class, and some of torch's deprecated objects warn)."""
+    return [obj for obj in gc.get_objects() if type(obj) is kind]
 
 
 def _units(code: types.CodeType, key: tuple[str, int]) -> list[types.CodeType]:
