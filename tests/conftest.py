@@ -96,6 +96,32 @@ HEAD_STD = 1.0  # with hidden 64, logits of about 8 either way of zero
 
 
 @pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """``moe_dir(family)``: the mixture-of-experts family's tiny model (``MOE_FAMILIES``), built once per session.
+
+    Its routers start random (some families' start at zero, which would send every token to the same experts)."""
+    root, built = tmp_path_factory.mktemp("moe"), {}
+
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.tiny import make_tiny_model
+
+    def build(family: str):
+        if family not in built:
+            path = make_tiny_model(root / family, seed=0, family=family, **FAMILY_SHAPE)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if ".gate.weight" in name or ".router." in name:
+                        param.normal_(0.0, 0.5)
+            model.save_pretrained(path)
+            built[family] = path
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def family_dir(tmp_path_factory):
     """``family_dir(family)``: the family's tiny model, built once per session."""
     root, built = tmp_path_factory.mktemp("families"), {}

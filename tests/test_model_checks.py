@@ -143,15 +143,6 @@ def test_real_shaped_configs_are_checked_at_their_own_size(model_type, fields):
     assert (model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text")) != check.transform.is_identity
 
 
-def test_a_class_without_a_separate_decoder_is_refused_saying_so():
-    """Llama 4's text class: transformers' get_decoder() returns the model itself, so there are no hidden states to take."""
-    from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
-    from leantune.models.facts import ModelFacts
-
-    with pytest.raises(OwnLossMismatch, match="Llama4ForCausalLM: transformers finds no separate decoder"):
-        check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model("llama4_text")), sharded=False)
-
-
 def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(monkeypatch, family_dir):
     """flex_attention for a GPU: the loaded model and a --low_cpu_fsdp rank's meta model get flex_attention itself;
     only the planner's and the check's models build varlen in its place (no mask, as flex keeps none)."""
@@ -171,16 +162,6 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
             build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None, facts=facts, on_meta=on_meta)
     assert asked == ["flex_attention", False]
     assert meta_model(facts.config, torch.float32).config._attn_implementation == "varlen"
-
-
-def test_router_auxiliary_loss_is_refused_naming_the_fix():
-    from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
-    from leantune.models.facts import ModelFacts
-
-    with pytest.raises(OwnLossMismatch, match="output_router_logits is on, so the model's own training loss adds the "
-                                              "router's auxiliary loss"):
-        check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model("mixtral", output_router_logits=True)),
-                       sharded=False)
 
 
 @pytest.mark.parametrize("attention", ["flex_attention", "flash_attention_2"])

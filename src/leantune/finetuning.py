@@ -25,13 +25,14 @@ from leantune.builders.sharding import device_peak_bytes, shard, shard_first_che
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
-from leantune.config import (ConfigError, DistributedConfig, MemoryConfig, RunConfig,
+from leantune.config import (ConfigError, DataConfig, DistributedConfig, MemoryConfig, RunConfig,
                               TrainingConfig)
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
 from leantune.memory.host_allocator import return_host_memory
 from leantune.memory.oom import is_out_of_memory, oom_report
+from leantune.models.attention import packed_examples_meet
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
 from leantune.models.loading import ModelLoadError, load_tokenizer
@@ -71,6 +72,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
+    cfg = dataclasses.replace(cfg, data=padded_if_packing_meets(cfg.data, facts, log))
     for line in (unpickler_warning() if resume is not None else None,
                  return_host_memory(cfg.memory.return_host_memory, device.type, cfg.data.context_length)):
         if line is not None:  # a resume on a torch with the unpickler's flaw; host memory handed back
@@ -94,7 +96,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     monitor = build_monitor(cfg.memory, cfg.output, device, dist, stack, log)
     log(f"precision: {precision.note}")
     loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)
-    log(describe_loss(loss_model.loss_fn))
+    log(describe_loss(loss_model.loss_fn, loss_model.router_loss))
     if dist.sharded:
         shard(loss_model, cfg.distributed, cfg.training.batch_size_training, dist, device, precision, log,
               peak_before=loaded_peak, checkpoint=checkpoint)
@@ -117,6 +119,16 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
     return trainer
+
+
+def padded_if_packing_meets(data: DataConfig, facts: ModelFacts, log) -> DataConfig:
+    """Rows of one example each (``--batching_strategy padding``) for a model that cannot keep packed ones apart."""
+    why = packed_examples_meet(facts.config) if data.packs_apart else None
+    if why is None:
+        return data
+    log(f"data: padding, one example a row: {facts.architecture} cannot keep examples packed in a row apart ({why}); "
+        "--packed_examples concatenated packs them seeing each other, as llama-cookbook does")
+    return dataclasses.replace(data, batching_strategy="padding")
 
 
 def _step_traces(dist: DistContext, dc: DistributedConfig, shapes: Callable) -> StepTraces:

@@ -19,6 +19,7 @@ from leantune.models.attention import describe_attention
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
                                    text_config)
 from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
+from leantune.models.moe import RouterLoss
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
 from leantune.models.skeleton import quantized_skeleton
@@ -43,13 +44,17 @@ def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], *, sha
     return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
 
 
-def describe_loss(loss_fn) -> str:
+def describe_loss(loss_fn, router_loss: Optional[RouterLoss] = None) -> str:
     transform = getattr(loss_fn, "transform", IDENTITY)
     of_logits = "" if transform.is_identity else f"; {transform.describe()}, as the model's own forward does"
     if isinstance(loss_fn, ChunkedCrossEntropy):
-        return (f"loss: chunked cross-entropy, {loss_fn.chunk_size} tokens per chunk "
+        line = (f"loss: chunked cross-entropy, {loss_fn.chunk_size} tokens per chunk "
                 f"(logits of at most one chunk exist at a time, none are kept for backward{of_logits})")
-    return f"loss: plain cross-entropy (full-vocabulary float32 logits kept for backward{of_logits})"
+    else:
+        line = f"loss: plain cross-entropy (full-vocabulary float32 logits kept for backward{of_logits})"
+    if router_loss is not None:
+        line += f" + {router_loss.describe()}, as the model's own loss adds it (logged each step)"
+    return line
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
@@ -109,7 +114,7 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         loads_on = torch.device("cpu") if cfg.distributed.enable_fsdp else precision.device
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
                             run_bnb_config(cfg.quant, precision), loads_on,
-                            config=facts.config if cfg.model.rope_scaling_factor else None)
+                            config=facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits else None)
         model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "

@@ -32,6 +32,8 @@ from leantune.labels import IGNORE_INDEX, count_targets
 from leantune.loss import LogitTransform
 from leantune.models.facts import ModelFacts, meta_model, text_config
 from leantune.models.loading import ModelLoadError
+from leantune.models.moe import RouterLoss, expert_count
+from leantune.models.structure import decoder_of
 from leantune.training.step import CausalLMLoss
 
 WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary
@@ -43,9 +45,11 @@ BENIGN_DECODER_ARGUMENTS = frozenset({"use_cache", "return_dict", "output_attent
                                       "cache_position", "past_key_values", "cache", "attention_mask",
                                       "logits_to_keep"})
 # What a class's forward may read from its decoder's output beyond the hidden states: None here, as
-# without a cache (a mixture-of-experts' router logits: its auxiliary loss is refused before the check).
+# without a cache. A mixture of experts' router logits are the stand-in's own when asked for.
 KNOWN_OUTPUTS = frozenset({"past_key_values", "cache", "hidden_states", "attentions", "cross_attentions",
                            "router_logits"})
+ROUTED_LAYERS = 3  # the stand-in's layers of router logits, when a mixture of experts asks for them
+PADDED = 3  # the batch's second row ends in this many padding tokens (a router's loss must not count them)
 # Relative differences beyond float32 rounding, far below what a transform makes.
 TOLERANCE = 1e-4
 
@@ -62,10 +66,11 @@ class OwnLossCheck:
     loss_difference: float  # relative
     gradient_difference: float  # largest |difference| over the largest |gradient|, per tensor
     seconds: float
+    router_loss: Optional[RouterLoss] = None  # a mixture of experts' load-balancing term, checked too
 
     def summary_line(self) -> str:
         return (f"loss check: {self.architecture}'s own loss reproduced, its forward after the decoder run on a "
-                f"stand-in ({self.transform.describe()}; loss {self.loss_difference:.0e}, gradients "
+                f"stand-in ({_applied(self.transform, self.router_loss, why=False)}; loss {self.loss_difference:.0e}, gradients "
                 f"{self.gradient_difference:.0e} relative, {self.seconds:.2f} s)")
 
 
@@ -76,13 +81,16 @@ class StandInDecoder(torch.nn.Module):
     that spreads the logits from about ±2 to about ±80.
     """
 
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, experts: Optional[int] = None):
         super().__init__()
         spread = torch.logspace(-0.7, 0.9, VOCAB)[torch.randperm(VOCAB, generator=generator)]
         self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
         self.unexpected: list[str] = []  # what the class's forward handed it that leantune's path would not
         with torch.no_grad():
             self.embed_tokens.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) * spread[:, None])
+        # a mixture of experts' routers: each layer's logits a fixed projection of the hidden states
+        self.routers = None if experts is None else torch.nn.Parameter(
+            torch.randn(ROUTED_LAYERS, WIDTH, experts, generator=generator) / WIDTH ** 0.5)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:  # transformers asks the decoder for it
         return self.embed_tokens
@@ -90,15 +98,21 @@ class StandInDecoder(torch.nn.Module):
     def get_decoder(self) -> torch.nn.Module:  # and the model asks its base model for the decoder
         return self
 
-    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, **kwargs):
+    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, output_router_logits=False, **kwargs):
         # a multimodal wrapper embeds the ids itself (with this module's embeddings) and passes them on
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        router_logits = None
+        if output_router_logits:
+            if self.routers is None:
+                self.unexpected.append("output_router_logits (its config counts no experts)")
+            else:
+                router_logits = tuple(hidden.reshape(-1, WIDTH) @ layer for layer in self.routers)
         self.unexpected += [name for name, value in kwargs.items()  # a flag left off asks for nothing
                             if value is not None and value is not False and name not in BENIGN_DECODER_ARGUMENTS]
         if position_ids is not None and not torch.equal(position_ids.expand(hidden.shape[:2]),
                                                         torch.arange(hidden.shape[1]).expand(hidden.shape[:2])):
             self.unexpected.append("position_ids (not 0, 1, 2, ...)")
-        return StandInOutput(last_hidden_state=hidden)
+        return StandInOutput(last_hidden_state=hidden, router_logits=router_logits)
 
 
 @dataclass
@@ -107,6 +121,7 @@ class StandInOutput(ModelOutput):
     ``KNOWN_OUTPUTS`` (anything else read from it is an error: the check cannot stand in for it)."""
 
     last_hidden_state: Optional[torch.Tensor] = None
+    router_logits: Optional[tuple] = None
 
     def __getattr__(self, name: str):
         if name in KNOWN_OUTPUTS:
@@ -151,7 +166,7 @@ def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torc
 
 def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
     model = meta_model(small_vocabulary(config), torch.float32)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    decoder, head = decoder_of(model), model.get_output_embeddings()
     if decoder is model or head is None:
         raise OwnLossMismatch(f"{type(model).__name__}: transformers finds no separate decoder and LM head in it "
                               "(get_decoder() returns the model itself, or get_output_embeddings() nothing), so "
@@ -161,7 +176,7 @@ def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> tor
         small_head.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) / WIDTH ** 0.5 * 10)
         if small_head.bias is not None:
             small_head.bias.copy_(torch.randn(VOCAB, generator=generator))
-    stand_in = StandInDecoder(generator)
+    stand_in = StandInDecoder(generator, expert_count(text_config(config)))
     for name, value in vars(decoder).items():  # its plain numbers (Falcon-H1's lm_head_multiplier) stay readable
         if not name.startswith("_") and isinstance(value, (bool, int, float)) and not hasattr(stand_in, name):
             setattr(stand_in, name, value)
@@ -170,11 +185,18 @@ def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> tor
     return model.train()  # as it trains: dropout after the decoder would be a difference too
 
 
-def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(generator: torch.Generator, routed: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Token ids and labels; with ``routed`` (the router's loss on: it must count real tokens only) the second row
+    ends in padding, and its attention mask says so (else no mask: leantune's path passes none)."""
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = ids.clone()
     labels[0, :SEQ // 4] = IGNORE_INDEX  # a prompt: positions without a target, as the data makes them
-    return ids, labels
+    if not routed:
+        return ids, labels, None
+    mask = torch.ones_like(ids)
+    mask[1, -PADDED:] = 0  # right padding, without targets
+    labels[1, -PADDED:] = IGNORE_INDEX
+    return ids, labels, mask
 
 
 def _loss_and_grads(model: torch.nn.Module, compute) -> tuple[float, list[torch.Tensor]]:
@@ -196,7 +218,6 @@ def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool) -> O
     """Compare the run's loss (its chunking, and the sharded path under FSDP) with the model's own on a
     stand-in; ``OwnLossMismatch`` when they differ."""
     started = time.perf_counter()
-    _refuse_extra_loss_terms(facts)
     # Its own generator for its values, and the CPU state restored after the modules' own initialisation
     # (and any dropout) drew from it: the run's random numbers, CPU and GPU, stay as they were.
     generator = torch.Generator().manual_seed(0)
@@ -206,12 +227,12 @@ def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool) -> O
 
 def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generator: torch.Generator,
              started: float) -> OwnLossCheck:
-    ids, labels = _batch(generator)
-    architecture, stand_in = type(model).__name__, model.get_decoder()
+    ids, labels, mask = _batch(generator, routed=bool(getattr(text_config(model.config), "output_router_logits", False)))
+    architecture, stand_in = type(model).__name__, decoder_of(model)
     try:
         loss = loss_function(model, tc.loss_chunk_size, sharded=sharded)
         ours_model = CausalLMLoss(model, loss)
-        own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, labels=labels).loss)
+        own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
     except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared
         raise OwnLossMismatch(f"{architecture}: its forward(labels=...) could not be run on a stand-in decoder to "
                               f"check leantune's loss against it ({type(err).__name__}: {str(err)[:300]}); leantune "
@@ -221,26 +242,38 @@ def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generato
                               "which leantune's path (the decoder on the token ids alone) does not; leantune refuses "
                               "a model whose loss it cannot reproduce")
     transform = ours_model.loss_fn.transform
-    ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels) / count_targets(labels))
+    ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels, real_tokens=mask) / count_targets(labels))
     loss_difference = abs(ours - own) / max(abs(own), 1e-12)
     gradient_difference = _relative(our_grads, own_grads)
     if not loss_difference <= TOLERANCE or not gradient_difference <= TOLERANCE:
+        _refuse_a_missing_router_loss(model, stand_in, own_grads, architecture)
         raise OwnLossMismatch(
             f"{architecture}: leantune's loss is not the model's own. With its decoder's output given, the model's "
             f"forward(labels=...) gives {own:.6f} and leantune {ours:.6f} (relative difference {loss_difference:.1e}; "
             f"gradients {gradient_difference:.1e}): what its forward does after the decoder is not what leantune "
-            f"applies ({transform.describe()}). leantune refuses rather than train on another loss; please report "
-            "the architecture")
+            f"applies ({_applied(transform, ours_model.router_loss)}). leantune refuses rather than train on another "
+            "loss; please report the architecture")
     return OwnLossCheck(architecture, transform, own, loss_difference, gradient_difference,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, ours_model.router_loss)
 
 
-def _refuse_extra_loss_terms(facts: ModelFacts) -> None:
-    """A mixture-of-experts config that adds the router's auxiliary loss to the model's own loss."""
-    config = text_config(facts.config)
-    if getattr(config, "output_router_logits", False):
-        raise OwnLossMismatch(
-            f"{type(facts.config).__name__}: output_router_logits is on, so the model's own training loss adds the "
-            f"router's auxiliary loss (router_aux_loss_coef {getattr(config, 'router_aux_loss_coef', '?')}); "
-            "leantune trains the language-model loss only. Set output_router_logits to false in the model's "
-            "config.json to train without it")
+def _refuse_a_missing_router_loss(model: torch.nn.Module, stand_in: StandInDecoder, own_grads: list[torch.Tensor],
+                                  architecture: str) -> None:
+    """The stand-in's routers get no gradient from the model's own loss: its forward adds no router term."""
+    if stand_in.routers is None:
+        return
+    real = [p for p in model.parameters() if not p.is_meta]
+    router_grad = next(g for p, g in zip(real, own_grads) if p is stand_in.routers)
+    if not bool(router_grad.any()):
+        raise OwnLossMismatch(f"{architecture}: --output_router_logits (or output_router_logits in its config.json): "
+                              "this class's own loss adds no router load-balancing term, so leantune does not either; "
+                              "train without the flag (set output_router_logits to false in config.json)")
+
+
+def _applied(transform: LogitTransform, router_loss: Optional[RouterLoss], why: bool = True) -> str:
+    if router_loss is None:
+        return transform.describe()
+    return f"{transform.describe()}, + {router_loss.describe()}" + (
+        " (--output_router_logits, or its config.json: a class whose own loss adds no router term, or another one, "
+        "is refused)" if why else "")
+

@@ -53,6 +53,10 @@ class ModelConfig:
 
     rope_scaling_factor: Optional[float] = field(default=None, metadata=_help("Extend the model's positions this "
         "many times by RoPE interpolation (its positions and RoPE scaling factor multiplied; linear if none)."))
+    output_router_logits: bool = field(default=False, metadata=_help(
+        "A mixture of experts: train on its own loss with the router's load-balancing term (cross-entropy + "
+        "router_aux_loss_coef x load balancing over real tokens), as transformers' output_router_logits does; "
+        "on also when the model's config.json has it on. The term is logged per step."))
 
     def __post_init__(self):
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")

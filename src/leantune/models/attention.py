@@ -99,6 +99,18 @@ def whole_context_not_attended(config: PretrainedConfig) -> str | None:
     return None
 
 
+# Classes whose attention cannot keep examples packed in a row apart, and why (leantune pads their rows instead).
+_PACKED_EXAMPLES_MEET = {
+    "gpt_oss": ("its attention adds per-head sink logits, which only its eager attention computes, and it builds "
+                "that attention's mask without the position ids that keep packed examples apart"),
+}
+
+
+def packed_examples_meet(config: PretrainedConfig) -> str | None:
+    """Why ``config``'s model would let examples packed in a row see each other whatever the attention, or None."""
+    return _PACKED_EXAMPLES_MEET.get(getattr(config, "model_type", None))
+
+
 def describe_attention(attention: str) -> str:
     """What the model line says of ``attention`` beyond its name."""
     if attention == VARLEN:

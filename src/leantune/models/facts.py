@@ -22,6 +22,7 @@ from leantune.config import ConfigError, ModelConfig
 from leantune.loss import LogitTransform
 from leantune.models.attention import AUTO, resolve_attention, traceable_attention
 from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
+from leantune.models.moe import expert_count
 from leantune.models.presets import model_config
 from leantune.models.structure import decoder_layers
 
@@ -165,6 +166,20 @@ class ModelFacts:
                 "checkpointing asked for. Drop the flag, or use a model whose layers transformers can checkpoint")
 
 
+def run_model_config(config: PretrainedConfig, cfg: ModelConfig) -> PretrainedConfig:
+    """``config`` as the run changes it: positions extended (``--rope_scaling_factor``), the router's loss on
+    (``--output_router_logits``, which a dense model has no use for and refuses)."""
+    if cfg.rope_scaling_factor:
+        config = extend_positions(config, cfg.rope_scaling_factor)
+    if cfg.output_router_logits:
+        if expert_count(text_config(config)) is None:
+            raise ConfigError(f"--output_router_logits: {type(config).__name__} is not a mixture of experts (no "
+                              "num_local_experts or num_experts in its config); drop the flag")
+        config = copy.deepcopy(config)
+        text_config(config).output_router_logits = True
+    return config
+
+
 def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool = False) -> ModelFacts:
     """The facts of the model a run on ``device_type`` trains: its own ``config.json`` (a directory, or a
     hub id's), with the attention implementation the run uses."""
@@ -173,8 +188,7 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool =
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
-    if cfg.rope_scaling_factor:
-        config = extend_positions(config, cfg.rope_scaling_factor)
+    config = run_model_config(config, cfg)
     facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type,
                                                                 compiled=compiled)))
     try:
@@ -188,8 +202,6 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool =
 def plan_model_facts(cfg: ModelConfig, device_type: str, compiled: bool = False) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
     with the attention implementation a run on ``device_type`` would use."""
-    config = model_config(cfg.model_name)
-    if cfg.rope_scaling_factor:
-        config = extend_positions(config, cfg.rope_scaling_factor)
+    config = run_model_config(model_config(cfg.model_name), cfg)
     attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False, compiled=compiled)
     return ModelFacts(with_attention(config, attention))

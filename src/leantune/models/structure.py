@@ -21,3 +21,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in unwrap_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder whose final hidden states the LM head reads (inside a PEFT wrapper too).
+
+    ``get_decoder()`` finds it by the class's ``base_model_prefix``; Llama 4's causal LM names its
+    prefix ``language_model`` but keeps the decoder as ``model``, so transformers hands back the
+    whole model. Its forward runs ``self.model`` and then the head, so that is the decoder here.
+    """
+    base = unwrap_model(model)
+    decoder = base.get_decoder()
+    inner = getattr(base, "model", None)
+    if decoder is base and isinstance(inner, torch.nn.Module) and inner is not base:
+        return inner
+    return decoder

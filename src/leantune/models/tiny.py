@@ -41,6 +41,12 @@ TINY_VOCAB_SIZE = 2048
 # (Gemma's soft-capping, Granite's and Cohere's logit scales, ...) keep their defaults unless overridden.
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
             "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "cohere": "cohere"}
+# The mixture-of-experts families (``docs/model_families.md``), each with its experts' own fields at the tiny
+# shape: 4 experts a layer, 2 a token (Llama 4: 1, and a shared expert), experts narrower than the dense MLP.
+MOE_FAMILIES = {"qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+                "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+                "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2)),
+                "llama4": ("llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128))}
 
 
 # The tiny tokenizer's chat template (--dataset chat_dataset offline): Llama 3's layout with plain-text role
@@ -86,15 +92,16 @@ def build_model(tokenizer, seed: int = 0, family: str = "llama", **overrides):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    fields = {"tie_word_embeddings": False, **TINY_SHAPE, **overrides}
+    if family not in FAMILIES and family not in MOE_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join([*FAMILIES, *MOE_FAMILIES])}")
+    model_type, experts = MOE_FAMILIES.get(family, (FAMILIES.get(family), {}))
+    fields = {"tie_word_embeddings": False, **TINY_SHAPE, **experts, **overrides}
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     vocab_size = fields.pop("vocab_size", len(tokenizer))
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     config = AutoConfig.for_model(
-        FAMILIES[family],
+        model_type,
         vocab_size=vocab_size,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

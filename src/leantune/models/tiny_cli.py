@@ -7,14 +7,15 @@ import argparse
 import sys
 from typing import Sequence
 
-from leantune.models.tiny import FAMILIES, TINY_SHAPE, make_tiny_model
+from leantune.models.tiny import FAMILIES, MOE_FAMILIES, TINY_SHAPE, make_tiny_model
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("dir", help="output directory (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    parser.add_argument("--family", choices=list(FAMILIES), default="llama", help="the decoder family (default llama)")
+    parser.add_argument("--family", choices=[*FAMILIES, *MOE_FAMILIES], default="llama",
+                        help="the decoder family, dense or a mixture of experts (default llama)")
     for name, default in TINY_SHAPE.items():
         parser.add_argument(f"--{name}", type=int, default=default, help=f"the config's {name}")
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ from leantune.memory.allocator_model import AllocatorModel, AllocatorPair, expan
 from leantune.memory.tracker import StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
-from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.models.structure import decoder_layers, decoder_of, unwrap_model
 from leantune.precision import Precision, choose_precision
 from leantune.training.step import TrainStep
 
@@ -287,7 +287,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
             layer_input.append(args[0].untyped_storage().nbytes())
             tracker.follow(args[0])
 
-    hooks = [unwrap_model(model).get_decoder().register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
+    hooks = [decoder_of(model).register_forward_pre_hook(lambda *_: setattr(tracker, "stage", "forward")),
              optimizer.register_step_pre_hook(lambda *_: _optimizer_stage(tracker)),
              *(layer.register_forward_pre_hook(at_a_layer_input) for layer in decoder_layers(model))]
     tracker.register_model(model)

@@ -46,8 +46,10 @@ def memory_postfix(record: dict) -> str:
 
 def step_line(record: dict, step_in_epoch: int, total_in_epoch: int) -> str:
     loss = f"{record['loss']:.4f}" if record["loss"] is not None else "non-finite (step skipped)"
-    line = (f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {loss}, "
-            f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step")
+    line = f"epoch {record['epoch']} step {step_in_epoch}/{total_in_epoch}: loss {loss}, "
+    if record.get("router_loss") is not None:  # a mixture of experts' load balancing, which the loss includes
+        line += f"router load balancing {record['router_loss']:.4f}, "
+    line += f"{record['tokens_per_s']:,.0f} tokens/s, {record['step_time_s']:.3f} s/step"
     if record.get("mfu") is not None:
         line += f", MFU {record['mfu']:.1%}"
     if record.get("peak_allocated_mib") is not None:

@@ -40,7 +40,7 @@ from leantune.report.loggers import MetricLoggers
 from leantune.training import lines
 from leantune.training.outputs import MemorySnapshot, RunOutputs, summarise
 from leantune.training.state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
-from leantune.training.step import StepResult, TrainStep, host_floats, model_inputs
+from leantune.training.step import StepResult, TrainStep, host_floats, model_inputs, routed
 from leantune.training.stopping import NoStopRequest, OutOfMemory, TrainingInterrupted
 
 # Memory fields copied from the monitor's record into each step's metrics.
@@ -172,7 +172,8 @@ class Trainer:
                 if limit and index >= limit:
                     break
                 with self.parts.precision.autocast():
-                    loss_total += self.step.loss_model(*model_inputs(batch, self.device)).float()
+                    inputs = model_inputs(batch, self.device, routed(self.step.loss_model))
+                    loss_total += self.step.loss_model(*inputs).float()
                 targets += count_targets(batch["labels"])
         finally:
             if self.dist.sharded:
@@ -280,6 +281,8 @@ class Trainer:
                                                         self.dist.world_size))
         if not result.skipped:
             del record["skipped"]
+        if result.router_loss is None:  # a dense model's, or a mixture of experts' whose loss has no router term
+            del record["router_loss"]
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)

@@ -18,9 +18,10 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
-from leantune.labels import count_targets
+from leantune.labels import IGNORE_INDEX, count_targets
 from leantune.loss import causal_lm_loss_sum
-from leantune.models.structure import unwrap_model
+from leantune.models.moe import load_balancing_loss, router_loss_of
+from leantune.models.structure import decoder_of, unwrap_model
 from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS, Segments, segments_of
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
@@ -36,6 +37,7 @@ class StepResult:
     step_time_s: float
     grad_norm: Optional[float]
     skipped: Optional[str] = None  # why the optimizer step was skipped (a non-finite loss or gradient norm)
+    router_loss: Optional[float] = None  # a mixture of experts' load-balancing loss (unscaled; in ``loss`` scaled)
 
     @property
     def tokens_per_s(self) -> float:
@@ -55,18 +57,26 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, position_ids
     flash-attention path reads them as variable-length sequences of one flat row only, so for it
     the batch is passed as one row (the positions still restart at each row's start).
     """
-    decoder = unwrap_model(model).get_decoder()
+    return decoder_output(model, input_ids, position_ids, segments).last_hidden_state
+
+
+def decoder_output(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                   segments: Optional[Segments] = None, router_logits: bool = False):
+    """The decoder's output (``forward_hidden``'s), its hidden states as ``input_ids``' rows; with
+    ``router_logits`` a mixture of experts' decoder also returns every layer's router logits."""
+    decoder = decoder_of(model)
     attention = getattr(getattr(decoder, "config", None), "_attn_implementation", None)  # a stand-in has none
-    spans = {}
+    extra = {"output_router_logits": True} if router_logits else {}
     if attention == VARLEN:
-        spans[SEGMENTS] = segments if segments is not None else segments_of(position_ids, *input_ids.shape)
+        extra[SEGMENTS] = segments if segments is not None else segments_of(position_ids, *input_ids.shape)
     if position_ids is None:
-        return decoder(input_ids=input_ids, use_cache=False, **spans).last_hidden_state
+        return decoder(input_ids=input_ids, use_cache=False, **extra)
     rows = input_ids.shape
     if attention == "flash_attention_2":
         input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-    hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **spans).last_hidden_state
-    return hidden.reshape(*rows, hidden.shape[-1])
+    output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+    output.last_hidden_state = output.last_hidden_state.reshape(*rows, output.last_hidden_state.shape[-1])
+    return output
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -75,34 +85,50 @@ class CausalLMLoss(torch.nn.Module):
     The decoder's hidden states go straight into ``loss_fn`` (which applies the LM head), so the
     logits never exist in full unless the loss makes them. Being one module, it is also the root
     that FSDP shards (``leantune.distributed.fsdp``): every parameter is used inside its forward.
+
+    A mixture of experts whose own loss adds its router's load-balancing term (``output_router_logits``)
+    gets it here too, over the batch's real tokens (``real_tokens``, its attention mask), weighted by
+    the batch's target tokens: divided by them, a batch's summed loss is the model's own, and over an
+    accumulation window every token weighs the same. ``router_loss_sum`` keeps the term's value (times
+    the targets, detached) for the step's log.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable = causal_lm_loss_sum):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.router_loss = router_loss_of(unwrap_model(model).config)
+        self.router_loss_sum: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                segments: Optional[Segments] = None) -> torch.Tensor:
-        hidden = forward_hidden(self.model, input_ids, position_ids, segments)
-        return self.loss_fn(hidden, unwrap_model(self.model).get_output_embeddings(), labels)
+                segments: Optional[Segments] = None, real_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        output = decoder_output(self.model, input_ids, position_ids, segments, router_logits=bool(self.router_loss))
+        loss = self.loss_fn(output.last_hidden_state, unwrap_model(self.model).get_output_embeddings(), labels)
+        if self.router_loss is None:
+            return loss
+        targets = (labels[:, 1:] != IGNORE_INDEX).sum()
+        balance = load_balancing_loss(output.router_logits, self.router_loss, real_tokens)
+        router_sum = balance * targets
+        self.router_loss_sum = router_sum.detach()
+        return loss + self.router_loss.coefficient * router_sum
 
 
 def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                       precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
                       after_forward: Optional[Callable[[], None]] = None,
-                      position_ids: Optional[torch.Tensor] = None, segments: Optional[Segments] = None
-                      ) -> torch.Tensor:
+                      position_ids: Optional[torch.Tensor] = None, segments: Optional[Segments] = None,
+                      real_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The training step's forward and backward of one batch; returns its summed loss, detached.
 
     Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
     is divided by ``normaliser`` and, with a GradScaler, scaled before backward. ``after_forward``
     is called once the loss exists and before backward, when what is alive is exactly what
     backward will need: the benchmark and the example read their activation meter there.
-    ``position_ids``: the rows' own, when examples are packed apart (``segments``: their spans).
+    ``position_ids``: the rows' own, when examples are packed apart (``segments``: their spans);
+    ``real_tokens``: the attention mask, for a router's loss.
     """
     with precision.autocast():
-        loss_sum = loss_model(input_ids, labels, position_ids, segments)  # its activations are referenced by the graph alone
+        loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens)  # its activations are referenced by the graph alone
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -120,16 +146,23 @@ def forward_backward(model: torch.nn.Module, lm_head: torch.nn.Module, input_ids
                              after_forward)
 
 
-def model_inputs(batch: dict, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Segments]]:
-    """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``, and the
-    rows' spans (``batch["segments"]``, else read from the host's position ids, so a GPU is not waited for)."""
+def routed(loss_model: torch.nn.Module) -> bool:
+    """Whether ``loss_model`` adds a router's load-balancing loss (which needs the batches' attention masks)."""
+    return getattr(loss_model, "router_loss", None) is not None
+
+
+def model_inputs(batch: dict, device: torch.device, real_tokens: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Segments], Optional[torch.Tensor]]:
+    """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``, the
+    rows' spans (``batch["segments"]``, else read from the host's position ids, so a GPU is not waited for),
+    and with ``real_tokens`` (a router's loss counts them) its attention mask on ``device``, else None."""
     positions = batch.get("position_ids")
     segments = batch.get("segments")
     if segments is None and positions is not None:
         segments = segments_of(positions, *batch["input_ids"].shape)
+    mask = batch["attention_mask"].to(device, non_blocking=True) if real_tokens else None
     return (batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True),
-            None if positions is None else positions.to(device, non_blocking=True), segments)
+            None if positions is None else positions.to(device, non_blocking=True), segments, mask)
 
 
 def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
@@ -217,15 +250,20 @@ class TrainStep:
         targets = int(self.dist.sum(sum(count_targets(batch["labels"]) for batch in window), self.device))
         normaliser = max(targets, 1) / self.dist.world_size
         loss_total = torch.zeros((), device=self.device)
+        router_total = torch.zeros((), device=self.device) if routed(self.loss_model) else None
         for batch in window:
             loss_total += self.forward_backward(batch, normaliser=normaliser)
+            if router_total is not None:
+                router_total += self.loss_model.router_loss_sum
         # one wait for the device, before the optimizer may apply what is checked
-        loss_sum, grad_norm = host_floats(loss_total, self.gradient_norm())
+        loss_sum, grad_norm, router_sum = host_floats(loss_total, self.gradient_norm(), router_total)
         input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
         stop_requested = float(stop is not None and stop())
-        loss_sum, input_tokens, stops = self.dist.sum_all([loss_sum, input_tokens, stop_requested], self.device)
+        loss_sum, input_tokens, stops, router_sum = self.dist.sum_all(
+            [loss_sum, input_tokens, stop_requested, router_sum or 0.0], self.device)
         self.stop_agreed = stops > 0  # every rank stops after the same step
         loss = loss_sum / max(targets, 1)
+        router_loss = router_sum / max(targets, 1) if router_total is not None else None
         skipped = None
         if self.nonfinite is not None:
             skipped = self.nonfinite.problem(loss, grad_norm, self.scaler is not None, window, step, skipped_before)
@@ -240,13 +278,14 @@ class TrainStep:
             self.optimizer.step()
         if self.device.type == "cuda":  # the step ends when the GPU is done with it, not when its last kernel is queued
             torch.cuda.synchronize(self.device)
-        return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped)
+        return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped,
+                          router_loss)
 
     def forward_backward(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
-        input_ids, labels, positions, segments = model_inputs(batch, self.device)
+        input_ids, labels, positions, segments, real = model_inputs(batch, self.device, routed(self.loss_model))
         return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
-                                 normaliser=normaliser, position_ids=positions, segments=segments)
+                                 normaliser=normaliser, position_ids=positions, segments=segments, real_tokens=real)
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
         """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.

@@ -1,0 +1,172 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss, Llama 4): each trains on exactly its own loss, the router's
+load-balancing term included when asked, or is refused before a weight loads.
+
+Each family is built tiny (``leantune.models.tiny.MOE_FAMILIES``) with random routers, so tokens spread over the
+experts; leantune's loss is compared with the model's own ``forward(labels=...)`` on the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import make_batch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from leantune import finetuning
+from leantune.builders.model import build_model
+from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
+from leantune.builders.step import loss_model_for
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError, TrainingConfig
+from leantune.labels import count_targets
+from leantune.models.facts import ModelFacts, run_model_facts
+from leantune.models.moe import RouterLoss, load_balancing_loss
+from leantune.models.tiny import MOE_FAMILIES
+from leantune.precision import choose_precision
+
+CPU = torch.device("cpu")
+ROUTED = ["qwen3_moe", "mixtral", "gpt_oss"]  # whose own loss adds the router's term (Llama 4's does not)
+
+
+def _built(path, *flags):
+    cfg = parse_run_config(["--model_name", str(path), *flags])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    return cfg, model, loss_model_for(model, cfg.training, sharded=False)
+
+
+def _padded_batch(vocab: int):
+    ids, labels = make_batch(vocab, seq=24)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # right padding: no targets there, and no tokens for the router's loss
+    labels[1, -5:] = -100
+    return ids, labels, mask
+
+
+@pytest.mark.parametrize("loss", ["chunked", "plain"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_loss_and_gradients_are_the_models_own(moe_dir, family, loss):
+    _, model, loss_model = _built(moe_dir(family), "--loss_chunk_size", "7" if loss == "chunked" else "0")
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    ours = loss_model(ids, labels) / count_targets(labels)
+    ours.backward()
+    our_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    own = model(input_ids=ids, labels=labels).loss
+    own.backward()
+    assert float(ours.detach()) == pytest.approx(float(own.detach()), rel=1e-5)
+    for name, param in model.named_parameters():
+        assert torch.allclose(our_grads[name], param.grad, rtol=1e-4, atol=1e-6), name
+    assert any("experts" in n and g.abs().sum() > 0 for n, g in our_grads.items())  # the experts do train
+
+
+@pytest.mark.parametrize("family", ROUTED)
+def test_the_routers_loss_is_the_models_own_over_real_tokens(moe_dir, family):
+    """--output_router_logits: cross-entropy + coefficient x load balancing, padding not counted, as transformers'."""
+    attention = "eager" if family == "gpt_oss" else "sdpa"  # an attention that reads the padding mask
+    _, model, loss_model = _built(moe_dir(family), "--output_router_logits", "--attn_implementation", attention,
+                                  "--loss_chunk_size", "7")
+    ids, labels, mask = _padded_batch(model.config.vocab_size)
+    ours = loss_model(ids, labels, real_tokens=mask) / count_targets(labels)
+    ours.backward()
+    our_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    own = model(input_ids=ids, attention_mask=mask, labels=labels)
+    own.loss.backward()
+    assert float(ours.detach()) == pytest.approx(float(own.loss.detach()), rel=1e-6, abs=1e-6)
+    for name, param in model.named_parameters():
+        assert torch.allclose(our_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+    router = [n for n in our_grads if ".gate." in n or ".router." in n]
+    assert router and all(our_grads[n].abs().sum() > 0 for n in router)
+    # the term is there and counts real tokens only: without the mask (padding counted) it is another
+    balance = float(loss_model.router_loss_sum) / count_targets(labels)
+    assert balance == pytest.approx(float(own.aux_loss.detach()), rel=1e-6)
+    unmasked = load_balancing_loss([t.detach() for t in own.router_logits], loss_model.router_loss)
+    assert abs(float(unmasked) - balance) > 1e-4
+
+
+def test_the_load_balancing_loss_by_hand():
+    """Two tokens, two experts, top 1: fractions (1/2, 1/2), probabilities (p0, p1) averaged; loss 2 x sum."""
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [5.0, -5.0]])
+    probs = torch.softmax(logits, -1)
+    rule = RouterLoss(num_experts=2, top_k=1, coefficient=0.1)
+    expected = 2 * (0.5 * probs[:2, 0].mean() + 0.5 * probs[:2, 1].mean())
+    got = load_balancing_loss((logits,), rule, real_tokens=torch.tensor([1, 1, 0]))
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    two_layers = load_balancing_loss((logits[:2], logits[:2]), rule)  # layers pooled: the same here
+    assert float(two_layers) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_checkpointing_gives_exactly_the_plain_gradients_with_the_routers_loss(moe_dir):
+    grads = []
+    for flags in ([], ["--enable_activation_checkpointing"]):
+        _, model, loss_model = _built(moe_dir("qwen3_moe"), "--output_router_logits", *flags)
+        ids, labels, mask = _padded_batch(model.config.vocab_size)
+        loss_model(ids, labels, real_tokens=mask).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_a_run_logs_the_routers_loss_each_step_and_its_first_loss_is_the_models_own(moe_dir, tmp_path, write_jsonl):
+    path = moe_dir("mixtral")
+    data = write_jsonl([{"text": "The quick brown fox jumps over the lazy dog. " * 3}] * 8)
+    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path", str(data),
+            "--context_length", "48", "--batching_strategy", "padding", "--batch_size_training", "1", "--max_train_step",
+            "2", "--num_epochs", "1", "--run_validation", "false", "--num_workers_dataloader", "0", "--save_metrics",
+            "--save_model", "false", "--output_dir", str(tmp_path / "out")]
+    lines: list[str] = []
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    assert any("+ router load-balancing loss × 0.001 (4 experts, top 2" in line for line in lines
+               if line.startswith("loss check:"))
+    step_lines = [line for line in lines if " step " in line and "router load balancing" in line]
+    assert len(step_lines) == 2
+    first = json.loads((tmp_path / "out" / "metrics.json").read_text())["train_steps"][0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from leantune.builders.loaders import RunData
+    from leantune.models.loading import load_tokenizer
+
+    cfg = parse_run_config(argv)
+    loader, _ = RunData(cfg.data, cfg.training, load_tokenizer(cfg.model), log=lambda _line: None).loaders(cfg.training)
+    batch = next(iter(loader))
+    with torch.no_grad():
+        own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    output_router_logits=True)
+    assert first["loss"] == pytest.approx(float(own.loss), rel=1e-5)
+    assert first["router_loss"] == pytest.approx(float(own.aux_loss), rel=1e-5)
+
+
+def test_llama4s_causal_lm_is_checked_through_its_model_and_its_missing_router_loss_refused(moe_dir):
+    """Llama 4's text class keeps its decoder as ``model`` (transformers' get_decoder() returns the whole model)."""
+    facts = run_model_facts(parse_run_config(["--model_name", str(moe_dir("llama4"))]).model)
+    assert check_own_loss(TrainingConfig(), facts, sharded=False).architecture == "Llama4ForCausalLM"
+    routed = run_model_facts(parse_run_config(["--model_name", str(moe_dir("llama4")), "--output_router_logits"]).model)
+    with pytest.raises(OwnLossMismatch, match="Llama4ForCausalLM: --output_router_logits .*this class's own loss adds "
+                                              "no router load-balancing term"):
+        check_own_loss(TrainingConfig(), routed, sharded=False)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_real_shaped_moe_configs_pass_the_check_with_the_routers_loss(model_type):
+    config = AutoConfig.for_model(model_type, output_router_logits=True)
+    check = check_own_loss(TrainingConfig(), ModelFacts(config), sharded=False)
+    assert check.router_loss is not None and check.router_loss.coefficient == config.router_aux_loss_coef
+    assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-4
+
+
+def test_the_routers_loss_on_a_dense_model_is_refused(family_dir):
+    with pytest.raises(ConfigError, match="--output_router_logits: LlamaConfig is not a mixture of experts"):
+        run_model_facts(parse_run_config(["--model_name", str(family_dir("llama")), "--output_router_logits"]).model)
+
+
+def test_gpt_oss_pads_its_rows_saying_why(moe_dir, tmp_path):
+    argv = ["--model_name", str(moe_dir("gpt_oss")), "--context_length", "64", "--batch_size_training", "2",
+            "--max_train_step", "1", "--num_epochs", "1", "--run_validation", "false", "--save_model", "false",
+            "--num_workers_dataloader", "0", "--output_dir", str(tmp_path / "out")]
+    lines: list[str] = []
+    finetuning.run(parse_run_config(argv), log=lines.append)
+    assert any(line.startswith("data: padding, one example a row: GptOssForCausalLM cannot keep examples packed")
+               for line in lines)
+    assert any("(padding) per epoch" in line for line in lines)
+    assert not any(line.startswith("packing:") for line in lines)
