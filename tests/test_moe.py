@@ -170,3 +170,109 @@ def test_gpt_oss_pads_its_rows_saying_why(moe_dir, tmp_path):
                for line in lines)
     assert any("(padding) per epoch" in line for line in lines)
     assert not any(line.startswith("packing:") for line in lines)
+
+
+# ------------------------------------------------------------------------------------------- LoRA on the experts
+def _lora(path, *targets, router=False):
+    flags = ["--use_peft", "--lora_dropout", "0", "--lora_r", "2", "--lora_target_modules", *targets]
+    cfg, model, loss_model = _built(path, *flags, *(["--lora_router"] if router else []))
+    with torch.no_grad():  # peft starts B at zero: give the low-rank paths a value
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    return cfg, model, loss_model
+
+
+def _merged_by_hand(model) -> torch.nn.Module:
+    """The base model whose fused expert tensors hold W + scale x B_e A_e for each expert e, by hand (einsum)."""
+    from leantune.models.structure import unwrap_model
+
+    merged = AutoModelForCausalLM.from_config(unwrap_model(model).config, dtype=torch.float32)
+    state = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Linear" and hasattr(module, "lora_A"):  # a linear layer's (Llama 4's shared expert)
+            lora = module.lora_B["default"].weight @ module.lora_A["default"].weight * module.scaling["default"]
+            key = name.replace("base_model.model.", "") + ".weight"
+            state[key] = (module.base_layer.weight + lora).detach()
+            continue
+        if type(module).__name__ != "ParamWrapper":
+            continue
+        base = module.get_base_layer()
+        weight = getattr(base, module.parameter_name)
+        experts = weight.shape[0]
+        a = module.lora_A["default"].weight.reshape(experts, -1, module.lora_A["default"].weight.shape[-1])
+        b = module.lora_B["default"].weight.reshape(module.lora_B["default"].weight.shape[0], -1, experts)
+        delta = torch.einsum("ore,eri->eoi", b, a) * module.scaling["default"]  # [experts, B rows, A columns]
+        delta = delta if delta.shape == weight.shape else delta.transpose(1, 2)
+        key = name.replace("base_model.model.", "").replace(".base_layer", "") + "." + module.parameter_name
+        state[key.replace(f".{module.parameter_name}.{module.parameter_name}", f".{module.parameter_name}")] = \
+            weight.detach() + delta.detach()
+    base_state = {k.replace("base_model.model.", "").replace(".base_layer", ""): v.detach()
+                  for k, v in model.named_parameters() if "lora_" not in k}
+    merged.load_state_dict({**base_state, **state}, strict=True)
+    return merged
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lora_on_the_experts_is_the_merged_models_loss(moe_dir, family):
+    """Each expert's low-rank pair applied: the loss is that of a model whose experts hold W + scale x B A."""
+    _, model, loss_model = _lora(moe_dir(family), "gate_up_proj", "down_proj")
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    with torch.no_grad():
+        ours = float(loss_model(ids, labels)) / count_targets(labels)
+        merged = float(_merged_by_hand(model)(input_ids=ids, labels=labels).loss)
+        with model.disable_adapter():
+            plain = float(loss_model(ids, labels)) / count_targets(labels)
+    assert ours == pytest.approx(merged, rel=1e-5)
+    assert abs(ours - plain) > 1e-3  # the experts' LoRA does change the loss
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_the_base_experts_and_the_routers_stay_unless_asked_while_the_experts_lora_moves(moe_dir, router):
+    _, model, loss_model = _lora(moe_dir("qwen3_moe"), "all-linear", router=router)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    loss_model(ids, labels).backward()
+    optimizer.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert moved and all("lora_" in n for n in moved)
+    assert any("experts" in n and "lora_A" in n for n in moved) and any("self_attn" in n for n in moved)
+    assert any(".gate." in n for n in moved) == router
+
+
+def test_the_run_log_names_what_lora_wraps(moe_dir):
+    lines = []
+    cfg = parse_run_config(["--model_name", str(moe_dir("llama4")), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear"])
+    build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    line = next(line for line in lines if line.startswith("lora:"))
+    assert "modules down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj and parameters " in line
+    assert "experts.gate_up_proj" in line and "experts.down_proj" in line
+    assert "routers frozen (--lora_router trains them)" in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_target_modules", "q_proj", "experts"], "experts is no linear layer or expert tensor of "
+                                                     "Qwen3MoeForCausalLM; its linear layers and expert tensors are"),
+    (["--lora_target_modules", "gate"], "gate is the router of Qwen3MoeForCausalLM's experts; LoRA on the routers "
+                                        "comes with --lora_router"),
+    (["--lora_target_modules", "down_proj", "--lora_dropout", "0.1"], "--lora_dropout 0.1 with LoRA on "
+                                                                      "experts.down_proj: peft's LoRA on a fused"),
+])
+def test_bad_expert_lora_input_gets_one_line_before_loading(moe_dir, flags, message):
+    from leantune.models.loading import ModelLoadError
+
+    cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", *flags])
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_model_facts(cfg.model).check_lora_targets(cfg.peft)
+
+
+def test_the_router_flag_needs_lora(family_dir):
+    with pytest.raises(ConfigError, match="--lora_router: puts LoRA on the routers and needs --use_peft"):
+        parse_run_config(["--lora_router"])
+    cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--use_peft", "--lora_router"])
+    from leantune.models.loading import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="--lora_router: LlamaForCausalLM has no router"):
+        run_model_facts(cfg.model).check_lora_targets(cfg.peft)

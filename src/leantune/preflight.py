@@ -122,7 +122,7 @@ def check_model_shape(cfg: RunConfig, device_type: str = "cpu") -> ModelFacts:
     facts = run_model_facts(cfg.model, device_type, compiled=cfg.training.compile)
     facts.check_context_length(cfg.data.context_length)
     if cfg.peft.use_peft and not cfg.peft.from_peft_checkpoint:
-        facts.check_lora_targets(cfg.peft.lora_target_modules)
+        facts.check_lora_targets(cfg.peft)
     if cfg.checkpointing.enable_activation_checkpointing:
         facts.check_checkpointable()
     return facts

@@ -18,7 +18,7 @@ from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effe
 from leantune.models.attention import describe_attention
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
                                    text_config)
-from leantune.models.loading import attach_lora, count_parameters, load_model, load_tokenizer
+from leantune.models.loading import attach_lora, count_parameters, describe_lora, load_model, load_tokenizer
 from leantune.models.moe import RouterLoss
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
@@ -121,6 +121,9 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
         f"{describe_attention(unwrap_model(model).config._attn_implementation)}) "
         f"{_where(cfg.distributed.enable_fsdp, shard_first)}{precision.device}")
+    lora_line = describe_lora(model)
+    if lora_line is not None:
+        log(lora_line)
     if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))
     if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then

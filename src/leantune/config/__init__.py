@@ -140,7 +140,10 @@ class PeftSettings:
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=_help(
         "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj), or all-linear: "
         "every linear layer but the output head (peft's meaning: Phi-3's fused qkv_proj and gate_up_proj too, and "
-        "a multimodal class's vision tower)."))
+        "a multimodal class's vision tower). A mixture of experts: its fused expert tensors by name too "
+        "(gate_up_proj, down_proj), and all-linear takes them, not its routers (--lora_router)."))
+    lora_router: bool = field(default=False, metadata=_help(
+        "A mixture of experts: LoRA on its routers too (left frozen by default, as Unsloth does)."))
 
     def __post_init__(self):
         self.lora_target_modules = [m for item in self.lora_target_modules for m in item.split(",") if m]
@@ -151,6 +154,8 @@ class PeftSettings:
         _require(ALL_LINEAR not in self.lora_target_modules or len(self.lora_target_modules) == 1,
                  "lora_target_modules", f"{ALL_LINEAR} already names every linear layer; give it alone")
         _require(not self.from_peft_checkpoint or self.use_peft, "from_peft_checkpoint", "needs --use_peft")
+        _require(not self.lora_router or self.use_peft, "lora_router",
+                 "puts LoRA on the routers and needs --use_peft (without it every weight trains, the routers too)")
 
 
 @dataclass

@@ -18,7 +18,7 @@ import math
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from leantune.config import ConfigError, ModelConfig
+from leantune.config import ConfigError, ModelConfig, PeftSettings
 from leantune.loss import LogitTransform
 from leantune.models.attention import AUTO, resolve_attention, traceable_attention
 from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
@@ -153,9 +153,10 @@ class ModelFacts:
     def check_context_length(self, context_length: int) -> None:
         check_context_length(self.config, context_length)
 
-    def check_lora_targets(self, targets: list[str]) -> None:
-        """Every ``--lora_target_modules`` name is a module of the model (``ModelLoadError`` otherwise)."""
-        check_lora_targets(self.shape, targets)
+    def check_lora_targets(self, peft: PeftSettings) -> None:
+        """Every ``--lora_target_modules`` name is a module or expert tensor of the model, and the rest of the
+        LoRA settings fit what they target (``ModelLoadError`` otherwise)."""
+        check_lora_targets(self.shape, peft)
 
     def check_checkpointable(self) -> None:
         """Activation checkpointing asked for: the model has decoder layers leantune can find and checkpoint."""

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
+from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
@@ -150,24 +151,72 @@ def attach_lora(model, cfg: PeftSettings):
 def _new_lora(model, cfg: PeftSettings):
     from peft import LoraConfig, get_peft_model
 
-    check_lora_targets(model, cfg.lora_target_modules)
-    targets = ALL_LINEAR if cfg.lora_target_modules == [ALL_LINEAR] else list(cfg.lora_target_modules)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    targets = lora_targets(model, cfg)
+    modules = ALL_LINEAR if targets.modules == (ALL_LINEAR,) else list(targets.modules)
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=modules,
+                      target_parameters=list(targets.parameters) or None, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
 
 
-def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    """Every ``--lora_target_modules`` name is a module of ``model`` (also one on the meta device)."""
-    if targets == [ALL_LINEAR]:
-        return
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in targets if m not in names]
+def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
+    """What ``--lora_target_modules`` wraps in ``model`` (also one on the meta device), checked: every name is one
+    of its linear layers or (a mixture of experts) its fused expert tensors; ``ModelLoadError`` naming them if not."""
+    all_linear = cfg.lora_target_modules == [ALL_LINEAR]
+    linear = linear_layer_names(model)
+    experts = expert_tensor_targets(model)
+    routers = set(router_targets(model)[0]) | {p.split(".")[0] for p in router_targets(model)[1]}
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | set(experts)
+    if experts:  # a mixture of experts: its experts module itself (or an MLP block) is no target
+        names = set(linear) | set(experts) | routers
+    missing = [] if all_linear else [m for m in cfg.lora_target_modules if m not in names]
     if missing:
-        linear = linear_layer_names(model)
-        raise ModelLoadError(f"--lora_target_modules: {' '.join(missing)} not found in {type(model).__name__}; its "
-                             f"linear layers are {' '.join(linear)}. Name some of them, e.g. --lora_target_modules "
-                             f"{' '.join(linear[:2])}, or --lora_target_modules {ALL_LINEAR}")
+        choices = ' '.join([*(n for n in linear if n not in routers), *experts])
+        where = "is no linear layer or expert tensor of" if experts else "not found in"
+        raise ModelLoadError(f"--lora_target_modules: {' '.join(missing)} {where} {type(model).__name__}; its "
+                             f"linear layers{' and expert tensors' if experts else ''} are {choices}. Name some of "
+                             f"them, e.g. --lora_target_modules {' '.join(linear[:2])}, or --lora_target_modules "
+                             f"{ALL_LINEAR}")
+    named_routers = [m for m in cfg.lora_target_modules if m in routers]
+    if named_routers:
+        raise ModelLoadError(f"--lora_target_modules: {' '.join(named_routers)} is the router of "
+                             f"{type(model).__name__}'s experts; LoRA on the routers comes with --lora_router")
+    if cfg.lora_router and not routers:
+        raise ModelLoadError(f"--lora_router: {type(model).__name__} has no router (not a mixture of experts); "
+                             "drop the flag")
+    targets = moe_lora_targets(model, cfg.lora_target_modules, linear, all_linear, cfg.lora_router)
+    if targets is None:
+        return LoraTargets((ALL_LINEAR,) if all_linear else tuple(cfg.lora_target_modules))
+    if targets.parameters and cfg.lora_dropout:
+        raise ModelLoadError(f"--lora_dropout {cfg.lora_dropout:g} with LoRA on {', '.join(targets.parameters)}: "
+                             "peft's LoRA on a fused expert tensor adds B·A to the weight, so it has no input of its "
+                             "own to drop; pass --lora_dropout 0, or target the linear layers alone")
+    return targets
+
+
+def describe_lora(model: torch.nn.Module) -> Optional[str]:
+    """The run log's line on what the adapter wraps (None without one): modules, parameters and trainable count."""
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return None
+    modules = config.target_modules
+    modules = modules if isinstance(modules, str) else ", ".join(sorted(modules or ()))
+    parameters = list(config.target_parameters or ())
+    wrapped = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    routers = [name for name, module in model.named_modules() if is_router(module)]
+    line = f"lora: r {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on modules {modules or '-'}"
+    if parameters:
+        line += f" and parameters {', '.join(parameters)} (each expert its own low-rank pair)"
+    line += f": {wrapped} places, {trainable:,} trainable parameters"
+    if routers:  # a wrapped router sits as its LoRA layer's base_layer
+        wrapped_router = any(name.endswith(".base_layer") for name in routers)
+        line += f"; routers {'with LoRA (--lora_router)' if wrapped_router else 'frozen (--lora_router trains them)'}"
+    return line
+
+
+def check_lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> None:
+    """Every ``--lora_target_modules`` name is a module or expert tensor of ``model`` (``lora_targets``)."""
+    lora_targets(model, cfg)
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:

@@ -84,3 +84,68 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], loss: RouterLoss,
         probabilities = probabilities + (probs if weight is None else probs * weight[:, None]).sum(dim=0)
         rows = rows + (probs.shape[0] if weight is None else weight.sum())
     return loss.num_experts * torch.sum((fractions / rows) * (probabilities / rows))
+
+
+# ----------------------------------------------------------------------------------------- LoRA targets
+# A fused experts tensor: [experts, out, in] or [experts, in, out], one per projection of every expert.
+EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """A layer's router (Qwen3-MoE's and Mixtral's ``gate``, gpt-oss's and Llama 4's ``router``)."""
+    return "Router" in type(module).__name__
+
+
+def expert_tensor_targets(model: torch.nn.Module) -> dict[str, str]:
+    """The fused expert tensors LoRA can target: name (``gate_up_proj``) -> peft's parameter suffix
+    (``experts.gate_up_proj``), from the experts modules' own 3-D parameters."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if name in EXPERT_TENSORS and param.dim() == 3:
+                found[name] = f"{module_name.rsplit('.', 1)[-1]}.{name}"
+    return found
+
+
+def router_targets(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The routers as LoRA targets: (linear module names, peft parameter suffixes of routers that are not linear)."""
+    modules, parameters = set(), set()
+    for module_name, module in model.named_modules():
+        if is_router(module):
+            leaf = module_name.rsplit(".", 1)[-1]
+            if isinstance(module, torch.nn.Linear):
+                modules.add(leaf)
+            else:
+                parameters.add(f"{leaf}.weight")
+    return sorted(modules), sorted(parameters)
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """What a LoRA adapter wraps: linear modules by name, and parameters (fused experts, routers) by suffix."""
+
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = [f"modules {', '.join(self.modules)}" if self.modules else "no modules"]
+        if self.parameters:
+            parts.append(f"parameters {', '.join(self.parameters)} (each expert its own low-rank pair)")
+        return "; ".join(parts)
+
+
+def moe_lora_targets(model: torch.nn.Module, names: Sequence[str], linear_names: Sequence[str],
+                     all_linear: bool, router: bool) -> Optional[LoraTargets]:
+    """For a mixture of experts (None otherwise): the LoRA targets ``names`` (or ``all_linear``: every linear layer
+    but the head and the routers, and every fused expert tensor) mean; the routers only with ``router``."""
+    experts = expert_tensor_targets(model)
+    if not experts:
+        return None
+    router_modules, router_parameters = router_targets(model)
+    wanted = [*linear_names, *experts] if all_linear else list(names)
+    modules = [n for n in wanted if n in linear_names and n not in router_modules]
+    parameters = [experts[n] for n in wanted if n in experts]
+    if router:
+        modules += router_modules
+        parameters += router_parameters
+    return LoraTargets(tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(parameters)))

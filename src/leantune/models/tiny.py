@@ -43,7 +43,7 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
             "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "cohere": "cohere"}
 # The mixture-of-experts families (``docs/model_families.md``), each with its experts' own fields at the tiny
 # shape: 4 experts a layer, 2 a token (Llama 4: 1, and a shared expert), experts narrower than the dense MLP.
-MOE_FAMILIES = {"qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+MOE_FAMILIES = {"qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)),
                 "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
                 "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2)),
                 "llama4": ("llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128))}
