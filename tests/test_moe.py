@@ -22,6 +22,7 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, TrainingConfig
 from leantune.labels import count_targets
 from leantune.models.facts import ModelFacts, run_model_facts
+from leantune.models.experts import _experts_of
 from leantune.models.moe import RouterLoss, load_balancing_loss
 from leantune.models.tiny import MOE_FAMILIES
 from leantune.precision import choose_precision
@@ -175,6 +176,7 @@ def test_gpt_oss_pads_its_rows_saying_why(moe_dir, tmp_path):
 # ------------------------------------------------------------------------------------------- LoRA on the experts
 def _lora(path, *targets, router=False):
     flags = ["--use_peft", "--lora_dropout", "0", "--lora_r", "2", "--lora_target_modules", *targets]
+    torch.manual_seed(0)  # peft's A from the global generator: the same whichever tests ran before
     cfg, model, loss_model = _built(path, *flags, *(["--lora_router"] if router else []))
     with torch.no_grad():  # peft starts B at zero: give the low-rank paths a value
         for name, param in model.named_parameters():
@@ -276,3 +278,111 @@ def test_the_router_flag_needs_lora(family_dir):
 
     with pytest.raises(ModelLoadError, match="--lora_router: LlamaForCausalLM has no router"):
         run_model_facts(cfg.model).check_lora_targets(cfg.peft)
+
+
+# ------------------------------------------------------------------- the experts' forward, and LoRA's path apart
+def _loss_and_grads(model, loss_model, ids, labels):
+    loss = loss_model(ids, labels) / count_targets(labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def _close(ours, theirs):
+    (loss, grads), (own_loss, own_grads) = ours, theirs
+    assert loss == pytest.approx(own_loss, rel=1e-5)
+    assert grads.keys() == own_grads.keys()
+    # relative in norm, float32: the loss within 1e-5; a gradient, which crosses both layers' experts summed in
+    # another order (grouped rows against a merged tensor), within 2e-5
+    for name, grad in own_grads.items():
+        assert float((grads[name] - grad).norm()) <= 2e-5 * max(float(grad.norm()), 1e-6), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_leantunes_experts_forward_is_transformers_eager_one(moe_dir, family):
+    """Full fine-tuning: the grouped experts (and their weights' gradients) equal transformers' own loop."""
+    _, model, loss_model = _built(moe_dir(family))
+    assert model.config._experts_implementation == "leantune"
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    ours = _loss_and_grads(model, loss_model, ids, labels)
+    model.config._experts_implementation = "eager"
+    _close(ours, _loss_and_grads(model, loss_model, ids, labels))
+
+
+def _moe_block(model):
+    from leantune.models.moe import expert_tensor_targets
+
+    layer = model.get_base_model().model.layers[0]
+    block = getattr(layer, "mlp", None) or layer.feed_forward
+    wrapper = block.experts
+    assert type(wrapper).__name__ == "ParamWrapper" and expert_tensor_targets(block)
+    return block, wrapper
+
+
+def _block_output_and_grads(model, block, hidden):
+    hidden = hidden.clone().requires_grad_(True)
+    out = block(hidden)
+    out = out[0] if isinstance(out, tuple) else out
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), hidden.grad, grads
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_lora_apart_equals_pefts_parameter_lora(moe_dir, family):
+    """One layer's experts with the same routing: leantune's low-rank path apart against peft's own forward
+    (its parametrization, W + scale·B·A, through transformers' eager experts) in float32; and the whole loss."""
+    _, model, loss_model = _lora(moe_dir(family), "all-linear")
+    block, wrapper = _moe_block(model)
+    hidden = torch.randn(2, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ours = _block_output_and_grads(model, block, hidden)
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    our_loss = float(loss_model(ids, labels).detach()) / count_targets(labels)
+    del wrapper.forward  # peft's own ParamWrapper.forward again
+    experts, _ = _experts_of(wrapper)
+    if hasattr(experts, "has_gate"):
+        model.config._experts_implementation = "eager"
+    else:  # Llama 4's experts: transformers' own forward
+        del experts.forward
+    theirs = _block_output_and_grads(model, block, hidden)
+    for mine, own in zip(ours[:2], theirs[:2]):  # the output and its input's gradient, relative in norm
+        assert float((mine - own).norm()) <= 1e-5 * float(own.norm())
+    assert ours[2].keys() == theirs[2].keys() and any("experts" in n and "lora_B" in n for n in ours[2])
+    for name, grad in theirs[2].items():
+        assert float((ours[2][name] - grad).norm()) <= 1e-5 * float(grad.norm()), name
+    their_loss = float(loss_model(ids, labels).detach()) / count_targets(labels)
+    assert our_loss == pytest.approx(their_loss, rel=1e-5)
+
+
+def test_expert_lora_builds_no_merged_weight_and_frozen_experts_no_gradient(moe_dir, monkeypatch):
+    """peft's parametrization (which builds W + scale·B·A) never runs, nor a frozen expert tensor's gradient."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    import leantune.models.experts as experts
+
+    weight_grads = []
+    monkeypatch.setattr(ParamWrapper, "_activate_lora", lambda *_a: pytest.fail("peft merged an expert tensor"))
+    original = experts.grouped_mm_weight_grad
+    monkeypatch.setattr(experts, "grouped_mm_weight_grad", lambda *a: weight_grads.append(original(*a)) or weight_grads[-1])
+    _, model, loss_model = _lora(moe_dir("qwen3_moe"), "all-linear")
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss_model(ids, labels).backward()
+    assert weight_grads and all(2 in g.shape[1:] for g in weight_grads)  # the rank-2 factors' only
+    assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n and "lora_" not in n)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n and "lora_" in n)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_moe_plan_equals_the_real_steps_count(moe_dir, family):
+    from leantune.planning.fake_step import trace_step
+
+    cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear", "--batch_size_training", "2", "--context_length", "64"])
+    config = run_model_facts(cfg.model).config
+    for mode in ("none", "full"):
+        predicted, measured = trace_step(cfg, config, CPU, mode), trace_step(cfg, config, CPU, mode, fake=False)
+        assert predicted.peak_bytes == measured.peak_bytes
+        assert predicted.breakdown == measured.breakdown

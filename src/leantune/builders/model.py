@@ -16,6 +16,7 @@ from leantune.checkpointing import (CheckpointingReport, apply_activation_checkp
 from leantune.config import RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
 from leantune.models.attention import describe_attention
+from leantune.models.experts import use_leantune_experts
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
                                    text_config)
 from leantune.models.loading import attach_lora, count_parameters, describe_lora, load_model, load_tokenizer
@@ -70,6 +71,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     """
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
+    use_leantune_experts(model)  # a mixture of experts: frozen experts get no gradient, LoRA's path apart
     if place is None:
         # a quantized base is loaded where it trains (it cannot move); under FSDP the model stays on
         # the host and fully_shard moves one unit at a time (the whole model may not fit the device)

@@ -1,0 +1,216 @@
+"""The experts' forward leantune runs: grouped matmuls that give a frozen expert tensor no gradient, and LoRA on
+the experts without the merged weight.
+
+transformers runs a layer's experts as one grouped matmul per projection over the tokens sorted by
+expert (``grouped_mm``). Two things cost memory there in fine-tuning:
+
+* peft's LoRA on a fused expert tensor builds ``W + scale·B·A`` for every expert of the layer in
+  forward and keeps it for backward (a second copy of the layer's experts, and again in recompute);
+* where ``grouped_mm`` has no kernel for the dtype (float32, the CPU, fake tensors), transformers'
+  fallback computes the weight's gradient even when the weight is frozen.
+
+Here each projection is ``x·W + scale·(x·P)·Q`` per expert (``P`` [in, r], ``Q`` [r, out], from the
+adapter's own A and B): the base tensor is read, never copied, and the low-rank path is two thin
+grouped matmuls. ``grouped_mm`` below is an operator of leantune's own: PyTorch's kernel where it has
+one (a CUDA GPU, bfloat16), else a loop over the experts; its backward makes a weight's gradient only
+for a weight that trains, and it has a fake implementation, so the planner traces the same step.
+The adapter stays peft's (its files, merging and loading are unchanged): only its forward is this one.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+NAME = "leantune"  # the experts implementation's name in transformers' registry
+
+
+def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offsets):
+        if end > start:
+            torch.mm(x[start:end], weight[expert], out=out[start:end])
+        start = end
+    return out
+
+
+def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and weight.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+
+
+@torch.library.custom_op("leantune::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` [S, in] (rows sorted by expert; ``offsets``: each expert's cumulative end) times ``weight`` [E, in, out]."""
+    x = x.to(weight.dtype)
+    if _native(x, weight):
+        return torch.nn.functional.grouped_mm(x, weight, offs=offsets.to(torch.int32))
+    return _loop(x, weight, offsets.tolist())
+
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[2], dtype=weight.dtype)
+
+
+@torch.library.custom_op("leantune::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each expert's ``x_rowsᵀ · grad_rows`` ([E, in, out])."""
+    out = grad.new_zeros(experts, x.shape[1], grad.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end].to(grad.dtype).T, grad[start:end], out=out[expert])
+        start = end
+    return out
+
+
+@grouped_mm_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    return grad.new_empty(experts, x.shape[1], grad.shape[1])
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, weight, offsets = inputs
+    ctx.x_dtype = x.dtype
+    # the input only when the weight trains: a frozen expert tensor's backward needs the weight alone
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, offsets)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    x, weight, offsets = ctx.saved_tensors
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grouped_mm(grad, weight.transpose(1, 2), offsets).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        grad_weight = grouped_mm_weight_grad(x, grad, offsets, weight.shape[0])
+    return grad_x, grad_weight, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def low_rank_factors(wrapper: torch.nn.Module, transposed: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+    """A peft ``ParamWrapper``'s adapter as ``(P [E, in, r], Q [E, r, out], scale)`` of the projection ``x·M``
+    (``M`` the tensor itself when ``transposed``, [E, in, out], else its transpose), or None when inactive."""
+    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if wrapper.disable_adapters or wrapper.merged or not adapters:
+        return None
+    if len(adapters) > 1:
+        raise NotImplementedError("leantune's expert LoRA runs one active adapter")
+    lhs, rhs, scale = wrapper.get_delta_factors(adapters[0])  # the tensor's delta: scale · lhs @ rhs
+    return (lhs, rhs, scale) if transposed else (rhs.transpose(1, 2), lhs.transpose(1, 2), scale)
+
+
+def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor,
+             expert_ids: torch.Tensor) -> torch.Tensor:
+    """One projection of the sorted rows ``x``: base tensor, its bias rows, and the LoRA path when wrapped."""
+    weight = getattr(experts, name)
+    transposed = getattr(experts, "is_transposed", False)
+    out = grouped_mm(x, weight if transposed else weight.transpose(1, 2), offsets)
+    if getattr(experts, "has_bias", False):
+        out = out + getattr(experts, f"{name}_bias")[expert_ids]
+    factors = getattr(experts, "leantune_lora", {}).get(name)
+    if factors is not None:
+        p, q, scale = factors
+        out = out + scale * grouped_mm(grouped_mm(x, p, offsets), q, offsets)
+    return out
+
+
+def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts call (``@use_experts_implementation`` classes): the tokens' rows sorted by expert,
+    each projection a grouped matmul (``_project``), weighted by the routing and summed back per token."""
+    tokens, top_k = top_k_index.shape
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[order // top_k]
+    counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids.device)  # a fixed size: traceable
+    offsets = torch.cumsum(counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)), 0)
+    hidden = _project(self, "gate_up_proj" if self.has_gate else "up_proj", rows, offsets, expert_ids)
+    hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
+    out = _project(self, "down_proj", hidden, offsets, expert_ids)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return out[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def llama4_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts (every expert over every token, its tensors [E, in, out]) with LoRA's low-rank path apart."""
+    lora = getattr(self, "leantune_lora", {})
+
+    def project(name: str, x: torch.Tensor) -> torch.Tensor:
+        out = torch.bmm(x, getattr(self, name))
+        if name in lora:
+            p, q, scale = lora[name]
+            out = out + scale * torch.bmm(torch.bmm(x, p), q)
+        return out
+
+    x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate, up = project("gate_up_proj", x).chunk(2, dim=-1)
+    return project("down_proj", up * self.act_fn(gate)).view(-1, self.hidden_size)
+
+
+def _experts_of(wrapper: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """The experts module under a chain of peft ``ParamWrapper``s (one a wrapped tensor), and the chain."""
+    chain, module = [], wrapper
+    while type(module).__name__ == "ParamWrapper":
+        chain.append(module)
+        module = module.base_layer
+    return module, chain
+
+
+def _split_lora_forward(wrapper: torch.nn.Module, *args, **kwargs):
+    """The outermost wrapper's forward: the experts run once with every wrapped tensor's low-rank factors."""
+    experts, chain = _experts_of(wrapper)
+    if not _runs_split(experts):  # its forward is no longer leantune's: peft's own path, merged weight and all
+        return type(wrapper).forward(wrapper, *args, **kwargs)
+    transposed = getattr(experts, "is_transposed", False) or _is_llama4(experts)
+    factors = {w.parameter_name: f for w in chain if (f := low_rank_factors(w, transposed)) is not None}
+    experts.leantune_lora = factors
+    try:
+        return experts(*args, **kwargs)
+    finally:
+        experts.leantune_lora = {}
+
+
+def _runs_split(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` runs leantune's forward, which reads the low-rank factors (another would drop them)."""
+    if _is_llama4(experts):
+        return getattr(experts.forward, "__func__", None) is llama4_experts_forward
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) == NAME
+
+
+def _is_llama4(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Llama4TextExperts"
+
+
+def use_leantune_experts(model: torch.nn.Module) -> int:
+    """Run ``model``'s experts with leantune's forward: the registry's ``leantune`` implementation (and Llama 4's
+    own), and peft's wrappers on expert tensors computing their low-rank paths apart. Returns the experts
+    modules it took (0: not a mixture of experts leantune knows)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
+    taken = 0
+    for module in model.modules():
+        if type(module).__name__ == "ParamWrapper" and not _wrapped_further(model, module):
+            experts, _ = _experts_of(module)
+            if hasattr(experts, "has_gate") or _is_llama4(experts):
+                module.forward = types.MethodType(_split_lora_forward, module)
+        if _is_llama4(module):
+            module.forward = types.MethodType(llama4_experts_forward, module)
+            taken += 1
+        elif hasattr(module, "has_gate") and hasattr(module, "config"):
+            module.config._experts_implementation = NAME
+            taken += 1
+    return taken
+
+
+def _wrapped_further(model: torch.nn.Module, wrapper: torch.nn.Module) -> bool:
+    """Whether ``wrapper`` is the base layer of another ParamWrapper (only the outermost runs the experts)."""
+    return any(type(m).__name__ == "ParamWrapper" and m.base_layer is wrapper for m in model.modules())
