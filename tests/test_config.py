@@ -90,6 +90,8 @@ FLAG_VALUES = {
     "loss_chunk_size": (["--loss_chunk_size", "0"], {"loss_chunk_size": 0}),
     "tiled_mlp": (["--tiled_mlp", "2048"], {"tiled_mlp": "2048"}),
     "rope_scaling_factor": (["--rope_scaling_factor", "4"], {"rope_scaling_factor": 4.0}),
+    "output_router_logits": (["--output_router_logits"], {"output_router_logits": True}),
+    "lora_router": (["--use_peft", "--lora_router"], {"lora_router": True}),
     "skip_nonfinite_steps": (["--skip_nonfinite_steps", "2"], {"skip_nonfinite_steps": 2}),
     "compile": (["--compile"], {"compile": True}),
     "use_peft": (["--use_peft"], {"use_peft": True}),

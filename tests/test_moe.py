@@ -174,8 +174,8 @@ def test_gpt_oss_pads_its_rows_saying_why(moe_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- LoRA on the experts
-def _lora(path, *targets, router=False):
-    flags = ["--use_peft", "--lora_dropout", "0", "--lora_r", "2", "--lora_target_modules", *targets]
+def _lora(path, *targets, router=False, rank="2"):
+    flags = ["--use_peft", "--lora_dropout", "0", "--lora_r", rank, "--lora_target_modules", *targets]
     torch.manual_seed(0)  # peft's A from the global generator: the same whichever tests ran before
     cfg, model, loss_model = _built(path, *flags, *(["--lora_router"] if router else []))
     with torch.no_grad():  # peft starts B at zero: give the low-rank paths a value
@@ -386,3 +386,25 @@ def test_the_moe_plan_equals_the_real_steps_count(moe_dir, family):
         predicted, measured = trace_step(cfg, config, CPU, mode), trace_step(cfg, config, CPU, mode, fake=False)
         assert predicted.peak_bytes == measured.peak_bytes
         assert predicted.breakdown == measured.breakdown
+        assert predicted.flops == measured.flops > 0
+
+
+def test_pytorchs_grouped_kernel_takes_the_low_rank_factors_as_the_loop_does(moe_dir, monkeypatch):
+    """The GPU's path (``F.grouped_mm``, bfloat16) forced on the CPU: peft's B is a permuted view and the kernel
+    wants unit strides and 16-byte rows; the result is the loop's (within bfloat16)."""
+    import leantune.models.experts as experts
+
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no grouped_mm")
+    _, model, _ = _lora(moe_dir("qwen3_moe"), "gate_up_proj", "down_proj", rank="8")
+    model.to(torch.bfloat16)
+    block, _ = _moe_block(model)
+    hidden = torch.randn(2, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    looped = _block_output_and_grads(model, block, hidden)
+    native = []
+    monkeypatch.setattr(experts, "_native", lambda x, w: native.append(1) or (
+        w.dtype == torch.bfloat16 and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0))
+    monkeypatch.setattr(experts, "_loop", lambda *a: pytest.fail("looped"))  # rank 8: every matmul the kernel's
+    kernel = _block_output_and_grads(model, block, hidden)
+    assert native
+    assert float((kernel[0] - looped[0]).float().norm()) <= 2e-2 * float(looped[0].float().norm())

@@ -23,6 +23,7 @@ import types
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 NAME = "leantune"  # the experts implementation's name in transformers' registry
 
@@ -38,7 +39,9 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Te
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and weight.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+    """PyTorch's kernel: a CUDA GPU, bfloat16, and rows of whole 16-byte units (a LoRA rank a multiple of 8)."""
+    return (x.is_cuda and weight.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+            and weight.shape[1] % 8 == 0 and weight.shape[2] % 8 == 0)
 
 
 @torch.library.custom_op("leantune::grouped_mm", mutates_args=())
@@ -92,6 +95,16 @@ def _backward(ctx, grad: torch.Tensor):
 grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 
+@register_flop_formula(torch.ops.leantune.grouped_mm)
+def _grouped_mm_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x_shape[0] * weight_shape[1] * weight_shape[2]  # every row through its one expert
+
+
+@register_flop_formula(torch.ops.leantune.grouped_mm_weight_grad)
+def _weight_grad_flops(x_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * grad_shape[1]
+
+
 def low_rank_factors(wrapper: torch.nn.Module, transposed: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
     """A peft ``ParamWrapper``'s adapter as ``(P [E, in, r], Q [E, r, out], scale)`` of the projection ``x·M``
     (``M`` the tensor itself when ``transposed``, [E, in, out], else its transpose), or None when inactive."""
@@ -101,7 +114,8 @@ def low_rank_factors(wrapper: torch.nn.Module, transposed: bool) -> Optional[tup
     if len(adapters) > 1:
         raise NotImplementedError("leantune's expert LoRA runs one active adapter")
     lhs, rhs, scale = wrapper.get_delta_factors(adapters[0])  # the tensor's delta: scale · lhs @ rhs
-    return (lhs, rhs, scale) if transposed else (rhs.transpose(1, 2), lhs.transpose(1, 2), scale)
+    p, q = (lhs, rhs) if transposed else (rhs.transpose(1, 2), lhs.transpose(1, 2))
+    return p.contiguous(), q.contiguous(), scale  # peft's B is a permuted view: the kernel wants unit strides
 
 
 def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor,
@@ -170,7 +184,11 @@ def _split_lora_forward(wrapper: torch.nn.Module, *args, **kwargs):
     if not _runs_split(experts):  # its forward is no longer leantune's: peft's own path, merged weight and all
         return type(wrapper).forward(wrapper, *args, **kwargs)
     transposed = getattr(experts, "is_transposed", False) or _is_llama4(experts)
-    factors = {w.parameter_name: f for w in chain if (f := low_rank_factors(w, transposed)) is not None}
+    factors = {}
+    for wrapped in chain:  # a plain loop: torch.compile follows it without a graph break
+        pair = low_rank_factors(wrapped, transposed)
+        if pair is not None:
+            factors[wrapped.parameter_name] = pair
     experts.leantune_lora = factors
     try:
         return experts(*args, **kwargs)

@@ -200,7 +200,7 @@ def describe_lora(model: torch.nn.Module) -> Optional[str]:
         return None
     modules = config.target_modules
     modules = modules if isinstance(modules, str) else ", ".join(sorted(modules or ()))
-    parameters = list(config.target_parameters or ())
+    parameters = sorted(config.target_parameters or ())  # peft keeps them as a set
     wrapped = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     routers = [name for name, module in model.named_modules() if is_router(module)]
