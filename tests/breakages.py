@@ -413,6 +413,16 @@ BREAKAGES = [
     B("split_when_not_ours", "an experts forward that is not leantune's gets the wrapper anyway and drops LoRA",
       "src/leantune/models/experts.py", "    if not _runs_split(experts):", "    if False:",
       ("tests/test_moe.py", "-k", "apart_equals")),
+    B("router_last_batch", "an accumulated step logs its last batch's router loss", "src/leantune/training/step.py",
+      "                router_total += self.loss_model.router_loss_sum",
+      "                router_total = 0 * router_total + self.loss_model.router_loss_sum",
+      ("tests/test_moe.py", "-k", "accumulated")),
+    B("router_validation_unmasked", "validation's router loss counts padding", "src/leantune/training/loop.py",
+      "inputs = model_inputs(batch, self.device, routed(self.step.loss_model))",
+      "inputs = model_inputs(batch, self.device, False)", ("tests/test_moe.py", "-k", "accumulated")),
+    B("perplexity_with_router", "validation perplexity includes the router's term", "src/leantune/training/loop.py",
+      '"val_perplexity": lines.perplexity(val_loss - router_sum / max(targets, 1))',
+      '"val_perplexity": lines.perplexity(val_loss)', ("tests/test_moe.py", "-k", "accumulated")),
 ]
 
 

@@ -408,3 +408,53 @@ def test_pytorchs_grouped_kernel_takes_the_low_rank_factors_as_the_loop_does(moe
     kernel = _block_output_and_grads(model, block, hidden)
     assert native
     assert float((kernel[0] - looped[0]).float().norm()) <= 2e-2 * float(looped[0].float().norm())
+
+
+def test_accumulated_and_validation_router_losses_and_perplexity_of_the_cross_entropy(moe_dir, tmp_path, write_jsonl):
+    """Two batches a step: the logged router loss is the token-weighted mean of both batches' (not the last one's);
+    validation counts real tokens only; the perplexities are those of the cross-entropy alone."""
+    import math
+
+    from leantune.builders.loaders import RunData
+    from leantune.models.loading import load_tokenizer
+
+    import shutil
+
+    path = tmp_path / "strong_router"  # a coefficient that makes the router's term visible beside rounding
+    shutil.copytree(moe_dir("qwen3_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.5}))
+    texts = [{"text": "The quick brown fox jumps over the lazy dog." + " Again." * i} for i in range(8)]  # all lengths differ
+    data = write_jsonl(texts)
+    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path", str(data),
+            "--context_length", "128", "--batching_strategy", "padding", "--batch_size_training", "2",
+            "--gradient_accumulation_steps", "2", "--max_train_step", "2", "--num_epochs", "1", "--val_fraction", "0.25",
+            "--val_batch_size", "2", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
+            "--attn_implementation", "sdpa", "--lr", "1e-12", "--output_dir", str(tmp_path / "out")]
+    lines: list[str] = []
+    summary = finetuning.run(parse_run_config(argv), log=lines.append)
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    cfg = parse_run_config(argv)
+    train, val = RunData(cfg.data, cfg.training, load_tokenizer(cfg.model), log=lambda _line: None).loaders(cfg.training)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    coefficient = model.config.router_aux_loss_coef
+
+    def own(batch):
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                        output_router_logits=True)
+        return float(out.loss), float(out.aux_loss), count_targets(batch["labels"])
+
+    window = [own(batch) for batch in list(train)[:2]]  # step 1 trains from the saved weights
+    targets = sum(t for _, _, t in window)
+    step = metrics["train_steps"][0]
+    assert step["router_loss"] == pytest.approx(sum(a * t for _, a, t in window) / targets, rel=1e-5)
+    assert step["loss"] == pytest.approx(sum(loss * t for loss, _, t in window) / targets, rel=1e-5)
+    assert step["router_term"] == pytest.approx(coefficient * step["router_loss"], rel=1e-9)
+    validation = [own(batch) for batch in val]
+    val_targets = sum(t for _, _, t in validation)
+    val_loss = sum(loss * t for loss, _, t in validation) / val_targets
+    val_router = sum(coefficient * a * t for _, a, t in validation) / val_targets
+    last = summary["epochs"][-1] if "epochs" in summary else metrics["epochs"][-1]
+    assert last["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+    assert last["val_perplexity"] == pytest.approx(math.exp(val_loss - val_router), rel=1e-5)

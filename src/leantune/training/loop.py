@@ -152,7 +152,8 @@ class Trainer:
                     write(lines.step_line(record, steps, total))
                 self._after_step()
         train_loss = progress.epoch_loss_sum / max(progress.epoch_targets, 1)
-        return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": lines.perplexity(train_loss),
+        cross_entropy = train_loss - progress.epoch_router_sum / max(progress.epoch_targets, 1)
+        return {"epoch": epoch + 1, "train_loss": train_loss, "train_perplexity": lines.perplexity(cross_entropy),
                 "steps": progress.epoch_steps, "time_s": progress.epoch_time_s}
 
     def train_step(self, window: list[dict]) -> StepResult:
@@ -166,6 +167,7 @@ class Trainer:
         self.activity = f"in validation after step {len(self.steps)}"
         self.model.eval()
         loss_total, targets = torch.zeros((), device=self.device), 0
+        router_total = torch.zeros((), device=self.device)  # a mixture of experts' router term, within loss_total
         limit = self.cfg.training.max_eval_step
         try:
             for index, batch in enumerate(self.val_loader):
@@ -174,14 +176,19 @@ class Trainer:
                 with self.parts.precision.autocast():
                     inputs = model_inputs(batch, self.device, routed(self.step.loss_model))
                     loss_total += self.step.loss_model(*inputs).float()
+                if routed(self.step.loss_model):
+                    loss_model = self.step.loss_model
+                    router_total += loss_model.router_loss_sum.float() * loss_model.router_loss.coefficient
                 targets += count_targets(batch["labels"])
         finally:
             if self.dist.sharded:
                 reshard(self.step.loss_model)  # the root's parameters stay gathered after a forward alone
         self.model.train()
-        loss_sum, targets = self.dist.sum_all([host_floats(loss_total)[0], targets], self.device)  # one device wait
+        loss_sum, router_sum = host_floats(loss_total, router_total)  # one device wait
+        loss_sum, router_sum, targets = self.dist.sum_all([loss_sum, router_sum, targets], self.device)
         val_loss = loss_sum / max(targets, 1)
-        return {"val_loss": val_loss, "val_perplexity": lines.perplexity(val_loss)}
+        # the perplexity of the language model's cross-entropy, without a router's load-balancing term
+        return {"val_loss": val_loss, "val_perplexity": lines.perplexity(val_loss - router_sum / max(targets, 1))}
 
     # ------------------------------------------------------------- helpers
     def _windows(self) -> Iterator[list[dict]]:
@@ -208,6 +215,7 @@ class Trainer:
             progress.nonfinite_skipped += 1
         else:
             progress.epoch_loss_sum += result.loss * result.target_tokens
+            progress.epoch_router_sum += (result.router_term or 0.0) * result.target_tokens
             progress.epoch_targets += result.target_tokens
 
     def _after_step(self) -> None:
@@ -282,7 +290,7 @@ class Trainer:
         if not result.skipped:
             del record["skipped"]
         if result.router_loss is None:  # a dense model's, or a mixture of experts' whose loss has no router term
-            del record["router_loss"]
+            del record["router_loss"], record["router_term"]
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)

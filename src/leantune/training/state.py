@@ -49,6 +49,7 @@ class Progress:
     batches_in_epoch: int = 0  # batches of that epoch already trained on
     batches_seen: int = 0  # in all, against --max_train_step
     epoch_loss_sum: float = 0.0  # loss x target tokens over the epoch's steps so far
+    epoch_router_sum: float = 0.0  # of which a mixture of experts' router term (its perplexity leaves it out)
     epoch_targets: int = 0
     epoch_steps: int = 0
     epoch_time_s: float = 0.0
@@ -58,7 +59,7 @@ class Progress:
     def next_epoch(self) -> None:
         self.epoch += 1
         self.batches_in_epoch = self.epoch_targets = self.epoch_steps = 0
-        self.epoch_loss_sum = self.epoch_time_s = 0.0
+        self.epoch_loss_sum = self.epoch_router_sum = self.epoch_time_s = 0.0
 
 
 @dataclass

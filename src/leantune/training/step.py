@@ -38,6 +38,7 @@ class StepResult:
     grad_norm: Optional[float]
     skipped: Optional[str] = None  # why the optimizer step was skipped (a non-finite loss or gradient norm)
     router_loss: Optional[float] = None  # a mixture of experts' load-balancing loss (unscaled; in ``loss`` scaled)
+    router_term: Optional[float] = None  # what of ``loss`` it is: its coefficient x router_loss
 
     @property
     def tokens_per_s(self) -> float:
@@ -264,6 +265,7 @@ class TrainStep:
         self.stop_agreed = stops > 0  # every rank stops after the same step
         loss = loss_sum / max(targets, 1)
         router_loss = router_sum / max(targets, 1) if router_total is not None else None
+        router_term = router_loss * self.loss_model.router_loss.coefficient if router_loss is not None else None
         skipped = None
         if self.nonfinite is not None:
             skipped = self.nonfinite.problem(loss, grad_norm, self.scaler is not None, window, step, skipped_before)
@@ -279,7 +281,7 @@ class TrainStep:
         if self.device.type == "cuda":  # the step ends when the GPU is done with it, not when its last kernel is queued
             torch.cuda.synchronize(self.device)
         return StepResult(loss, targets, int(input_tokens), time.perf_counter() - started, grad_norm, skipped,
-                          router_loss)
+                          router_loss, router_term)
 
     def forward_backward(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
