@@ -420,3 +420,29 @@ def test_a_signal_during_a_step_counts_for_that_step_on_every_rank(tiny_model_di
     assert (f"leantune: error on rank 0 of 2: stopped by a signal to another rank after step 2; training state "
             f"saved to {out / 'checkpoint-2'}") in stopped.stderr, stopped.stderr[-3000:]
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
+
+
+def test_two_ranks_train_expert_lora_and_the_routers_loss_as_one_process(moe_dir, tmp_path):
+    """A mixture of experts under FSDP2: its experts (LoRA on the fused tensors, the low-rank path apart) are sharded
+    as parameters; the losses and gradient norms are one process's. Each rank's router term is over its own rows,
+    as data-parallel training computes it, so the logged router loss differs a little (its share of the loss, at
+    coefficient 0.001, far less); the saved adapter loads in peft and generates."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = ["--model_name", str(moe_dir("qwen3_moe")), *FAST, "--use_peft", "--lora_dropout", "0",
+              "--lora_target_modules", "all-linear", "--enable_activation_checkpointing", "--max_train_step", "3",
+              "--output_router_logits"]
+    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]), log=lambda _: None)
+    result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=0, abs=1e-4)
+    norms = step_losses(tmp_path / "one", "grad_norm"), step_losses(tmp_path / "two", "grad_norm")
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+    assert step_losses(tmp_path / "two", "router_loss") == pytest.approx(step_losses(tmp_path / "one", "router_loss"),
+                                                                         rel=1e-2)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe_dir("qwen3_moe")), str(tmp_path / "two"))
+    assert any("experts" in n and "lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    generated = model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] == 6

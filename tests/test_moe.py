@@ -458,3 +458,20 @@ def test_accumulated_and_validation_router_losses_and_perplexity_of_the_cross_en
     last = summary["epochs"][-1] if "epochs" in summary else metrics["epochs"][-1]
     assert last["val_loss"] == pytest.approx(val_loss, rel=1e-5)
     assert last["val_perplexity"] == pytest.approx(math.exp(val_loss - val_router), rel=1e-5)
+
+
+def test_an_expert_adapter_generates_and_merge_names_peft_for_it(moe_dir, tmp_path, capsys):
+    from leantune.use import generate, merge
+
+    out = tmp_path / "run"
+    lines: list[str] = []
+    finetuning.run(parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
+                                     "--lora_target_modules", "all-linear", "--context_length", "64",
+                                     "--max_train_step", "1", "--num_epochs", "1", "--run_validation", "false",
+                                     "--num_workers_dataloader", "0", "--output_dir", str(out)]), log=lines.append)
+    assert generate.main(["--model_name", str(out), "--prompt", "Name three colours.", "--max_new_tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert merge.main([str(out), str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "LoRA on a mixture of experts' fused expert tensors" in err
+    assert "merge_and_unload" in err and not (tmp_path / "merged").exists()
