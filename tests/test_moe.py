@@ -475,3 +475,17 @@ def test_an_expert_adapter_generates_and_merge_names_peft_for_it(moe_dir, tmp_pa
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "LoRA on a mixture of experts' fused expert tensors" in err
     assert "merge_and_unload" in err and not (tmp_path / "merged").exists()
+
+
+def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_way_out(moe_dir, tmp_path):
+    import shutil
+
+    from leantune.models.loading import ModelLoadError
+
+    path = tmp_path / "mxfp4"
+    shutil.copytree(moe_dir("gpt_oss"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ModelLoadError, match=r"already quantized \(mxfp4\), which leantune can neither train from nor "
+                                             r"re-quantize; .*Mxfp4Config\(dequantize=True\)"):
+        run_model_facts(parse_run_config(["--model_name", str(path)]).model)

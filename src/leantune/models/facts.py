@@ -181,6 +181,21 @@ def run_model_config(config: PretrainedConfig, cfg: ModelConfig) -> PretrainedCo
     return config
 
 
+# Checkpoints already quantized in a form leantune cannot train from or re-quantize, and what to use instead.
+_PREQUANTIZED = {"mxfp4": "gpt-oss's published experts are MXFP4; transformers dequantizes them to bfloat16 when "
+                          "loaded with Mxfp4Config(dequantize=True): save that copy and train it (--quantization "
+                          "4bit quantizes it again, as NF4)"}
+
+
+def _refuse_a_quantization_leantune_cannot_train(config: PretrainedConfig, name: str) -> None:
+    quantized = getattr(config, "quantization_config", None)
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method in _PREQUANTIZED:
+        raise ModelLoadError(f"{name}: its checkpoint is already quantized ({method}), which leantune can neither "
+                             f"train from nor re-quantize; {_PREQUANTIZED[method]}")
+
+
 def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool = False) -> ModelFacts:
     """The facts of the model a run on ``device_type`` trains: its own ``config.json`` (a directory, or a
     hub id's), with the attention implementation the run uses."""
@@ -189,6 +204,7 @@ def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool =
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
+    _refuse_a_quantization_leantune_cannot_train(config, cfg.model_name)
     config = run_model_config(config, cfg)
     facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type,
                                                                 compiled=compiled)))
