@@ -423,6 +423,19 @@ BREAKAGES = [
     B("perplexity_with_router", "validation perplexity includes the router's term", "src/leantune/training/loop.py",
       '"val_perplexity": lines.perplexity(val_loss - router_sum / max(targets, 1))',
       '"val_perplexity": lines.perplexity(val_loss)', ("tests/test_moe.py", "-k", "accumulated")),
+    B("experts_not_quantized", "--quantization 4bit leaves the experts in 16 bits", "src/leantune/models/quantized_experts.py",
+      '    if quant.quantization != "4bit":', '    if True:', ("tests/test_moe.py", "-k", "4bit_experts_equal")),
+    B("dequantized_kept", "a 4-bit layer's dequantized experts are kept for backward",
+      "src/leantune/models/quantized_experts.py", "        ctx.save_for_backward(packed)\n        return matmul(x, weight_of(_dequantize(packed, state)))",
+      "        weight = weight_of(_dequantize(packed, state))\n        ctx.save_for_backward(packed, weight)\n"
+      "        return matmul(x, weight)", ("tests/test_moe.py", "-k", "keep_no_dequantized")),
+    B("quantized_factors_uint8", "LoRA factors on a 4-bit expert tensor cast to its packed bytes' dtype",
+      "src/leantune/models/experts.py", "    return lhs.to(state.dtype), rhs.to(state.dtype), wrapper.scaling[adapter]",
+      "    return lhs.to(torch.uint8).to(state.dtype), rhs.to(state.dtype), wrapper.scaling[adapter]",
+      ("tests/test_moe.py", "-k", "4bit_experts_equal")),
+    B("linear4bit_bias_meta", "the measured 4-bit model's biases stay on meta (Qwen2's QLoRA plan cannot be checked)",
+      "src/leantune/models/quantized.py", "            if bias is not None:  # the converted layer's bias",
+      "            if False:  # the converted layer's bias", ("tests/test_qlora.py", "-k", "biased")),
 ]
 
 

@@ -489,3 +489,69 @@ def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_way_out(moe_dir, 
     with pytest.raises(ModelLoadError, match=r"already quantized \(mxfp4\), which leantune can neither train from nor "
                                              r"re-quantize; .*Mxfp4Config\(dequantize=True\)"):
         run_model_facts(parse_run_config(["--model_name", str(path)]).model)
+
+
+# ------------------------------------------------------------------------------------------------ 4-bit experts
+def _dequantized_in_place(model) -> None:
+    """Every 4-bit expert tensor replaced by its dequantized weights (the reference model)."""
+    from leantune.models.quantized_experts import _dequantize, expert_tensors_quantized, quant_state_of
+
+    for module, name in expert_tensors_quantized(model):
+        packed = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(_dequantize(packed, quant_state_of(packed)), requires_grad=False)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, family):
+    torch.manual_seed(0)
+    lines: list[str] = []
+    cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0", "--lora_r", "2",
+                            "--lora_target_modules", "all-linear", "--quantization", "4bit"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    loss_model = loss_model_for(model, cfg.training, sharded=False)
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    quantized = _loss_and_grads(model, loss_model, ids, labels)
+    line = next(line for line in lines if "fused expert tensors" in line)
+    from leantune.models.quantized_experts import expert_tensors_quantized, quant_state_of
+
+    tensors = [getattr(m, n) for m, n in expert_tensors_quantized(model)]
+    assert len(tensors) == 4 and all(t.dtype == torch.uint8 for t in tensors)  # two layers, two tensors each
+    weights = sum(quant_state_of(t).shape.numel() for t in tensors)
+    assert f"{weights / 1e6:,.2f}M weights, in 4-bit (nf4 blocks of 64 within each expert, double quantization)" in line
+    _dequantized_in_place(model)
+    _close(quantized, _loss_and_grads(model, loss_model, ids, labels))
+    assert any("experts" in n and "lora_B" in n for n in quantized[1])
+
+
+def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir):
+    cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear", "--quantization", "4bit"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    loss_model = loss_model_for(model, cfg.training, sharded=False)
+    from leantune.models.quantized_experts import expert_tensors_quantized, quant_state_of
+
+    shapes = {tuple(quant_state_of(getattr(m, n)).shape) for m, n in expert_tensors_quantized(model)}
+    sizes = {torch.Size(s).numel() for s in shapes}
+    saved = []
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = loss_model(ids, labels)
+    assert not [t for t in saved if t.is_floating_point() and t.numel() in sizes]  # only packed bytes are kept
+    loss.backward()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_4bit_moe_plan_equals_the_real_steps_count(moe_dir, family):
+    from leantune.planning.fake_step import trace_step
+
+    cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0", "--quantization",
+                            "4bit", "--lora_target_modules", "all-linear", "--batch_size_training", "2",
+                            "--context_length", "64"])
+    config = run_model_facts(cfg.model).config
+    predicted, measured = trace_step(cfg, config, CPU, "full"), trace_step(cfg, config, CPU, "full", fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
+    assert predicted.flops == measured.flops

@@ -354,3 +354,19 @@ def test_full_checkpointing_is_applied_once_on_a_quantized_base(tiny_model_dir):
     model = with_lora(_loaded_base(tiny_model_dir))
     report = apply_activation_checkpointing(model, FullCheckpointing())
     assert report.checkpointed_layers == model.config.num_hidden_layers
+
+
+def test_a_4bit_plan_of_biased_linear_layers_equals_the_measured_step(family_dir):
+    """Qwen2's q, k and v have biases: the measured model's converted layers keep them (they were left on meta)."""
+    import torch
+
+    from leantune.cli_args import parse_run_config
+    from leantune.models.facts import run_model_facts
+    from leantune.planning.fake_step import trace_step
+
+    cfg = parse_run_config(["--model_name", str(family_dir("qwen2")), "--use_peft", "--lora_dropout", "0",
+                            "--quantization", "4bit", "--batch_size_training", "2", "--context_length", "64"])
+    config = run_model_facts(cfg.model).config
+    cpu = torch.device("cpu")
+    predicted, measured = trace_step(cfg, config, cpu, "none"), trace_step(cfg, config, cpu, "none", fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown

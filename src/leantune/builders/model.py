@@ -20,9 +20,10 @@ from leantune.models.experts import use_leantune_experts
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
                                    text_config)
 from leantune.models.loading import attach_lora, count_parameters, describe_lora, load_model, load_tokenizer
-from leantune.models.moe import RouterLoss
+from leantune.models.moe import RouterLoss, expert_tensor_targets
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
+from leantune.models.quantized_experts import describe_quantized_experts, quantize_experts
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.structure import unwrap_model
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
@@ -71,6 +72,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     """
     if cfg.peft.use_peft:
         model = attach_lora(model, cfg.peft)
+    if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
+        quantize_experts(model, cfg.quant)  # after LoRA: peft reads the tensors' shapes
     use_leantune_experts(model)  # a mixture of experts: frozen experts get no gradient, LoRA's path apart
     if place is None:
         # a quantized base is loaded where it trains (it cannot move); under FSDP the model stays on
@@ -126,6 +129,12 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     lora_line = describe_lora(model)
     if lora_line is not None:
         log(lora_line)
+    experts_line = describe_quantized_experts(model)
+    if experts_line is not None:
+        log(experts_line)
+    elif cfg.quant.quantization == "4bit" and expert_tensor_targets(model):
+        log("quantization: the fused expert tensors stay in the weights' dtype under --enable_fsdp (4-bit experts "
+            "are not sharded yet); train on one GPU for 4-bit experts")
     if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))
     if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from leantune.models.quantized_experts import dequantized_matmul, quant_state_of
+
 NAME = "leantune"  # the experts implementation's name in transformers' registry
 
 
@@ -113,9 +115,23 @@ def low_rank_factors(wrapper: torch.nn.Module, transposed: bool) -> Optional[tup
         return None
     if len(adapters) > 1:
         raise NotImplementedError("leantune's expert LoRA runs one active adapter")
-    lhs, rhs, scale = wrapper.get_delta_factors(adapters[0])  # the tensor's delta: scale · lhs @ rhs
+    lhs, rhs, scale = _delta_factors(wrapper, adapters[0])  # the tensor's delta: scale · lhs @ rhs
     p, q = (lhs, rhs) if transposed else (rhs.transpose(1, 2), lhs.transpose(1, 2))
     return p.contiguous(), q.contiguous(), scale  # peft's B is a permuted view: the kernel wants unit strides
+
+
+def _delta_factors(wrapper: torch.nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """peft's ``get_delta_factors``, in the dtype the tensor computes in (a 4-bit tensor's is its state's: peft
+    would cast the factors to the packed bytes' uint8)."""
+    state = quant_state_of(wrapper.get_param())
+    if state is None:
+        return wrapper.get_delta_factors(adapter)
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[adapter].weight.reshape(experts, -1, wrapper.lora_A[adapter].weight.shape[-1])
+    b = wrapper.lora_B[adapter].weight
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r], as peft reads it
+    lhs, rhs = (b, a) if wrapper._did_swap_in_out_features else (a.transpose(-2, -1), b.transpose(-2, -1))
+    return lhs.to(state.dtype), rhs.to(state.dtype), wrapper.scaling[adapter]
 
 
 def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor,
@@ -123,7 +139,11 @@ def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torc
     """One projection of the sorted rows ``x``: base tensor, its bias rows, and the LoRA path when wrapped."""
     weight = getattr(experts, name)
     transposed = getattr(experts, "is_transposed", False)
-    out = grouped_mm(x, weight if transposed else weight.transpose(1, 2), offsets)
+    if quant_state_of(weight) is not None:  # 4-bit: the layer's tensor dequantized for this matmul only
+        oriented = (lambda w: w) if transposed else (lambda w: w.transpose(1, 2))
+        out = dequantized_matmul(x, weight, lambda rows, w: grouped_mm(rows, w, offsets), oriented)
+    else:
+        out = grouped_mm(x, weight if transposed else weight.transpose(1, 2), offsets)
     if getattr(experts, "has_bias", False):
         out = out + getattr(experts, f"{name}_bias")[expert_ids]
     factors = getattr(experts, "leantune_lora", {}).get(name)
@@ -158,13 +178,17 @@ def llama4_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -
     lora = getattr(self, "leantune_lora", {})
 
     def project(name: str, x: torch.Tensor) -> torch.Tensor:
-        out = torch.bmm(x, getattr(self, name))
+        weight = getattr(self, name)
+        if quant_state_of(weight) is not None:  # 4-bit: dequantized for this matmul only
+            out = dequantized_matmul(x, weight, torch.bmm, lambda w: w)
+        else:
+            out = torch.bmm(x, weight)
         if name in lora:
             p, q, scale = lora[name]
             out = out + scale * torch.bmm(torch.bmm(x, p), q)
         return out
 
-    x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    x = hidden_states.view(self.num_experts, -1, self.hidden_size)
     gate, up = project("gate_up_proj", x).chunk(2, dim=-1)
     return project("down_proj", up * self.act_fn(gate)).view(-1, self.hidden_size)
 

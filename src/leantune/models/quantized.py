@@ -87,12 +87,16 @@ def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.d
     """
     from transformers.quantizers import AutoHfQuantizer
 
-    originals = {name: module.weight for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    originals = {name: (module.weight, module.bias) for name, module in model.named_modules()
+                 if type(module) is torch.nn.Linear}
     quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
     quantizer.preprocess_model(model, device_map={"": "cpu"})
     for name, module in model.named_modules():
         if name in originals and type(module) is not torch.nn.Linear:
-            module.weight = _quantized_like(module.weight, originals[name], weight_dtype)
+            weight, bias = originals[name]
+            module.weight = _quantized_like(module.weight, weight, weight_dtype)
+            if bias is not None:  # the converted layer's bias is a new, empty one (Qwen2's q, k, v have biases)
+                module.bias = bias
     # as after loading: the flags peft reads to wrap these layers in its bitsandbytes LoRA classes
     quantizer.postprocess_model(model)
     return model
