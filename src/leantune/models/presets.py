@@ -34,13 +34,45 @@ PRESETS: dict[str, dict] = {
                           rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
 }
 
+# Mixtures of experts: (model_type, the shape fields of the published config.json; Llama 4's from its text_config).
+_GPT_OSS = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                num_experts_per_tok=4, vocab_size=201088, max_position_embeddings=131072, sliding_window=128,
+                tie_word_embeddings=False, router_aux_loss_coef=0.9, swiglu_limit=7.0,
+                rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                     original_max_position_embeddings=4096, rope_theta=150000.0))
+MOE_PRESETS: dict[str, tuple[str, dict]] = {
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "gpt-oss-20b": ("gpt_oss", dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)),
+    "gpt-oss-120b": ("gpt_oss", dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)),
+    "Mixtral-8x7B": ("mixtral", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "Llama-4-Scout-17B-16E": ("llama4_text", dict(
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, vocab_size=202048, max_position_embeddings=10485760, use_qk_norm=True,
+        attention_chunk_size=8192, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                             original_max_position_embeddings=8192, rope_theta=500000.0))),
+}
+
 # Hub ids whose config.json has a preset's shape (base and Instruct, old and new names).
 HUB_IDS = {
     f"meta-llama/{prefix}{name}{suffix}": name
     for name in ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B", "Llama-3.1-70B")
     for prefix in ("", "Meta-") if not (prefix and name.startswith("Llama-3.2"))
     for suffix in ("", "-Instruct")
-}
+} | {"Qwen/Qwen3-30B-A3B": "Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Base": "Qwen3-30B-A3B",
+     "openai/gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-120b": "gpt-oss-120b",
+     "mistralai/Mixtral-8x7B-v0.1": "Mixtral-8x7B", "mistralai/Mixtral-8x7B-Instruct-v0.1": "Mixtral-8x7B",
+     "meta-llama/Llama-4-Scout-17B-16E": "Llama-4-Scout-17B-16E",
+     "meta-llama/Llama-4-Scout-17B-16E-Instruct": "Llama-4-Scout-17B-16E"}
 
 
 class ModelShapeError(ValueError):
@@ -49,7 +81,7 @@ class ModelShapeError(ValueError):
 
 def preset_name(name: str) -> str | None:
     """The preset a ``--model_name`` means (preset name in any case, or a known hub id), or None."""
-    known = {key.lower(): key for key in PRESETS} | {hub.lower(): preset for hub, preset in HUB_IDS.items()}
+    known = {key.lower(): key for key in [*PRESETS, *MOE_PRESETS]} | {hub.lower(): preset for hub, preset in HUB_IDS.items()}
     return known.get(name.lower())
 
 
@@ -58,16 +90,19 @@ def model_config(name: str):
     from transformers import AutoConfig, LlamaConfig
 
     preset = preset_name(name)
+    if preset in MOE_PRESETS:
+        model_type, fields = MOE_PRESETS[preset]
+        return AutoConfig.for_model(model_type, **fields, use_cache=False)
     if preset is not None:
         return LlamaConfig(**PRESETS[preset], use_cache=False)
     try:
         source = resolve_model_path(name)
     except ModelLoadError as err:
-        raise ModelShapeError(f"{err}; or use a preset: {', '.join(PRESETS)}") from None
+        raise ModelShapeError(f"{err}; or use a preset: {', '.join([*PRESETS, *MOE_PRESETS])}") from None
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
         where = "local directory" if Path(source).is_dir() else "hub id"
         raise ModelShapeError(
             f"--model_name {name}: no model shape found ({where}: {str(err).splitlines()[0]}). Use a preset "
-            f"({', '.join(PRESETS)}), a known Llama hub id, or a directory with a config.json") from None
+            f"({', '.join([*PRESETS, *MOE_PRESETS])}), a known hub id, or a directory with a config.json") from None
