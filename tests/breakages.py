@@ -436,6 +436,20 @@ BREAKAGES = [
     B("linear4bit_bias_meta", "the measured 4-bit model's biases stay on meta (Qwen2's QLoRA plan cannot be checked)",
       "src/leantune/models/quantized.py", "            if bias is not None:  # the converted layer's bias",
       "            if False:  # the converted layer's bias", ("tests/test_qlora.py", "-k", "biased")),
+    B("dequantized_backward_dtype", "4-bit Llama 4 experts crash in backward under autocast on float32 weights",
+      "src/leantune/models/quantized_experts.py", "weight = ctx.weight_of(_dequantize(packed, ctx.state)).to(grad.dtype)",
+      "weight = ctx.weight_of(_dequantize(packed, ctx.state))", ("tests/test_moe.py", "-k", "half_precision")),
+    B("experts_quant_type_fixed", "--quant_type and --use_double_quant do not reach the experts",
+      "src/leantune/models/quantized_experts.py",
+      "settings = dict(blocksize=BLOCK, compress_statistics=quant.use_double_quant, quant_type=quant.quant_type,",
+      'settings = dict(blocksize=BLOCK, compress_statistics=True, quant_type="nf4",',
+      ("tests/test_moe.py", "-k", "quant_type")),
+    B("experts_state_bytes", "the start-up line leaves the experts' scales out of their bytes",
+      "src/leantune/models/quantized_experts.py", "    if state is None:\n        return 0\n    tensors",
+      "    if True:\n        return 0\n    tensors", ("tests/test_moe.py", "-k", "quant_type")),
+    B("train_perplexity_with_router", "the epoch's train perplexity includes the router's term",
+      "src/leantune/training/loop.py", '"train_perplexity": lines.perplexity(cross_entropy)',
+      '"train_perplexity": lines.perplexity(train_loss)', ("tests/test_moe.py", "-k", "accumulated")),
 ]
 
 

@@ -458,6 +458,11 @@ def test_accumulated_and_validation_router_losses_and_perplexity_of_the_cross_en
     last = summary["epochs"][-1] if "epochs" in summary else metrics["epochs"][-1]
     assert last["val_loss"] == pytest.approx(val_loss, rel=1e-5)
     assert last["val_perplexity"] == pytest.approx(math.exp(val_loss - val_router), rel=1e-5)
+    steps = metrics["train_steps"]  # the epoch's perplexity leaves the router's term out too
+    targets = sum(s["target_tokens"] for s in steps)
+    router = sum(s["router_term"] * s["target_tokens"] for s in steps) / targets
+    assert last["train_perplexity"] == pytest.approx(math.exp(last["train_loss"] - router), rel=1e-6)
+    assert router > 1e-3  # a term that matters at this coefficient
 
 
 def test_an_expert_adapter_generates_and_merge_names_peft_for_it(moe_dir, tmp_path, capsys):
@@ -555,3 +560,39 @@ def test_the_4bit_moe_plan_equals_the_real_steps_count(moe_dir, family):
     predicted, measured = trace_step(cfg, config, CPU, "full"), trace_step(cfg, config, CPU, "full", fake=False)
     assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
     assert predicted.flops == measured.flops
+
+
+@pytest.mark.parametrize("family", ["llama4", "qwen3_moe"])
+def test_4bit_experts_under_half_precision_autocast_on_float32_weights(moe_dir, family):
+    """Backward runs outside autocast: its half-precision gradient meets the dequantized weight (bmm for Llama 4)."""
+    cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear", "--quantization", "4bit"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    loss_model = loss_model_for(model, cfg.training, sharded=False)
+    ids, labels = make_batch(model.config.vocab_size, seq=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_model(ids, labels) / count_targets(labels)
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]  # B starts at 0
+    assert grads and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_4bit_experts_follow_quant_type_and_double_quantization_and_count_as_weights(moe_dir):
+    from leantune.models.loading import count_parameters
+    from leantune.models.quantized_experts import expert_tensors_quantized, quant_state_of
+
+    lines: list[str] = []
+    cfg = parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "q_proj", "--quantization", "4bit", "--quant_type", "fp4",
+                            "--use_double_quant", "false"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    states = [quant_state_of(getattr(m, n)) for m, n in expert_tensors_quantized(model)]
+    assert states and all(s.quant_type == "fp4" and not s.nested for s in states)
+    line = next(line for line in lines if "fused expert tensors" in line)
+    assert "(fp4 blocks of 64 within each expert):" in line
+    ratio = float(line.split(" of their bfloat16 bytes")[0].rsplit(", ", 1)[1])
+    assert 0.25 < ratio < 0.35  # the packed half-bytes and their per-block scales (scales alone would be 0.25)
+    _, total = count_parameters(model)
+    dense = AutoModelForCausalLM.from_pretrained(moe_dir("mixtral"), dtype=torch.float32)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert total == sum(p.numel() for p in dense.parameters()) + lora  # two weights a packed byte

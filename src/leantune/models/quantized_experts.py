@@ -2,14 +2,15 @@
 
 transformers' bitsandbytes quantizer converts ``nn.Linear`` layers only, so a mixture of experts'
 fused expert tensors, nearly all of its weights, would stay in 16 bits under ``--quantization 4bit``.
-leantune quantizes them itself with bitsandbytes' ``quantize_4bit``: blocks of 64 weights along each
-expert's rows (a block never spans two experts: every expert tensor here has a multiple of 64
-weights), with double quantization as ``--use_double_quant`` says, as bitsandbytes' Linear does.
+leantune quantizes them itself with bitsandbytes' ``quantize_4bit``: blocks of 64 weights along the
+flattened tensor, so within each expert wherever an expert holds a multiple of 64 weights (every
+published shape does), with double quantization as ``--use_double_quant`` says, as bitsandbytes'
+Linear does.
 
 A quantized tensor is a frozen parameter holding the packed bytes, with its ``quant_state`` (what
 bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_matmul``) dequantizes the
 layer's tensor for the matmul and drops it; backward dequantizes it again rather than keep it, so
-one layer's 16-bit experts exist at a time, in forward and in recompute alike. LoRA's low-rank path
+one 16-bit expert tensor exists at a time, in forward, recompute and backward alike. LoRA's low-rank path
 runs beside it (``models.experts``), as on a 16-bit tensor. On the meta device (the planner's model)
 the tensor becomes a meta ``Params4bit``, which the planner packs on fake tensors with bitsandbytes'
 own code, as it does a 4-bit Linear's weight.
@@ -77,7 +78,8 @@ class _DequantizedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        weight = ctx.weight_of(_dequantize(packed, ctx.state))
+        # backward runs outside autocast: a half-precision gradient meets the weight in its own dtype
+        weight = ctx.weight_of(_dequantize(packed, ctx.state)).to(grad.dtype)
         return ctx.matmul(grad, weight.transpose(-2, -1)), None, None, None, None
 
 
