@@ -97,6 +97,11 @@ def test_the_load_balancing_loss_by_hand():
     assert float(got) == pytest.approx(float(expected), rel=1e-6)
     two_layers = load_balancing_loss((logits[:2], logits[:2]), rule)  # layers pooled: the same here
     assert float(two_layers) == pytest.approx(float(expected), rel=1e-6)
+    # three tokens, none masked: every token counted (the rows, not the experts, make the average)
+    probs3 = torch.softmax(logits, -1)
+    fractions = torch.tensor([2 / 3, 1 / 3])  # tokens 0 and 2 pick expert 0, token 1 expert 1
+    unmasked = 2 * (fractions * probs3.mean(0)).sum()
+    assert float(load_balancing_loss((logits,), rule)) == pytest.approx(float(unmasked), rel=1e-6)
 
 
 def test_checkpointing_gives_exactly_the_plain_gradients_with_the_routers_loss(moe_dir):
@@ -596,3 +601,54 @@ def test_4bit_experts_follow_quant_type_and_double_quantization_and_count_as_wei
     dense = AutoModelForCausalLM.from_pretrained(moe_dir("mixtral"), dtype=torch.float32)
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert total == sum(p.numel() for p in dense.parameters()) + lora  # two weights a packed byte
+
+
+
+def test_what_counts_as_a_mixture_of_experts_and_its_router_loss():
+    from leantune.models.moe import expert_count, moe_lora_targets, router_loss_of
+
+    assert expert_count(AutoConfig.for_model("qwen3_moe", num_experts=0)) is None  # a dense Qwen3-MoE config
+    assert expert_count(AutoConfig.for_model("llama")) is None
+    assert router_loss_of(AutoConfig.for_model("mixtral")) is None  # output_router_logits off
+    rule = router_loss_of(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02))
+    assert rule == RouterLoss(num_experts=8, top_k=2, coefficient=0.02)
+    composite = AutoConfig.for_model("llama4", text_config=dict(output_router_logits=True, num_local_experts=16,
+                                                                 num_experts_per_tok=1))
+    assert router_loss_of(composite) == RouterLoss(16, 1, composite.text_config.router_aux_loss_coef)
+    from types import SimpleNamespace
+
+    no_top_k = SimpleNamespace(output_router_logits=True, num_local_experts=8, router_aux_loss_coef=0.02)
+    assert router_loss_of(no_top_k) is None  # no top-k: no term leantune can compute (the check then refuses)
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
+                                                                  num_hidden_layers=1, num_attention_heads=2,
+                                                                  vocab_size=64))
+    assert moe_lora_targets(dense, ["q_proj"], ["q_proj"], all_linear=False, router=False) is None
+
+
+def test_the_grouped_kernel_is_taken_only_where_it_runs():
+    from leantune.models.experts import kernel_fits
+
+    shape = torch.Size([4, 64, 16])
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no grouped_mm")
+    assert kernel_fits("cuda", torch.bfloat16, shape)
+    assert not kernel_fits("cpu", torch.bfloat16, shape)
+    assert not kernel_fits("cuda", torch.float32, shape) and not kernel_fits("cuda", torch.float16, shape)
+    assert not kernel_fits("cuda", torch.bfloat16, torch.Size([4, 64, 4]))  # 8-byte rows (a rank-4 factor)
+    assert not kernel_fits("cuda", torch.bfloat16, torch.Size([4, 12, 16]))
+
+
+def test_the_grouped_matmuls_flops_are_counted():
+    """2 x rows x in x out for the forward; the weight's gradient as much again; none for a frozen weight."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from leantune.models.experts import grouped_mm
+
+    x = torch.randn(10, 6, requires_grad=True)
+    offsets = torch.tensor([3, 3, 10])
+    for trains in (False, True):
+        weight = torch.randn(3, 6, 5, requires_grad=trains)
+        with FlopCounterMode(display=False) as counter:
+            grouped_mm(x, weight, offsets).sum().backward()
+        # forward, the input's gradient (the same matmul transposed), and the weight's when it trains
+        assert counter.get_total_flops() == 2 * 10 * 6 * 5 * (3 if trains else 2)

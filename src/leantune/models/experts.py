@@ -41,9 +41,13 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Te
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return kernel_fits(x.device.type, weight.dtype, weight.shape)
+
+
+def kernel_fits(device_type: str, dtype: torch.dtype, shape: torch.Size) -> bool:
     """PyTorch's kernel: a CUDA GPU, bfloat16, and rows of whole 16-byte units (a LoRA rank a multiple of 8)."""
-    return (x.is_cuda and weight.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
-            and weight.shape[1] % 8 == 0 and weight.shape[2] % 8 == 0)
+    return (device_type == "cuda" and dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+            and shape[1] % 8 == 0 and shape[2] % 8 == 0)
 
 
 @torch.library.custom_op("leantune::grouped_mm", mutates_args=())
@@ -231,14 +235,12 @@ def _is_llama4(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "Llama4TextExperts"
 
 
-def use_leantune_experts(model: torch.nn.Module) -> int:
+def use_leantune_experts(model: torch.nn.Module) -> None:
     """Run ``model``'s experts with leantune's forward: the registry's ``leantune`` implementation (and Llama 4's
-    own), and peft's wrappers on expert tensors computing their low-rank paths apart. Returns the experts
-    modules it took (0: not a mixture of experts leantune knows)."""
+    own), and peft's wrappers on expert tensors computing their low-rank paths apart."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
-    taken = 0
     for module in model.modules():
         if type(module).__name__ == "ParamWrapper" and not _wrapped_further(model, module):
             experts, _ = _experts_of(module)
@@ -246,11 +248,8 @@ def use_leantune_experts(model: torch.nn.Module) -> int:
                 module.forward = types.MethodType(_split_lora_forward, module)
         if _is_llama4(module):
             module.forward = types.MethodType(llama4_experts_forward, module)
-            taken += 1
         elif hasattr(module, "has_gate") and hasattr(module, "config"):
             module.config._experts_implementation = NAME
-            taken += 1
-    return taken
 
 
 def _wrapped_further(model: torch.nn.Module, wrapper: torch.nn.Module) -> bool:

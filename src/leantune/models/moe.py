@@ -58,7 +58,7 @@ def router_loss_of(config: PretrainedConfig) -> Optional[RouterLoss]:
     experts, top_k = expert_count(config), _first(config, _TOP_K)
     if experts is None or top_k is None:
         return None
-    return RouterLoss(experts, top_k, float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0))
+    return RouterLoss(experts, top_k, float(getattr(config, "router_aux_loss_coef", 0.0)))
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], loss: RouterLoss,
@@ -126,12 +126,6 @@ class LoraTargets:
 
     modules: tuple[str, ...]
     parameters: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        parts = [f"modules {', '.join(self.modules)}" if self.modules else "no modules"]
-        if self.parameters:
-            parts.append(f"parameters {', '.join(self.parameters)} (each expert its own low-rank pair)")
-        return "; ".join(parts)
 
 
 def moe_lora_targets(model: torch.nn.Module, names: Sequence[str], linear_names: Sequence[str],

@@ -35,13 +35,11 @@ def expert_tensors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
             if name in EXPERT_TENSORS and param.dim() == 3]
 
 
-def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> int:
-    """Quantize ``model``'s fused expert tensors in place (after LoRA is attached: peft reads their shapes);
-    returns how many weights are now 4-bit."""
+def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> None:
+    """Quantize ``model``'s fused expert tensors in place (after LoRA is attached: peft reads their shapes)."""
     if quant.quantization != "4bit":
-        return 0
+        return
     bnb = import_bitsandbytes()
-    weights = 0
     for module, name in expert_tensors(model):
         param = module._parameters[name]
         settings = dict(blocksize=BLOCK, compress_statistics=quant.use_double_quant, quant_type=quant.quant_type,
@@ -53,8 +51,6 @@ def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> int:
             quantized = torch.nn.Parameter(packed, requires_grad=False)
             quantized.quant_state = state
         module._parameters[name] = quantized
-        weights += param.numel()
-    return weights
 
 
 def quant_state_of(weight: torch.Tensor):
