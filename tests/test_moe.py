@@ -532,6 +532,15 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
     assert len(tensors) == 4 and all(t.dtype == torch.uint8 for t in tensors)  # two layers, two tensors each
     weights = sum(quant_state_of(t).shape.numel() for t in tensors)
     assert f"{weights / 1e6:,.2f}M weights, in 4-bit (nf4 blocks of 64 within each expert, double quantization)" in line
+
+    def held(t):  # the packed bytes, the blocks' scales (8-bit, double quantized) and both code books
+        state = quant_state_of(t)
+        parts = [t, state.absmax, state.code, state.state2.absmax, state.state2.code]
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    total = sum(held(t) for t in tensors)
+    assert line.startswith(f"quantization: 4 fused expert tensors, ") and \
+        f": {total / 2**20:,.1f} MiB, {total / (weights * 2):.3f} of their bfloat16 bytes;" in line
     _dequantized_in_place(model)
     _close(quantized, _loss_and_grads(model, loss_model, ids, labels))
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
