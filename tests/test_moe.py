@@ -628,10 +628,7 @@ def test_what_counts_as_a_mixture_of_experts_and_its_router_loss():
 
     no_top_k = SimpleNamespace(output_router_logits=True, num_local_experts=8, router_aux_loss_coef=0.02)
     assert router_loss_of(no_top_k) is None  # no top-k: no term leantune can compute (the check then refuses)
-    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
-                                                                  num_hidden_layers=1, num_attention_heads=2,
-                                                                  vocab_size=64))
-    assert moe_lora_targets(dense, ["q_proj"], ["q_proj"], all_linear=False, router=False) is None
+    assert moe_lora_targets(["q_proj"], ["q_proj"], {}, ([], []), all_linear=False, router=False) is None  # dense
 
 
 def test_the_grouped_kernel_is_taken_only_where_it_runs():

@@ -163,8 +163,8 @@ def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
     of its linear layers or (a mixture of experts) its fused expert tensors; ``ModelLoadError`` naming them if not."""
     all_linear = cfg.lora_target_modules == [ALL_LINEAR]
     linear = linear_layer_names(model)
-    experts = expert_tensor_targets(model)
-    routers = set(router_targets(model)[0]) | {p.split(".")[0] for p in router_targets(model)[1]}
+    experts, found_routers = expert_tensor_targets(model), router_targets(model)
+    routers = set(found_routers[0]) | {p.split(".")[0] for p in found_routers[1]}
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | set(experts)
     if experts:  # a mixture of experts: its experts module itself (or an MLP block) is no target
         names = set(linear) | set(experts) | routers
@@ -183,7 +183,7 @@ def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
     if cfg.lora_router and not routers:
         raise ModelLoadError(f"--lora_router: {type(model).__name__} has no router (not a mixture of experts); "
                              "drop the flag")
-    targets = moe_lora_targets(model, cfg.lora_target_modules, linear, all_linear, cfg.lora_router)
+    targets = moe_lora_targets(cfg.lora_target_modules, linear, experts, found_routers, all_linear, cfg.lora_router)
     if targets is None:
         return LoraTargets((ALL_LINEAR,) if all_linear else tuple(cfg.lora_target_modules))
     if targets.parameters and cfg.lora_dropout:

@@ -96,15 +96,18 @@ def is_router(module: torch.nn.Module) -> bool:
     return "Router" in type(module).__name__
 
 
+def expert_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Parameter]]:
+    """Every module's own parameter named as a fused expert tensor: (module name, module, name, parameter). A
+    16-bit one is 3-D; a 4-bit one (``models.quantized_experts``) holds packed bytes and its ``quant_state``."""
+    return [(module_name, module, name, param) for module_name, module in model.named_modules()
+            for name, param in module.named_parameters(recurse=False) if name in EXPERT_TENSORS]
+
+
 def expert_tensor_targets(model: torch.nn.Module) -> dict[str, str]:
     """The fused expert tensors LoRA can target: name (``gate_up_proj``) -> peft's parameter suffix
     (``experts.gate_up_proj``), from the experts modules' own 3-D parameters."""
-    found = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if name in EXPERT_TENSORS and param.dim() == 3:
-                found[name] = f"{module_name.rsplit('.', 1)[-1]}.{name}"
-    return found
+    return {name: f"{module_name.rsplit('.', 1)[-1]}.{name}"
+            for module_name, _, name, param in expert_parameters(model) if param.dim() == 3}
 
 
 def router_targets(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -128,14 +131,14 @@ class LoraTargets:
     parameters: tuple[str, ...] = ()
 
 
-def moe_lora_targets(model: torch.nn.Module, names: Sequence[str], linear_names: Sequence[str],
-                     all_linear: bool, router: bool) -> Optional[LoraTargets]:
-    """For a mixture of experts (None otherwise): the LoRA targets ``names`` (or ``all_linear``: every linear layer
-    but the head and the routers, and every fused expert tensor) mean; the routers only with ``router``."""
-    experts = expert_tensor_targets(model)
+def moe_lora_targets(names: Sequence[str], linear_names: Sequence[str], experts: dict[str, str],
+                     routers: tuple[list[str], list[str]], all_linear: bool, router: bool) -> Optional[LoraTargets]:
+    """For a mixture of experts (None without ``experts``, ``expert_tensor_targets``'): the LoRA targets ``names``
+    (or ``all_linear``: every linear layer but the head and the routers, and every fused expert tensor) mean; the
+    routers (``router_targets``') only with ``router``."""
     if not experts:
         return None
-    router_modules, router_parameters = router_targets(model)
+    router_modules, router_parameters = routers
     wanted = [*linear_names, *experts] if all_linear else list(names)
     modules = [n for n in wanted if n in linear_names and n not in router_modules]
     parameters = [experts[n] for n in wanted if n in experts]

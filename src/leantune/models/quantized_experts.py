@@ -23,16 +23,15 @@ from typing import Optional
 import torch
 
 from leantune.config import QuantizationConfig
-from leantune.models.moe import EXPERT_TENSORS
+from leantune.models.moe import expert_parameters
 from leantune.optional import import_bitsandbytes
 
 BLOCK = 64
 
 
 def expert_tensors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """Every fused expert tensor of ``model``: (its experts module, its name)."""
-    return [(module, name) for module in model.modules() for name, param in module.named_parameters(recurse=False)
-            if name in EXPERT_TENSORS and param.dim() == 3]
+    """Every 16-bit fused expert tensor of ``model``: (its experts module, its name)."""
+    return [(module, name) for _, module, name, param in expert_parameters(model) if param.dim() == 3]
 
 
 def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> None:
@@ -101,8 +100,8 @@ def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
 
 
 def expert_tensors_quantized(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    return [(module, name) for module in model.modules() for name, param in module.named_parameters(recurse=False)
-            if name in EXPERT_TENSORS and quant_state_of(param) is not None]
+    """Every 4-bit fused expert tensor of ``model``: (its experts module, its name)."""
+    return [(module, name) for _, module, name, param in expert_parameters(model) if quant_state_of(param) is not None]
 
 
 def _state_bytes(state) -> int:
