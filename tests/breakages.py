@@ -374,7 +374,7 @@ BREAKAGES = [
       "balance = load_balancing_loss(output.router_logits, self.router_loss)",
       ("tests/test_moe.py", "-k", "routers_loss")),
     B("router_unweighted", "the router's term is added once per batch, not per target token",
-      "src/leantune/training/step.py", "        router_sum = balance * targets\n", "        router_sum = balance\n",
+      "src/leantune/training/step.py", "        router_sum = balance * targets_tensor(labels)\n", "        router_sum = balance\n",
       ("tests/test_moe.py", "-k", "routers_loss")),
     B("router_top_k", "the load-balancing loss counts every token's first expert only", "src/leantune/models/moe.py",
       "picked = torch.topk(probs, loss.top_k, dim=-1).indices", "picked = torch.topk(probs, 1, dim=-1).indices",

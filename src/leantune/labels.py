@@ -10,7 +10,12 @@ IGNORE_INDEX = -100
 
 def count_targets(labels: torch.Tensor) -> int:
     """Tokens that contribute to the loss (after the one-token shift)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return int(targets_tensor(labels))
+
+
+def targets_tensor(labels: torch.Tensor) -> torch.Tensor:
+    """``count_targets`` as a tensor where ``labels`` are, so a GPU is not waited for."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
-from leantune.labels import IGNORE_INDEX, count_targets
+from leantune.labels import count_targets, targets_tensor
 from leantune.loss import causal_lm_loss_sum
 from leantune.models.moe import load_balancing_loss, router_loss_of
 from leantune.models.structure import decoder_of, unwrap_model
@@ -107,9 +107,8 @@ class CausalLMLoss(torch.nn.Module):
         loss = self.loss_fn(output.last_hidden_state, unwrap_model(self.model).get_output_embeddings(), labels)
         if self.router_loss is None:
             return loss
-        targets = (labels[:, 1:] != IGNORE_INDEX).sum()
         balance = load_balancing_loss(output.router_logits, self.router_loss, real_tokens)
-        router_sum = balance * targets
+        router_sum = balance * targets_tensor(labels)
         self.router_loss_sum = router_sum.detach()
         return loss + self.router_loss.coefficient * router_sum
 
