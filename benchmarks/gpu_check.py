@@ -1,20 +1,25 @@
 """The prepared check for leantune's first GPU: what one device call can tell us, most valuable first, as JSON.
 
-    python benchmarks/gpu_check.py --out "$OUT" [--bitsandbytes_wheels DIR] [--torchao_wheels DIR]   # one GPU, 8 min
+    python benchmarks/gpu_wheels.py --out gpu_wheels                        # here: what the GPU image lacks, 34 MiB
+    python benchmarks/gpu_check.py --out "$OUT" --wheels gpu_wheels          # there: one GPU, at most 480 s
     python benchmarks/gpu_check.py --dry_run --out /tmp/gpu_check            # the CPU: every part, tiny shapes
     python benchmarks/gpu_check.py --list                                    # each part and its limit (s)
 
-Nothing to install on the GPU machine beyond its own CUDA PyTorch, transformers and peft: the script
-puts this checkout's ``src`` first on its own and its children's path (the image has no package
-index, so ``pip install -e .`` could not fetch its build tools). The parts (``gpu_check_parts.py``;
-docs/gpu_check.md says what each measures), in order of value: ``device`` (versions, the measured
-CUDA context and cuBLAS workspace, the allocator's rounding), ``cuda_tests``, ``reference`` (the
-report's workload, batch 11 at 2048, the plan's error at step 2), ``qlora``, ``compile``,
-``lean_optimizers`` (``--optimizer auto`` choosing the step in backward), ``attention`` (packing
-apart: sdpa's mask against the reference's varlen), ``fsdp`` (one rank, host offload) and
-``resume`` (the reference's run resumed from its step 2). Their limits, the model's build and the
-40 s kept to stop a part add up to 470 s on one H200 (a guess until the first run), so each part
-gets all of its limit even when every part before it used all of its own.
+First of all, before anything heavy is imported, ``gpu_check.json`` is written with the versions found
+(``gpu_check_env``); then the carried wheels are installed beside the image's packages (``--target``,
+first on this process's path and its children's), and one line says what the check still needs (a
+CUDA device, transformers >= 5.25, ...): when anything is missing the check stops there, within
+seconds, with that line in the JSON. This checkout's ``src`` is put first on the path (the image has no
+package index, so ``pip install -e .`` could not fetch its build tools).
+
+The parts (``gpu_check_parts.py``; docs/gpu_check.md says what each measures), in order of value:
+``device`` (versions, the varlen kernel's signature, the measured CUDA context and cuBLAS workspace, the
+allocator's rounding; each fact written as found), ``cuda_tests`` (pytest, verbose, with JUnit XML;
+torchao's tests last), ``reference`` (the report's workload, batch 11 at 2048, the plan's error at step
+2), ``qlora``, ``compile``, ``resume`` (the reference's run resumed from its step 2) and ``fsdp`` (one
+rank, host offload); ``attention`` and ``lean_optimizers`` run when ``--parts`` names them. The limits
+(``SCHEDULE``), the set-up and the 40 s kept to stop a part add up to 480 s, so each part gets all of its
+limit even when every part before it used all of its own.
 
 Each part runs in a process of its own under its own time limit (at the limit the part kills its
 runs and saves what they got to, and 20 s later whatever under it is left, torchrun's worker included,
@@ -22,13 +27,10 @@ is killed), and no part starts once ``--budget_s`` is spent (from the process's 
 an out-of-memory error costs one part, not the check; a part's runs are saved as each ends, so one
 stopped at its limit keeps what finished. The model (the 1B shape, random weights, leantune's tiny
 tokenizer) is built with ``save_pretrained`` in ``--work_dir``, where every run's directory and log
-stay too. OUT gets three files, rewritten after every part: ``gpu_check.json`` (every part's
-status, seconds and findings), ``gpu_check.txt`` (the table printed at the end) and
-``logs.tar.gz`` (every log, cut to its last lines if the archive would pass 12 MiB). bitsandbytes
-is not in the GPU machine's image: ``--bitsandbytes_wheels DIR`` installs it from a wheel
-directory; without it the QLoRA run is skipped with one line (``--torchao_wheels DIR`` likewise
-for torchao, without which the 4-bit AdamW test is skipped). In the dry run FSDP's CPU offload
-(CUDA only) is left out, and everything else runs.
+stay too. OUT gets three files, rewritten after every part: ``gpu_check.json`` (the versions, what was
+missing, every part's status, seconds and findings), ``gpu_check.txt`` (the table printed at the end)
+and ``logs.tar.gz`` (every log and JUnit file, cut to its last lines if the archive would pass 12 MiB).
+In the dry run FSDP's CPU offload (CUDA only) is left out, and everything else runs.
 """
 
 from __future__ import annotations
@@ -56,14 +58,24 @@ sys.path[:0] = [str(HERE), str(SRC)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(HERE), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gpu_check_parts import BUILD_S, PARTS  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
+import gpu_check_env  # noqa: E402  (a sibling module: the benchmarks are scripts, not a package)
 from gpu_check_runs import Check, write_json  # noqa: E402
 from leantune.io import atomic_write_text  # noqa: E402
 
-DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the H200 the limits above are for
+# name -> seconds it may take on one GPU, in order of value: what the first GPU call most needs answered first.
+# A leantune run of the 1B shape spends about 25 s before its first step on a cold machine (start, plan, load,
+# start-up checks). With the set-up (wheels installed, the needs checked, the model built) and the 40 s kept to
+# stop a part at its limit they add up to 480 s, so every part gets its whole limit even when each before it
+# used all of its own.
+SCHEDULE = {"device": 25, "cuda_tests": 60, "reference": 110, "qlora": 45, "compile": 75, "resume": 40, "fsdp": 40}
+# Parts run only when --parts names them (a later call): they would not fit the 480 s with the others.
+ON_REQUEST = {"attention": 45, "lean_optimizers": 45}
+SETUP_S = 45  # the wheels installed, what the check needs asked in fresh interpreters, the model built
+DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the GPU machine the limits above are for
 MIN_PART_S = 20  # a part is not started with less time than this left
 GRACE_S = 20  # between SIGTERM and SIGKILL for a part at its limit
 LOG_ARCHIVE_BYTES = 12 << 20  # the device machine sends back files of at most 16 MiB
+ALL_PARTS = {**SCHEDULE, **ON_REQUEST}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,41 +88,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget_s", type=float, help="no part starts once this is spent (default: 480 s on a GPU, "
                         "an hour in the dry run)")
     parser.add_argument("--part_limit_s", type=float, help="every part's time limit, instead of its own")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
-    parser.add_argument("--bitsandbytes_wheels", type=Path, help="a directory holding a bitsandbytes wheel")
-    parser.add_argument("--torchao_wheels", type=Path, help="a directory holding a torchao wheel (adamw_4bit's test)")
+    parser.add_argument("--parts", default=",".join(SCHEDULE),
+                        help=f"a comma-separated subset of {', '.join(ALL_PARTS)} (default: {', '.join(SCHEDULE)})")
+    parser.add_argument("--wheels", type=Path, help="a folder of wheels to install first, beside the image's own "
+                        "packages (benchmarks/gpu_wheels.py builds it)")
     parser.add_argument("--list", action="store_true", help="print each part's name and time limit (s), then stop")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: run this one part in this process
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s if args.budget_s is not None else 3600.0 if args.dry_run else 480.0
-    unknown = [name for name in args.parts.split(",") if name not in PARTS]
+    unknown = [name for name in args.parts.split(",") if name not in ALL_PARTS]
     if unknown:
-        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(ALL_PARTS)}")
     return args
-
-
-def has_package(package: str, wheels: Path | None, work_dir: Path) -> tuple[bool, str]:
-    """Install ``package`` from ``wheels`` when given, into ``work_dir/site`` (put on every child's path: the
-    image's own environment stays as it is); whether it imports, and a line saying what happened."""
-    if wheels is not None:
-        site = work_dir / "site"
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade",
-                                 "--target", str(site), "--find-links", str(wheels), package],
-                                capture_output=True, text=True)
-        if str(site) not in os.environ["PYTHONPATH"].split(os.pathsep):
-            os.environ["PYTHONPATH"] = os.pathsep.join([os.environ["PYTHONPATH"], str(site)])
-        if result.returncode != 0:
-            return False, f"{package}: installing from {wheels} failed: {result.stderr.strip()[-300:]}"
-    found = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True).returncode == 0
-    return found, f"{package}: installed" if found else f"{package}: not installed (give --{package}_wheels)"
 
 
 def run_part_here(args: argparse.Namespace) -> int:
     """The child's side: one part, its findings written to WORK/parts/NAME.json."""
+    from gpu_check_parts import PARTS  # torch and transformers: imported only once the check has what it needs
+
     check = Check(args.work_dir, args.dry_run, has_bitsandbytes=os.environ.get("GPU_CHECK_BNB") == "1", part=args.part)
     signal.signal(signal.SIGTERM, _stop_at_the_limit)
     check.build_model()
-    function, _ = PARTS[args.part]
+    function = PARTS[args.part]
     findings = function(check)
     write_json(args.work_dir / "parts" / f"{args.part}.json", findings)
     return 0 if all(run["rc"] == 0 for run in findings.get("runs", [])) else 1
@@ -185,7 +184,8 @@ def write_results(args: argparse.Namespace, result: dict) -> None:
     atomic_write_text(args.out / "gpu_check.txt", "\n".join(summary_rows(result["parts"])) + "\n")
     staged = args.out / ".logs.tar.gz.partial"
     with tarfile.open(staged, "w:gz") as archive:
-        for name, data in log_ends(sorted((args.work_dir / "logs").glob("*.log")), LOG_ARCHIVE_BYTES):
+        for name, data in log_ends(sorted([*(args.work_dir / "logs").glob("*.log"),
+                                          *(args.work_dir / "logs").glob("*.xml")]), LOG_ARCHIVE_BYTES):
             info = tarfile.TarInfo(f"logs/{name}")
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
@@ -228,8 +228,36 @@ def summary_rows(parts: dict) -> list[str]:
 
 
 def part_limits() -> list[str]:
-    """``--list``: one line a part, its name and its limit in seconds on one H200, the model's build first."""
-    return [f"build {BUILD_S}", *(f"{name} {limit}" for name, (_, limit) in PARTS.items())]
+    """``--list``: one line a part run by default, its name and its limit in seconds, the set-up first; then
+    the parts run only on request, marked so."""
+    return [f"setup {SETUP_S}", *(f"{name} {limit}" for name, limit in SCHEDULE.items()),
+            *(f"{name} {limit} on_request" for name, limit in ON_REQUEST.items())]
+
+
+def prepare(args: argparse.Namespace, started: float) -> tuple[dict, bool]:
+    """The set-up before any part: the versions found, written to OUT at once; the carried wheels installed;
+    what is still missing in one line (the check stops there when anything is); then the optional packages
+    and the model. Returns the result so far and whether bitsandbytes is usable."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"dry_run": args.dry_run, "machine": platform.node(), "python": platform.python_version(),
+              "argv": sys.argv[1:], "found": gpu_check_env.versions(), "parts": {}}
+    write_json(args.out / "gpu_check.json", result)  # first: whatever happens next, the versions come back
+    if args.wheels is not None:
+        result["wheels"] = gpu_check_env.install_wheels(args.wheels, args.work_dir / "site")
+        result["used"] = gpu_check_env.versions()
+        print(result["wheels"], flush=True)
+    missing = gpu_check_env.needs(args.dry_run)
+    result["missing"], result["needs"] = missing, gpu_check_env.needs_line(missing)
+    print(result["needs"], flush=True)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    write_json(args.out / "gpu_check.json", result)
+    if missing:
+        return result, False
+    result.update(gpu_check_env.optional_lines())
+    for package in gpu_check_env.ALSO_WANTED:
+        print(result[package], flush=True)
+    Check(args.work_dir, args.dry_run).build_model()  # once, counted in the budget
+    return result, result["bitsandbytes"] == "bitsandbytes: installed"
 
 
 def main(argv=None) -> int:
@@ -241,23 +269,19 @@ def main(argv=None) -> int:
     if args.part:
         return run_part_here(args)
     started = time.perf_counter() - (time.time() - psutil.Process().create_time())  # imports count too
-    args.out.mkdir(parents=True, exist_ok=True)
     for folder in ("logs", "parts", "runs"):
         shutil.rmtree(args.work_dir / folder, ignore_errors=True)  # an earlier check's findings are not this one's
         (args.work_dir / folder).mkdir(parents=True)
-    bnb, bnb_line = has_package("bitsandbytes", args.bitsandbytes_wheels, args.work_dir)
-    print(bnb_line, flush=True)
-    _, torchao_line = has_package("torchao", args.torchao_wheels, args.work_dir)
-    print(torchao_line, flush=True)
-    Check(args.work_dir, args.dry_run).build_model()  # once, counted in the budget
-    result = {"dry_run": args.dry_run, "bitsandbytes": bnb_line, "torchao": torchao_line, "machine": platform.node(), "argv": sys.argv[1:],
-              "parts": {}}
+    result, bnb = prepare(args, started)
+    if result["missing"]:
+        write_results(args, result)
+        return 2
     for name in args.parts.split(","):
         left = args.budget_s - (time.perf_counter() - started)
         if left - 2 * GRACE_S < MIN_PART_S:
             result["parts"][name] = {"status": "not started", "why": f"the budget of {args.budget_s:.0f} s was spent"}
         else:
-            own = args.part_limit_s or (DRY_RUN_LIMIT_S if args.dry_run else PARTS[name][1])
+            own = args.part_limit_s or (DRY_RUN_LIMIT_S if args.dry_run else ALL_PARTS[name])
             limit = max(1.0, min(own, left - 2 * GRACE_S))  # stopping a part takes up to twice the grace
             result["parts"][name] = run_part(name, args, limit, bnb)
         result["seconds"] = round(time.perf_counter() - started, 1)

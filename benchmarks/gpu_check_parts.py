@@ -2,9 +2,9 @@
 
 A part's runs are real leantune runs (``gpu_check_runs.Check.leantune``); the part fails when one
 of them fails. The figures are measurements to read, not thresholds: nothing here passes or fails
-on a number, except that every run must finish. ``PARTS`` gives each its limit in seconds on one
-H200; with the model's build (``BUILD_S``) they add up to at most 480 s, so one device call of
-the 15 minutes a session gets holds the whole check, the machine's start-up included.
+on a number, except that every run must finish. ``gpu_check.py`` gives each its limit (``SCHEDULE``):
+with the set-up they add up to at most 480 s, so one device call of the 15 minutes a session gets
+holds the whole check, the machine's start-up included.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from gpu_check_runs import Check, pytest_record
+from gpu_check_runs import Check, pytest_record, write_json
 from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.gpu_constants import measure_gpu_constants
 from leantune.precision import _bf16_supported
@@ -68,25 +68,38 @@ def _probe_in_a_child(device: torch.device, alloc_conf: str) -> list[dict] | dic
 
 def part_device(check: Check) -> dict:
     """Versions; on a GPU: its name, the MFU peak leantune uses, bf16, the measured context and workspace,
-    and how the allocator rounds (with and without expandable segments)."""
+    and how the allocator rounds (with and without expandable segments). Each fact is written as it is found:
+    a part stopped at its limit keeps what it had."""
+    import inspect
+
     import peft
     import transformers
 
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
              "peft": peft.__version__, "bitsandbytes": check.has_bitsandbytes, "python": sys.version.split()[0]}
+
+    def found(**more) -> None:
+        facts.update(more)
+        write_json(check.work / "parts" / "device.json", {"facts": facts})
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        found(varlen_signature=str(inspect.signature(varlen_attn)))
+    except ImportError as err:
+        found(varlen_signature=f"none: {err}")
     on_gpu = torch.cuda.is_available() and not check.dry_run
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
         constants = measure_gpu_constants(device)  # first, before this process allocates anything else
+        found(constants=constants.as_dict(), constants_line=constants.line())
         props = torch.cuda.get_device_properties(device)
-        facts.update(name=props.name, capability=list(torch.cuda.get_device_capability(device)),
-                     multiprocessors=props.multi_processor_count, total_mib=props.total_memory / 2**20,
-                     bf16_native=_bf16_supported(device), bf16_torch_default=torch.cuda.is_bf16_supported(),
-                     peak_tflops=device_peak_tflops(device), constants=constants.as_dict(),
-                     constants_line=constants.line())
-    facts["allocator"] = {"default": _with_the_model(_probe_in_a_child(device, ""), expandable=False),
-                          "expandable_segments": _with_the_model(_probe_in_a_child(device, "expandable_segments:True"),
-                                                                 expandable=True)}
+        found(name=props.name, capability=list(torch.cuda.get_device_capability(device)),
+              multiprocessors=props.multi_processor_count, total_mib=props.total_memory / 2**20,
+              bf16_native=_bf16_supported(device), bf16_torch_default=torch.cuda.is_bf16_supported(),
+              peak_tflops=device_peak_tflops(device))
+    found(allocator={"default": _with_the_model(_probe_in_a_child(device, ""), expandable=False)})
+    found(allocator={**facts["allocator"], "expandable_segments": _with_the_model(
+        _probe_in_a_child(device, "expandable_segments:True"), expandable=True)})
     return {"facts": facts}
 
 
@@ -106,21 +119,24 @@ GPU_MARK = re.compile(r"^\s*@pytest\.mark\.gpu\b|^pytestmark\s*=.*\bpytest\.mark
 
 
 def gpu_marked_test_files() -> list[str]:
-    """The test files holding a ``gpu``-marked test, relative to the checkout (pytest's working directory)."""
+    """The test files holding a ``gpu``-marked test, relative to the checkout (pytest's working directory); those
+    that use torchao last (its first use compiles for tens of seconds: the rest are recorded before it)."""
     root = Path(__file__).resolve().parent.parent
-    return sorted(str(path.relative_to(root)) for path in (root / "tests").glob("test_*.py")
-                  if GPU_MARK.search(path.read_text(encoding="utf-8")))
+    marked = [path for path in sorted((root / "tests").glob("test_*.py"))
+              if GPU_MARK.search(path.read_text(encoding="utf-8"))]
+    marked.sort(key=lambda path: "torchao" in path.read_text(encoding="utf-8"))  # stable: alphabetical otherwise
+    return [str(path.relative_to(root)) for path in marked]
 
 
 def part_cuda_tests(check: Check) -> dict:
     """The tests marked ``gpu`` (skipped on a CPU), and the memory tests whose CUDA branches a CPU never takes
-    (named files: collecting every test would import what the image lacks); every failure is reported."""
+    (named files: collecting every test would import what the image lacks); every failure is reported, and every
+    test's outcome is in its log as it ends (verbose) and in a JUnit XML file."""
     if importlib.util.find_spec("pytest") is None:
         return {"runs": [], "skipped": "pytest is not installed here: the CUDA tests were not run"}
-    gpu_marked = gpu_marked_test_files()
-    runs = [pytest_record("pytest_gpu_marked", check, ["-q", "-m", "gpu", *gpu_marked])]
+    runs = [pytest_record("pytest_gpu_marked", check, ["-m", "gpu", *gpu_marked_test_files()])]
     if not check.dry_run:
-        runs.append(pytest_record("pytest_memory", check, ["-q", "tests/test_cuda_counters.py", "tests/test_step_peak.py",
+        runs.append(pytest_record("pytest_memory", check, ["tests/test_cuda_counters.py", "tests/test_step_peak.py",
                                                            "tests/test_gpu_constants.py"]))
     return {"runs": runs}
 
@@ -149,7 +165,7 @@ def part_reference(check: Check) -> dict:
 def part_qlora(check: Check) -> dict:
     """QLoRA (a 4-bit base, bitsandbytes' CUDA kernels) with full checkpointing, planned and checked at step 2."""
     if not check.has_bitsandbytes:
-        return {"runs": [], "skipped": "bitsandbytes is not installed: give --bitsandbytes_wheels"}
+        return {"runs": [], "skipped": "bitsandbytes is not usable here: give --wheels (benchmarks/gpu_wheels.py)"}
     flags = LORA + ["--quantization", "4bit", "--enable_activation_checkpointing",
                     "--batch_size_training", str(check.sizes.batch)]
     return {"runs": [check.leantune("qlora_4bit_full", flags, check.sizes.short_steps)]}
@@ -226,11 +242,7 @@ def _step_losses(out_dir: Path) -> dict:
     return {str(row["step"]): row["loss"] for row in steps if row["step"] > 2}
 
 
-# name -> (part, seconds it may take on one H200), in order of value. A guess until the first GPU run: a
-# leantune run of the 1B shape is about 25 s before its first step (start, plan, load, checks). With the
-# model's build and the 40 s kept to stop a part at its limit they add up to 480 s: every part gets its
-# whole limit even when each before it used all of its own.
-PARTS = {"device": (part_device, 20), "cuda_tests": (part_cuda_tests, 40), "reference": (part_reference, 95),
-         "qlora": (part_qlora, 35), "compile": (part_compile, 60), "lean_optimizers": (part_lean_optimizers, 45),
-         "attention": (part_attention, 40), "fsdp": (part_fsdp, 35), "resume": (part_resume, 40)}
-BUILD_S = 20  # the model's build (random 1B weights saved), before the first part
+# name -> part; gpu_check.py's SCHEDULE and ON_REQUEST give their order and limits.
+PARTS = {"device": part_device, "cuda_tests": part_cuda_tests, "reference": part_reference, "qlora": part_qlora,
+         "compile": part_compile, "resume": part_resume, "fsdp": part_fsdp, "attention": part_attention,
+         "lean_optimizers": part_lean_optimizers}

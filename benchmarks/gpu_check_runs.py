@@ -19,13 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from leantune.io import atomic_write_text
-from leantune.models.presets import PRESETS
-from leantune.models.tiny import make_tiny_model
+from leantune.io import atomic_write_text  # the standard library only: this module imports before the check's needs
 
-# The reference report's shape (Llama-3.2-1B), its vocabulary included; leantune's tiny tokenizer feeds it.
-GPU_SHAPE = {key: value for key, value in PRESETS["Llama-3.2-1B"].items() if key not in ("bos_token_id",
-                                                                                          "eos_token_id")}
+
+def gpu_shape() -> dict:
+    """The reference report's shape (Llama-3.2-1B), its vocabulary included; leantune's tiny tokenizer feeds it."""
+    from leantune.models.presets import PRESETS  # transformers: only once the check has what it needs
+
+    return {key: value for key, value in PRESETS["Llama-3.2-1B"].items() if key not in ("bos_token_id", "eos_token_id")}
+
+
 DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2048)
 
@@ -84,7 +87,9 @@ class Check:
 
     def build_model(self) -> Path:
         """The model every run trains, made once outside OUT (a 1B model must not travel back with the results)."""
-        name, shape = ("tiny", DRY_SHAPE) if self.dry_run else ("llama-3.2-1b-shape", GPU_SHAPE)
+        from leantune.models.tiny import make_tiny_model
+
+        name, shape = ("tiny", DRY_SHAPE) if self.dry_run else ("llama-3.2-1b-shape", gpu_shape())
         path = self.work / name
         if not (path / "config.json").is_file():
             make_tiny_model(path, seed=0, **shape)
@@ -165,7 +170,10 @@ def pytest_record(name: str, check: Check, args: list[str]) -> dict:
     rc, findings = STOPPED, check.logs / f"{name}-findings"  # a test's measured figures (LEANTUNE_FINDINGS_DIR)
     try:
         with log.open("w") as sink:
-            rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], stdout=sink,
+            # one line a test as it ends (a part stopped at its limit keeps them), a summary of every outcome,
+            # and a JUnit XML file beside the log
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-v",
+                                  "-rA", f"--junitxml={check.logs / f'{name}.xml'}", *args], stdout=sink,
                                  stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
                                  env={**os.environ, "LEANTUNE_FINDINGS_DIR": str(findings)})
     finally:  # also when the part is stopped at its limit: what pytest got to is kept

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check_parts import PARTS, gpu_marked_test_files  # noqa: E402
-from gpu_check_runs import GPU_SHAPE  # noqa: E402
+from gpu_check_runs import gpu_shape  # noqa: E402
 
 OUT_FILES = ["gpu_check.json", "gpu_check.txt", "logs.tar.gz"]  # the device machine sends back 8 files at most
 
@@ -37,13 +37,17 @@ def _check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, di
 @pytest.mark.slow
 def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     """About two and a half minutes on 2 cores."""
-    result, check = _check(tmp_path)
+    import gpu_check
+
+    result, check = _check(tmp_path, "--parts", ",".join(gpu_check.ALL_PARTS))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert check["dry_run"] is True and list(check["parts"]) == list(PARTS)
+    assert check["dry_run"] is True and list(check["parts"]) == list(gpu_check.ALL_PARTS)
     assert {name: part["status"] for name, part in check["parts"].items()} == {name: "ok" for name in PARTS}
+    assert check["missing"] == [] and check["found"]["torch"] == torch.__version__
     runs = [run for part in check["parts"].values() for run in part.get("runs", [])]
     trained = [run for run in runs if not run["run"].startswith("pytest")]
     with_bnb = check["bitsandbytes"] == "bitsandbytes: installed"
+    assert check["parts"]["device"]["facts"]["varlen_signature"].startswith("(query")
     assert len(trained) == 7 + with_bnb and all(run["rc"] == 0 for run in runs)
     for run in trained:  # each read back from its own metrics.json and memory.jsonl
         assert run["median_step_time_s"] > 0 and run["steps"] >= 1 and run["max_cpu_rss_peak_mib"] > 100, run
@@ -68,16 +72,18 @@ def test_the_dry_run_runs_every_part_and_writes_its_results(tmp_path):
 
 
 def test_the_parts_fit_one_device_call_in_order_of_value():
-    """``--list``: each part and its limit; with the model's build they fit the 480 s a device call leaves."""
+    """``--list``: each part and its limit; with the set-up they fit the 480 s a device call leaves, and every
+    part gets the whole of its limit even when each before it used all of its own."""
     listed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--list"],
                             capture_output=True, text=True, check=True).stdout.split("\n")
-    limits = {name: int(limit) for name, limit in (line.split() for line in listed if line)}
-    assert list(limits)[:4] == ["build", "device", "cuda_tests", "reference"]
-    assert {"qlora", "compile", "lean_optimizers", "attention", "fsdp", "resume"} <= set(limits)
-    # the runner's schedule when every part uses all of its limit: each still gets the whole of it
+    rows = [line.split() for line in listed if line]
+    limits = {row[0]: int(row[1]) for row in rows if len(row) == 2}
+    assert {row[0] for row in rows if row[2:] == ["on_request"]} == {"attention", "lean_optimizers"}
+    assert list(limits)[:4] == ["setup", "device", "cuda_tests", "reference"]
+    assert {"qlora", "compile", "resume", "fsdp"} <= set(limits) and set(limits) - {"setup"} <= set(PARTS)
     import gpu_check
 
-    spent = limits.pop("build")
+    spent = limits.pop("setup")
     for name, own in limits.items():
         assert min(own, 480 - spent - 2 * gpu_check.GRACE_S) == own, name
         spent += own
@@ -138,7 +144,7 @@ def test_the_gpu_check_shape_is_a_llama_with_the_reports_vocabulary_and_tied_hea
 
     from leantune.models.tiny import make_tiny_model
 
-    small = dict(GPU_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    small = dict(gpu_shape(), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", **small))
     assert model.config.vocab_size == 128_256 and model.config.tie_word_embeddings
@@ -159,3 +165,54 @@ def test_the_cuda_part_runs_every_gpu_marked_test_file():
     for marked in (f"@{mark}\ndef test_a(): ...", f"pytestmark = {mark}", f"pytest.param(1, marks={mark})"):
         assert GPU_MARK.search(marked), marked
     assert not GPU_MARK.search(f'text = "a string naming @{mark}"')
+
+
+def _real_check(tmp_path: Path, *flags: str, pythonpath: str = "") -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                             "--work_dir", str(tmp_path / "work"), *flags], capture_output=True, text=True, env=env,
+                            timeout=120)
+    return result, json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA device")
+def test_without_a_gpu_the_check_says_so_and_stops_within_seconds(tmp_path):
+    started = time.perf_counter()
+    result, check = _real_check(tmp_path)
+    assert result.returncode == 2 and time.perf_counter() - started < 120
+    assert check["found"]["torch"] == torch.__version__ and check["parts"] == {}
+    assert len(check["missing"]) == 1 and check["missing"][0].startswith("a CUDA device (torch ")
+    assert check["needs"].startswith("gpu_check needs: a CUDA device") and check["needs"] in result.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == OUT_FILES
+
+
+def test_an_image_with_an_older_transformers_is_named_with_what_it_needs(tmp_path):
+    """The GPU image's transformers (5.17) seen first on the path: the line names it and the version wanted."""
+    site = tmp_path / "image"
+    info = site / "transformers-5.17.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.17.0\n")
+    result, check = _real_check(tmp_path, "--dry_run", pythonpath=str(site))
+    assert result.returncode == 2 and check["found"]["transformers"] == "5.17.0"
+    assert check["missing"] == ["transformers<6,>=5.25 (found 5.17.0)"]
+    assert "transformers<6,>=5.25 (found 5.17.0)" in check["needs"] and "gpu_wheels.py" in check["needs"]
+
+
+def test_a_missing_or_old_requirement_is_named_and_extras_are_not_asked_for():
+    from importlib.metadata import PackageNotFoundError
+
+    import gpu_check_env
+
+    installed = {"peft": "0.14.0", "torch": "2.11.0+cu130"}
+
+    def version_of(name):
+        if name not in installed:
+            raise PackageNotFoundError(name)
+        return installed[name]
+
+    assert gpu_check_env.unmet(["torch>=2.6", "peft>=0.15", "bitsandbytes>=0.47", "wandb; extra == 'log'"],
+                               version_of) == ["peft>=0.15 (found 0.14.0)", "bitsandbytes>=0.47 (not installed)"]
+    needs = gpu_check_env.unmet_for_the_check(version_of, lambda name: ["huggingface-hub>=2.4.0"])
+    assert "transformers<6,>=5.25 (not installed)" in needs and "datasets>=3 (not installed)" not in needs
+    assert "huggingface-hub>=2.4.0 (not installed) for peft" in needs

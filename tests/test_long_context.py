@@ -386,7 +386,7 @@ def test_a_gpu_below_ampere_takes_sdpa_per_example(monkeypatch):
     from leantune.models import varlen_attention
 
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)
-    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: object())
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash("newer", []))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, usable in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
@@ -567,39 +567,43 @@ def test_a_model_with_varlen_attention_generates_as_with_sdpa():
     assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape[1] == 11
 
 
-def _stand_in_flash(grouped: bool, window: bool, calls: list):
+def _stand_in_flash(version: str, calls: list):
     """PyTorch's varlen flash kernel as a CPU reference (SDPA over each span), with the keywords of one of its
-    versions; it records what it was given."""
+    versions: ``newer`` (window_size, grouped heads, scale), ``older`` (is_causal, scale) or ``first`` (is_causal
+    only, PyTorch 2.9's); it records what it was given."""
     def attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, causal=False, enable_gqa=False):
         calls.append(dict(cu=cu_seq_q.tolist(), dtype=cu_seq_q.dtype, same=torch.equal(cu_seq_q, cu_seq_k),
                           longest=(max_q, max_k), heads=(query.shape[1], key.shape[1]), causal=causal,
-                          gqa=enable_gqa, scale=scale))
+                          gqa=enable_gqa, scale=scale, dtypes={t.dtype for t in (query, key, value)}))
         bounds = cu_seq_q.tolist()
         parts = [torch.nn.functional.scaled_dot_product_attention(
             *(t[a:b].transpose(0, 1)[None] for t in (query, key, value)), is_causal=True, scale=scale,
             enable_gqa=enable_gqa)[0].transpose(0, 1) for a, b in zip(bounds, bounds[1:])]
         return torch.cat(parts)
 
-    if grouped and window:
+    if version == "newer":
         def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                    enable_gqa=False):
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, tuple(window_size) == (-1, 0),
                           enable_gqa)
-    else:
+    elif version == "older":
         def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal)
+    else:
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, None, is_causal)
     return kernel
 
 
-@pytest.mark.parametrize("newer", [True, False])
-def test_the_flash_call_gets_the_layout_offsets_heads_and_causality_its_kernel_takes(newer, monkeypatch):
+@pytest.mark.parametrize("version", ["newer", "older", "first"])
+def test_the_flash_call_gets_the_layout_offsets_heads_and_causality_its_kernel_takes(version, monkeypatch):
     """On a GPU the flattened batch goes to PyTorch's varlen kernel in one call; here a CPU stand-in with the
-    signature of a newer kernel (window_size, grouped heads) or an older one (is_causal, heads repeated) checks what
-    it is given and computes the reference."""
+    signature of one of its versions checks what it is given (only keywords that version takes: a kernel without
+    ``scale`` gets the query scaled, one without grouped heads the heads repeated) and computes the reference."""
     from leantune.models import varlen_attention
 
     calls = []
-    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash(newer, newer, calls))
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash(version, calls))
     monkeypatch.setattr(varlen_attention, "_flash_varlen_usable", lambda query, dropout: True)
     q, k, v = _qkv(seed=1)
     spans = ((5, 7), (3, 9))
@@ -607,7 +611,56 @@ def test_the_flash_call_gets_the_layout_offsets_heads_and_causality_its_kernel_t
                                                        **{SEGMENTS: Segments(spans, packed=True)})
     torch.testing.assert_close(out, _reference(q, k, v, spans, 0.3), rtol=1e-6, atol=1e-6)
     assert calls == [dict(cu=[0, 5, 12, 15, 24], dtype=torch.int32, same=True, longest=(9, 9),
-                          heads=(4, 2) if newer else (4, 4), causal=True, gqa=newer, scale=0.3)]
+                          heads=(4, 2) if version == "newer" else (4, 4), causal=True, gqa=version == "newer",
+                          scale=None if version == "first" else 0.3, dtypes={torch.float32})]
+
+
+def test_a_kernel_that_cannot_say_causal_is_not_used(monkeypatch):
+    from leantune.models import varlen_attention
+
+    def no_causality(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        raise AssertionError("called")
+
+    import types
+
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: no_causality)
+    monkeypatch.setattr(varlen_attention, "cuda_capability", lambda device: (9, 0))
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    assert not varlen_attention._flash_varlen_usable(on_gpu, 0.0)
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash("first", []))
+    assert varlen_attention._flash_varlen_usable(on_gpu, 0.0)
+
+
+def test_under_autocast_q_k_and_v_reach_the_kernel_in_autocasts_dtype(monkeypatch):
+    """RoPE over float32 weights makes q and k float32 while v is bfloat16 (full fine-tuning under bf16
+    autocast): all three reach the flash kernel in bfloat16, as autocast hands them to SDPA."""
+    from leantune.models import varlen_attention
+
+    calls = []
+    monkeypatch.setattr(varlen_attention, "_varlen_kernel", lambda: _stand_in_flash("newer", calls))
+    monkeypatch.setattr(varlen_attention, "_flash_varlen_usable", lambda query, dropout: query.dtype == torch.bfloat16)
+    q, k, v = _qkv(seed=2)
+    segments = Segments(((5, 7), (12,)), packed=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention.varlen_attention_forward(torch.nn.Module(), q, k, v.bfloat16(), None, scaling=0.3,
+                                                           **{SEGMENTS: segments})
+    assert len(calls) == 1 and calls[0]["dtypes"] == {torch.bfloat16} and out.dtype == torch.bfloat16
+    expected = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), segments.lengths, 0.3)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    # without autocast, mixed inputs are promoted to the widest (SDPA itself would refuse them)
+    assert {t.dtype for t in varlen_attention.in_one_dtype(q, k, v.bfloat16())} == {torch.float32}
+
+
+def test_cu_seqlens_are_built_once_a_batch_and_device(monkeypatch):
+    """Every layer's attention call (and its recompute) reads the batch's offsets; they are made once."""
+    segments = Segments(((5, 7), (3, 9)), packed=True)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    first = segments.cumulative(torch.device("cpu"))
+    assert segments.cumulative(torch.device("cpu")) is first and len(made) == 1
+    assert segments.cumulative(torch.device("meta")).is_meta and len(made) == 2
+    assert segments == Segments(((5, 7), (3, 9)), packed=True)  # the cache is not part of what a batch is
 
 
 def _tiled_layer_mlp(tokens=8):

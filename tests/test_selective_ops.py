@@ -219,3 +219,15 @@ def test_every_overload_of_an_attention_kernel_is_saved():
                if hasattr(torch.ops.aten, name)]
     overloads = [getattr(packet, name) for packet in kernels for name in packet.overloads()]
     assert overloads and all(selective.selective_policy(None, op) == CheckpointPolicy.MUST_SAVE for op in overloads)
+
+
+def test_pytorchs_varlen_flash_attention_is_saved():
+    """On a GPU leantune's varlen attention is PyTorch's ``torch_attn::_varlen_attn`` operator, which the policy
+    sees whole (never the aten flash op inside it): saved, so backward does not run every layer's flash forward
+    again, as the plan (traced with SDPA on the CPU) assumes."""
+    import torch.nn.attention.varlen  # noqa: F401  (defines the operator)
+
+    op = torch.ops.torch_attn._varlen_attn
+    assert selective.is_attention(op.default) and selective.is_attention(op)
+    assert selective.selective_policy(None, op.default) == CheckpointPolicy.MUST_SAVE
+    assert not selective.is_attention(torch.ops.aten.mul.default)

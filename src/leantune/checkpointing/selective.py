@@ -72,9 +72,21 @@ def is_matmul(op) -> bool:
     return _packet(op) in MATMULS or (op.namespace == "bitsandbytes" and op.name() in QUANTIZED_MATMULS)
 
 
+# PyTorch's varlen flash attention (leantune's ``varlen`` on a GPU) is a custom operator whose forward a
+# checkpoint's policy sees whole, never the aten flash op inside it: known by name, as it exists only on PyTorch
+# builds that have ``torch.nn.attention.varlen``.
+VARLEN_ATTENTION = frozenset({"torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out"})
+
+
 def is_attention(op) -> bool:
-    """One of SDPA's kernels (any overload): its output and statistics are saved, never recomputed."""
-    return _packet(op) in _ATTENTION
+    """One of SDPA's kernels (any overload), or PyTorch's varlen flash attention: its output and statistics are
+    saved, never recomputed."""
+    return _packet(op) in _ATTENTION or _op_name(op) in VARLEN_ATTENTION
+
+
+def _op_name(op) -> str:
+    """``namespace::name`` of an operator or its overload (``torch_attn::_varlen_attn`` for ``.default``)."""
+    return getattr(_packet(op), "_qualified_op_name", "")
 
 
 def _packet(op):

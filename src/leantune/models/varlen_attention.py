@@ -21,7 +21,8 @@ builds none: it refuses a padding mask with padding in it, which varlen would no
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -45,6 +46,8 @@ class Segments:
     # from packed rows (position ids): however many spans a row holds, its output is joined by a copy,
     # so that its bytes do not depend on how many examples the row holds (what was planned is what runs)
     packed: bool = False
+    # device -> ``cu_seqlens`` there: built once per batch, not in every layer's call and again in its recompute
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
     def rows(self) -> int:
@@ -58,12 +61,20 @@ class Segments:
         return all(len(row) == 1 for row in self.lengths)
 
     def cumulative(self, device: torch.device) -> torch.Tensor:
-        """Start offsets of every span in the flattened batch, and its end: varlen kernels' ``cu_seqlens``."""
-        flat = [0]
-        for row in self.lengths:
-            for length in row:
-                flat.append(flat[-1] + length)
-        return torch.tensor(flat, dtype=torch.int32, device=device)
+        """Start offsets of every span in the flattened batch, and its end: varlen kernels' ``cu_seqlens``. Made once
+        per device for the batch; to a GPU from pinned memory without waiting (a pageable copy would stop the host
+        until the GPU caught up, in every layer)."""
+        key = str(device)
+        if key not in self._on_device:
+            flat = [0]
+            for row in self.lengths:
+                for length in row:
+                    flat.append(flat[-1] + length)
+            host = torch.tensor(flat, dtype=torch.int32)
+            if torch.device(device).type == "cuda":
+                host = host.pin_memory()
+            self._on_device[key] = host.to(device, non_blocking=True)
+        return self._on_device[key]
 
 
 def segments_of(position_ids: Optional[torch.Tensor], rows: int, length: int) -> Segments:
@@ -97,6 +108,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         segments = segments_of(kwargs.get("position_ids"), query.shape[0], query.shape[2])
     _refuse_what_cannot_be_exact(module, query, attention_mask, segments, kwargs)
+    query, key, value = in_one_dtype(query, key, value)
     if _flash_varlen_usable(query, dropout):
         return _flash_varlen(query, key, value, segments, scaling), None
     return _per_span_sdpa(query, key, value, segments, dropout, scaling), None
@@ -117,6 +129,21 @@ def _refuse_what_cannot_be_exact(module, query, attention_mask, segments, kwargs
         raise VarlenAttentionError(
             f"varlen attention: {type(module).__name__} attends within a sliding window of {window} tokens and an "
             f"example here is {segments.longest} long; use --attn_implementation sdpa (whose mask has the window)")
+
+
+def in_one_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v in one dtype, as SDPA would take them. Under autocast, RoPE multiplies the low-precision q and k
+    by a float32 cos/sin where the model's weights are float32 (full fine-tuning, float16 with the scaler), so q and
+    k arrive as float32 and v as bfloat16: autocast's dtype for all three, as autocast gives SDPA (else the flash
+    kernel, which wants half precision, would be passed over for SDPA per example). Without autocast, the widest."""
+    if query.dtype == key.dtype == value.dtype:
+        return query, key, value
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return tuple(t.to(dtype) for t in (query, key, value))
 
 
 def _gqa(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -155,25 +182,44 @@ def _varlen_kernel():
 
 
 def _flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
-    """The flash kernel needs a half-precision input, no dropout, and a GPU of compute capability 8.0 or newer
-    (a T4 or V100 takes SDPA per example instead)."""
-    return (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and cuda_capability(query.device) >= AMPERE and _varlen_kernel() is not None)
+    """The flash kernel needs a half-precision input, no dropout, a GPU of compute capability 8.0 or newer (a T4
+    or V100 takes SDPA per example instead), and a signature that can say "causal"."""
+    if not (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and cuda_capability(query.device) >= AMPERE):
+        return False
+    kernel = _varlen_kernel()
+    return kernel is not None and _causal_keyword(inspect.signature(kernel).parameters) is not None
+
+
+def _causal_keyword(accepts) -> Optional[dict]:
+    """How this PyTorch's kernel is told to attend causally: newer ones by a window (PyTorch 2.10 and on), the
+    first (2.9) by ``is_causal``; None where it has neither."""
+    if "window_size" in accepts:
+        return {"window_size": (-1, 0)}
+    return {"is_causal": True} if "is_causal" in accepts else None
 
 
 def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tensor:
-    """One varlen flash call over the flattened batch (total tokens, heads, head dim)."""
+    """One varlen flash call over the flattened batch (total tokens, heads, head dim), its keywords those the
+    installed kernel takes: a kernel without ``scale`` gets the query scaled instead where the model's scale is
+    not the kernel's 1/sqrt(d), and one without ``enable_gqa`` the grouped key/value heads repeated."""
     kernel = _varlen_kernel()
     batch, heads, length, dim = query.shape
-    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
-    cumulative = segments.cumulative(query.device)
     accepts = inspect.signature(kernel).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
-    gqa = {"enable_gqa": True} if _gqa(query, key) and "enable_gqa" in accepts else {}
-    if _gqa(query, key) and not gqa:  # an older kernel without grouped heads: share them by repeating
-        repeat = heads // key.shape[1]
-        flat[1], flat[2] = (t.repeat_interleave(repeat, dim=1) for t in flat[1:])
-    out = kernel(*flat, cumulative, cumulative, segments.longest, segments.longest, scale=scaling, **causal, **gqa)
+    keywords = dict(_causal_keyword(accepts))
+    if "scale" in accepts:
+        keywords["scale"] = scaling
+    elif scaling is not None and not math.isclose(scaling, dim ** -0.5, rel_tol=1e-6):
+        query = query * (scaling * math.sqrt(dim))
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
+    if _gqa(query, key):
+        if "enable_gqa" in accepts:
+            keywords["enable_gqa"] = True
+        else:  # an older kernel without grouped heads: share them by repeating
+            repeat = heads // key.shape[1]
+            flat[1], flat[2] = (t.repeat_interleave(repeat, dim=1) for t in flat[1:])
+    cumulative = segments.cumulative(query.device)
+    out = kernel(*flat, cumulative, cumulative, segments.longest, segments.longest, **keywords)
     return out.reshape(batch, length, heads, dim)
 
 
