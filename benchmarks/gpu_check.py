@@ -67,10 +67,10 @@ from leantune.io import atomic_write_text  # noqa: E402
 # start-up checks). With the set-up (wheels installed, the needs checked, the model built) and the 40 s kept to
 # stop a part at its limit they add up to 480 s, so every part gets its whole limit even when each before it
 # used all of its own.
-SCHEDULE = {"device": 25, "cuda_tests": 60, "reference": 110, "qlora": 45, "compile": 75, "resume": 40, "fsdp": 40}
+SCHEDULE = {"device": 25, "cuda_tests": 80, "reference": 95, "qlora": 40, "compile": 60, "resume": 40, "fsdp": 40}
 # Parts run only when --parts names them (a later call): they would not fit the 480 s with the others.
 ON_REQUEST = {"attention": 45, "lean_optimizers": 45}
-SETUP_S = 45  # the wheels installed, what the check needs asked in fresh interpreters, the model built
+SETUP_S = 60  # the wheels installed, four fresh interpreters that import torch, the 1B model built and saved
 DRY_RUN_LIMIT_S = 600  # a dry-run part's limit: CPUs are slower than the GPU machine the limits above are for
 MIN_PART_S = 20  # a part is not started with less time than this left
 GRACE_S = 20  # between SIGTERM and SIGKILL for a part at its limit

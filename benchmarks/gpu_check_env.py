@@ -1,7 +1,8 @@
 """What ``gpu_check.py`` finds on the machine before anything heavy is imported: the versions there, the wheels it
 carried installed beside the image's packages, and one line naming whatever it still needs.
 
-Only the standard library and ``packaging`` (every pip has it) are used here, so that a machine whose
+Only the standard library and ``packaging`` (which transformers needs, so any machine that could run the
+check has it) are used here, so that a machine whose
 transformers is too old, or that has no GPU, still gets a ``gpu_check.json`` saying so within seconds.
 """
 
@@ -107,8 +108,12 @@ def imports_in_a_child(statement: str, limit_s: float = 120) -> str | None:
 
 def cuda_device_count() -> tuple[int, str]:
     """CUDA devices torch sees, asked in a child (this process keeps no CUDA context), and torch's version."""
-    result = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count(), torch.__version__)"],
-                            capture_output=True, text=True, timeout=120)
+    try:
+        result = subprocess.run([sys.executable, "-c",
+                                 "import torch; print(torch.cuda.device_count(), torch.__version__)"],
+                                capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return 0, "torch gave no answer in 120 s"
     if result.returncode != 0:
         return 0, "torch does not import"
     count, version = result.stdout.split()[-2:]

@@ -446,3 +446,31 @@ def test_two_ranks_train_expert_lora_and_the_routers_loss_as_one_process(moe_dir
     assert any("experts" in n and "lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
     generated = model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     assert generated.shape[1] == 6
+
+
+# On a GPU, one NCCL rank: the FSDP2 paths the CPU runs over gloo, with CUDA's kernels and streams (gpu_check's
+# cuda_tests part runs them).
+GPU_FSDP_CASES = {
+    # the 4-bit base read shard-first, quantized by bitsandbytes' CUDA kernels as each rank's rows are read
+    "qlora-shard-first": ["--use_peft", "--lora_dropout", "0", "--quantization", "4bit",
+                          "--enable_activation_checkpointing"],
+    # 8-bit AdamW stepped in backward from FSDP2's hook, on its reduce-scatter stream, without a device-wide wait
+    "adamw-8bit-in-backward": ["--optimizer", "adamw_8bit", "--optimizer_in_backward",
+                               "--enable_activation_checkpointing"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", sorted(GPU_FSDP_CASES))
+def test_on_a_gpu_one_nccl_rank_trains(case, block_aligned_model_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "out"
+    result = torchrun(["--model_name", str(block_aligned_model_dir), *FAST, "--max_train_step", "3",
+                       "--batch_size_training", "2", "--enable_fsdp", *GPU_FSDP_CASES[case], "--output_dir", str(out)],
+                      processes=1, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = step_losses(out)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    if case == "qlora-shard-first":
+        assert "shard-first" in result.stdout + result.stderr

@@ -216,3 +216,47 @@ def test_a_missing_or_old_requirement_is_named_and_extras_are_not_asked_for():
     needs = gpu_check_env.unmet_for_the_check(version_of, lambda name: ["huggingface-hub>=2.4.0"])
     assert "transformers<6,>=5.25 (not installed)" in needs and "datasets>=3 (not installed)" not in needs
     assert "huggingface-hub>=2.4.0 (not installed) for peft" in needs
+
+
+def test_the_versions_found_are_written_before_anything_else_can_fail(tmp_path, monkeypatch):
+    import gpu_check
+    import gpu_check_env
+
+    def broken(dry_run):
+        raise RuntimeError("the needs could not be read")
+
+    monkeypatch.setattr(gpu_check_env, "needs", broken)
+    args = gpu_check.parse_args(["--out", str(tmp_path / "out"), "--work_dir", str(tmp_path / "work")])
+    with pytest.raises(RuntimeError, match="could not be read"):
+        gpu_check.prepare(args, time.perf_counter())
+    written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert written["found"]["torch"] == torch.__version__ and written["parts"] == {}
+
+
+def test_the_carried_bitsandbytes_wheel_keeps_the_images_cuda_library_and_a_valid_record(tmp_path):
+    """bitsandbytes' wheel holds a library for every CUDA release (43 MB): the carried one keeps the image's and
+    the CPU's, and its RECORD lists exactly what is left, with each file's hash (pip installs it)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    import gpu_wheels
+
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-any.whl"
+    files = {"bitsandbytes/__init__.py": b"", **{f"bitsandbytes/libbitsandbytes_{name}.so": name.encode() * 100
+                                                 for name in ("cuda128", "cuda130", "cpu", "rocm64")}}
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        archive.writestr("bitsandbytes-0.50.2.dist-info/RECORD", "stale\n")
+    gpu_wheels.keep_one_cuda(wheel, "130")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        record = archive.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
+    kept = {"bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cpu.so"}
+    assert names == kept | {"bitsandbytes-0.50.2.dist-info/RECORD"}
+    digest = base64.urlsafe_b64encode(hashlib.sha256(b"cuda130" * 100).digest()).rstrip(b"=").decode()
+    assert f"bitsandbytes/libbitsandbytes_cuda130.so,sha256={digest},700" in record
+    assert {line.split(",")[0] for line in record} == names
+    with pytest.raises(SystemExit, match="no library for CUDA 126"):
+        gpu_wheels.keep_one_cuda(wheel, "126")

@@ -166,15 +166,34 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
     model(x).square().sum().backward()
     assert waits == [] and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert bnb_optimizer.sync_gpu is not None and bnb_optimizer.sync_gpu(x) is None and len(waits) == 1  # put back
-    # backward on a stream other than torch's default: bitsandbytes' kernels (stream 0) need the waits
+    # hooks run on a stream other than stream 0 (FSDP2's reduce-scatter stream): no device-wide wait either; each
+    # update runs inside on_the_default_stream, which orders it between the streams (test_sharded_8bit.py)
+    import contextlib
+
     import leantune.training.in_backward as in_backward
 
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+    order = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("reduce"), raising=False)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: Stream("zero"), raising=False)
+
+    @contextlib.contextmanager
+    def ordered(device):
+        order.append("ordered")
+        yield
+        order.append("after")
+
+    real_step = in_backward.step_group
+    monkeypatch.setattr(in_backward, "on_the_default_stream", ordered)
+    monkeypatch.setattr(in_backward, "step_group", lambda *args: (order.append("update"), real_step(*args))[1])
     waits.clear()
-    monkeypatch.setattr(in_backward, "_on_default_stream", lambda: False)
     stepper.start_step()
     model(x).square().sum().backward()
     stepper.close()
-    assert len(waits) == 4 * waits_a_weight
+    assert waits == [] and order == ["ordered", "update", "after"] * 4
 
 
 @pytest.mark.gpu

@@ -793,3 +793,74 @@ def test_varlen_is_a_name_transformers_takes_and_uses_torchs_varlen_kernel_where
     except ImportError:
         varlen_attn = None
     assert varlen_attention._varlen_kernel() is varlen_attn
+
+
+def test_tiles_sum_a_bfloat16_weights_gradient_in_float32():
+    """Under --pure_bf16 or FSDP2's mixed precision the MLP's weights are bfloat16: the tiles' weight gradients
+    are summed in float32 and rounded once at the end, never at every tile."""
+    from leantune.models.tiled_mlp import _TiledMLPFunction
+
+    generator = torch.Generator().manual_seed(3)
+    up = torch.nn.Linear(16, 32, bias=False).bfloat16()
+    down = torch.nn.Linear(32, 16, bias=False).bfloat16()
+
+    def untiled(x):
+        return down(torch.nn.functional.silu(up(x)))
+
+    x = torch.randn(1, 64, 16, generator=generator).bfloat16()
+    grad_out = torch.randn(1, 64, 16, generator=generator).bfloat16()
+    weights = [up.weight, down.weight]
+    out = _TiledMLPFunction.apply(untiled, 4, x, *weights)
+    tiled = torch.autograd.grad(out, weights, grad_out)
+    by_tile = [torch.autograd.grad(untiled(x[:, a:a + 4]), weights, grad_out[:, a:a + 4]) for a in range(0, 64, 4)]
+    for index, (weight, grad) in enumerate(zip(weights, tiled)):
+        expected = sum(tile[index].float() for tile in by_tile).to(torch.bfloat16)
+        assert grad.dtype == torch.bfloat16 and torch.equal(grad, expected)
+    rounded_each_tile = by_tile[0][0].clone()
+    for tile in by_tile[1:]:
+        rounded_each_tile += tile[0]
+    assert not torch.equal(rounded_each_tile, tiled[0])  # what the float32 sum avoids, here
+
+
+class _OpCounter(TorchDispatchMode):
+    """How many times each operator ran (by its qualified name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket._qualified_op_name
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="needs a CUDA device of compute capability 8.0 or more")
+def test_on_a_gpu_selective_ops_runs_each_layers_varlen_flash_forward_once():
+    """selective_ops saves PyTorch's varlen operator's output: backward does not run the flash forward again."""
+    from leantune.checkpointing import SelectiveOps, apply_activation_checkpointing
+
+    (model,) = twin_models(("varlen",))
+    model = model.to("cuda", torch.bfloat16)
+    apply_activation_checkpointing(model, SelectiveOps())
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 64), device="cuda")
+    positions = packed_positions((20, 44)).to("cuda")
+    counter = _OpCounter()
+    with counter:
+        hidden_and_grads(model, ids, positions, segments_of(positions, 2, 64))
+    layers = SHAPE["num_hidden_layers"]
+    assert counter.counts.get("torch_attn::_varlen_attn") == layers, counter.counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_tiled_bf16_mlp_gives_the_untiled_output_and_gradients():
+    plain, tiled = (model.to("cuda", torch.bfloat16) for model in twin_models(("varlen", "varlen")))
+    tile_mlps(tiled, 16)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 96), device="cuda")
+    (h_plain, g_plain), (h_tiled, g_tiled) = (hidden_and_grads(model, ids) for model in (plain, tiled))
+    torch.testing.assert_close(h_tiled.float(), h_plain.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in g_plain.items():
+        torch.testing.assert_close(g_tiled[name].float(), grad.float(), rtol=5e-2, atol=5e-2)

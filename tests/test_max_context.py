@@ -260,3 +260,21 @@ def test_a_lever_combination_is_planned_at_its_context_with_its_allocator_settin
         levers = {"activation_checkpointing_mode": "offload", "tiled_mlp": "off", "expandable_segments": expandable}
         assert max_context._plan(cfg, model_config("tiny"), torch.device("cuda"), GIB, None, levers, 3072) == "plan"
     assert asked == [(3072, "off", ["offload"], False), (3072, "off", ["offload"], True)]
+
+
+def test_an_offload_winner_names_the_pinned_pool_cap_its_plan_needs():
+    """The search plans offload with its pool as large as what it holds; the flags it suggests carry that cap,
+    so a run given them moves what the plan moved (the default cap, a quarter of host RAM, may be less)."""
+    from leantune.planning.plan import offload_cap_bytes
+
+    pool = int(2.5 * GIB) + 1
+    plan = ModePlan("offload", "offload", "cuda", 1, 32768, 3 * GIB, *([0] * 8), fits=True, offload_pool_bytes=pool)
+    levers = {"activation_checkpointing_mode": "offload", "tiled_mlp": "auto", "expandable_segments": True}
+    found = ContextSearch(ContextResult(levers, 32768, plan, 33000, 3), [], 4 * GIB, 131072, 1.0).as_json()
+    assert found["flags"] == ("--activation_checkpointing_mode offload --tiled_mlp auto "
+                              "--activation_offload_max_pinned_gb 2.51 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    flags = found["flags"].split(" with ")[0].split()
+    cfg = parse_run_config(["--model_name", "tiny", "--enable_activation_checkpointing", *flags])
+    assert offload_cap_bytes(cfg.checkpointing) >= pool
+    full = dict(levers, activation_checkpointing_mode="full")
+    assert "pinned" not in describe_levers(full, dataclasses.replace(plan, mode="full"))

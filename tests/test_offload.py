@@ -299,6 +299,25 @@ def test_offload_on_cuda_gives_the_plain_gradients(load_tiny, cap):
     assert offloader.copies_back == offloader.prefetch_hits > 0  # every copy back was started ahead
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:activation offload")
+def test_offload_on_cuda_at_32k_tokens_moves_every_layer_input_and_gives_the_plain_gradients(load_tiny):
+    """Long context, where offload is chosen: a 32,768-token row's layer inputs (8 MiB each here) all go to the
+    pinned pool and come back ahead of their layers' backward, and the gradients are the plain ones."""
+    plain, offloaded = load_tiny().cuda(), load_tiny().cuda()
+    apply_activation_checkpointing(offloaded, OffloadCheckpointing(min_bytes=0, max_pinned_bytes=1 << 30))
+    offloader = offloaded._leantune_checkpoint_policy.offloader
+    ids, labels = (t.cuda() for t in make_batch(plain.config.vocab_size, seq=32768, seed=1, batch=1))
+    expected, actual = gradients(plain, ids, labels), gradients(offloaded, ids, labels)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+    torch.cuda.synchronize()
+    layers = plain.config.num_hidden_layers
+    assert offloader.fallbacks == 0 and offloader.copies_back == offloader.prefetch_hits >= layers - 1
+    assert offloader.pool.free_bytes == offloader.pool.held_bytes
+
+
 def test_a_saved_tensor_changed_in_place_after_it_was_offloaded_is_refused_at_backward():
     """Saved-tensor hooks skip autograd's version check; on CUDA the host copy may hold either value."""
     offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=MiB, streams=ImmediateStreams())

@@ -178,6 +178,9 @@ def test_offload_is_derived_from_full_on_a_gpu_and_refused_on_the_cpu():
     plans = {p.mode: p for p in plan_modes(cfg, model_config("small"), CUDA, ["full", "offload"])}
     # 8 layers, inputs of 2 x 256 x 1024 bf16 = 1 MiB each: all but two live in host memory
     assert plans["full"].activation_bytes - plans["offload"].activation_bytes == 6 * MIB
+    # the pinned pool holds every layer's input at the end of the forward (--max_context's flags cap it there)
+    assert plans["offload"].offload_pool_bytes == plans["offload"].pinned_host_bytes == 8 * MIB
+    assert plans["full"].offload_pool_bytes == 0
     with pytest.raises(ConfigError, match="--device cuda"):
         plan_modes(cfg, model_config("small"), CPU, ["offload"])
 

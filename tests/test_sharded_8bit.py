@@ -254,21 +254,31 @@ class _Stream:
 
 
 def test_on_a_side_stream_the_kernel_is_ordered_between_the_streams_work(monkeypatch):
-    """bitsandbytes launches on the default stream: stepping from another one (FSDP2's reduce-scatter stream, in
-    backward) orders the default stream after it and it after the default stream (CUDA's calls stood in)."""
-    from leantune.optimizers.bitsandbytes_sharded import _on_the_default_stream
+    """bitsandbytes launches on the default stream: a step from another one (FSDP2's reduce-scatter stream, in
+    backward) runs on the default stream, ordered after the side stream's work and before its next (CUDA's calls
+    stood in)."""
+    import contextlib
+
+    from leantune.optimizers.streams import on_the_default_stream
 
     log = []
     default, side = _Stream("default", log), _Stream("side", log)
+
+    @contextlib.contextmanager
+    def running_on(stream):
+        log.append(f"on {stream.name}")
+        yield
+
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device: default)
-    for current, expected in ((side, ["default waits for side", "kernel", "side waits for default"]),
+    monkeypatch.setattr(torch.cuda, "stream", running_on)
+    for current, expected in ((side, ["default waits for side", "on default", "kernel", "side waits for default"]),
                               (default, ["kernel"])):
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device, current=current: current)
         log.clear()
-        with _on_the_default_stream(torch.device("cuda", 0)):
+        with on_the_default_stream(torch.device("cuda", 0)):
             log.append("kernel")
         assert log == expected
     log.clear()
-    with _on_the_default_stream(torch.device("cpu")):  # nothing to order on the CPU
+    with on_the_default_stream(torch.device("cpu")):  # nothing to order on the CPU
         log.append("kernel")
     assert log == ["kernel"]

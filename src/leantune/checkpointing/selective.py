@@ -75,7 +75,9 @@ def is_matmul(op) -> bool:
 # PyTorch's varlen flash attention (leantune's ``varlen`` on a GPU) is a custom operator whose forward a
 # checkpoint's policy sees whole, never the aten flash op inside it: known by name, as it exists only on PyTorch
 # builds that have ``torch.nn.attention.varlen``.
-VARLEN_ATTENTION = frozenset({"torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out"})
+# (Not its ``_varlen_attn_out`` twin: a saved op's recompute returns the cached result without running it, so
+# an op that writes into its ``out`` argument would leave that tensor unwritten.)
+VARLEN_ATTENTION = frozenset({"torch_attn::_varlen_attn"})
 
 
 def is_attention(op) -> bool:

@@ -20,6 +20,7 @@ builds none: it refuses a padding mask with padding in it, which varlen would no
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class Segments:
     # so that its bytes do not depend on how many examples the row holds (what was planned is what runs)
     packed: bool = False
     # device -> ``cu_seqlens`` there: built once per batch, not in every layer's call and again in its recompute
-    _on_device: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    _on_device: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
     @property
     def rows(self) -> int:
@@ -188,7 +189,13 @@ def _flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
             and cuda_capability(query.device) >= AMPERE):
         return False
     kernel = _varlen_kernel()
-    return kernel is not None and _causal_keyword(inspect.signature(kernel).parameters) is not None
+    return kernel is not None and _causal_keyword(_parameters(kernel)) is not None
+
+
+@functools.lru_cache(maxsize=4)
+def _parameters(kernel) -> frozenset:
+    """The keywords ``kernel`` takes (read once: every layer's call asks)."""
+    return frozenset(inspect.signature(kernel).parameters)
 
 
 def _causal_keyword(accepts) -> Optional[dict]:
@@ -205,7 +212,7 @@ def _flash_varlen(query, key, value, segments: Segments, scaling) -> torch.Tenso
     not the kernel's 1/sqrt(d), and one without ``enable_gqa`` the grouped key/value heads repeated."""
     kernel = _varlen_kernel()
     batch, heads, length, dim = query.shape
-    accepts = inspect.signature(kernel).parameters
+    accepts = _parameters(kernel)
     keywords = dict(_causal_keyword(accepts))
     if "scale" in accepts:
         keywords["scale"] = scaling

@@ -22,13 +22,13 @@ gradient's memory) after the kernel. Not yet run on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from leantune.optimizers.streams import on_the_default_stream
 from leantune.optional import import_bitsandbytes
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller weights keep float32 moments
@@ -139,22 +139,8 @@ def _update_step(self, group: dict, param, gindex: int, pindex: int) -> None:
     if not (weight.is_contiguous() and grad.is_contiguous() and grad.dtype == weight.dtype):  # a raw-pointer kernel
         raise RuntimeError(f"8-bit AdamW needs a contiguous shard and gradient of one dtype; got {weight.dtype} "
                            f"{tuple(weight.stride())}, {grad.dtype} {tuple(grad.stride())}")
-    with _on_the_default_stream(weight.device):
+    with on_the_default_stream(weight.device):
         _step_local(self, functional, group, gindex, pindex, weight, grad, local, state["step"])
-
-
-@contextlib.contextmanager
-def _on_the_default_stream(device: torch.device):
-    """Order the library's kernel (on the default stream) after the current stream's work, and the current stream's
-    next work after it (see the module's docstring); nothing to do on the CPU or on the default stream."""
-    current = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    default = torch.cuda.default_stream(device) if current is not None else None
-    if current is None or current == default:
-        yield
-        return
-    default.wait_stream(current)
-    yield
-    current.wait_stream(default)
 
 
 def _step_local(self, functional, group: dict, gindex: int, pindex: int, weight, grad, local: dict, step: int) -> None:

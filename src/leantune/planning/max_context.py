@@ -69,7 +69,7 @@ class ContextSearch:
         return self.best.max_context
 
     def as_json(self) -> dict:
-        return {"max_context": self.max_context, "levers": self.best.levers, "flags": describe_levers(self.best.levers), "plan": self.best.as_json()["plan"],
+        return {"max_context": self.max_context, "levers": self.best.levers, "flags": describe_levers(self.best.levers, self.best.plan), "plan": self.best.as_json()["plan"],
                 "memory_allows": self.best.memory_allows, "position_limit": self.position_limit,
                 "budget_gib": self.budget_bytes / GIB, "search_seconds": round(self.seconds, 1),
                 "tried": [r.as_json() for r in self.tried]}
@@ -112,13 +112,13 @@ def find_max_context(cfg: RunConfig, config, target: torch.device, budget: int,
     results = []
     for levers in lever_choices(cfg.checkpointing, cfg.training, target):
         result = _longest(cfg, config, target, budget, traces, levers, limit)
-        log(f"  {describe_levers(levers)}: {result.max_context:,} tokens"
+        log(f"  {describe_levers(levers, result.plan)}: {result.max_context:,} tokens"
             + (f" ({result.plan.peak_bytes / GIB:.2f} GiB)" if result.plan else ""))
         results.append(result)
     best = best_of(results)
     untiled = _without_tiling(cfg, config, target, budget, traces, best)
     if untiled is not None:
-        log(f"  {describe_levers(untiled.levers)}: fits {untiled.max_context:,} tokens too, with less compute")
+        log(f"  {describe_levers(untiled.levers, untiled.plan)}: fits {untiled.max_context:,} tokens too, with less compute")
         results.append(untiled)
         best = untiled
     return ContextSearch(best, results, budget, limit, time.perf_counter() - started)
@@ -130,10 +130,14 @@ def best_of(results: list[ContextResult]) -> ContextResult:
                                        not r.levers["expandable_segments"]))
 
 
-def describe_levers(levers: dict) -> str:
-    """The flags (and allocator setting) a combination stands for, as a user would pass them."""
+def describe_levers(levers: dict, plan: Optional[ModePlan] = None) -> str:
+    """The flags (and allocator setting) a combination stands for, as a user would pass them. Offload's plan is
+    made with its pinned pool as large as what it holds: the flags cap it there (rounded up to 0.01 GiB), since
+    the run's default cap (a quarter of host RAM) could leave inputs on the GPU that the plan moved off it."""
     text = (f"--activation_checkpointing_mode {levers['activation_checkpointing_mode']} "
             f"--tiled_mlp {levers['tiled_mlp']}")
+    if levers["activation_checkpointing_mode"] == "offload" and plan is not None and plan.offload_pool_bytes:
+        text += f" --activation_offload_max_pinned_gb {math.ceil(plan.offload_pool_bytes * 100 / GIB) / 100:g}"
     return text + (" with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" if levers["expandable_segments"] else "")
 
 

@@ -92,6 +92,7 @@ class ModePlan:
     paged_state_bytes: int = 0  # paged_adamw_8bit's state: CUDA managed memory, not in peak_bytes (see plan_from_trace)
     host_bytes: int = 0  # in host memory: --fsdp_cpu_offload's shards, gradients and state, or an optimizer's state
     pinned_host_bytes: int = 0  # the pinned part of host_bytes
+    offload_pool_bytes: int = 0  # offload's pinned pool at its fullest (in host_bytes and pinned_host_bytes)
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
 
     def as_json(self) -> dict:
@@ -249,6 +250,7 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     if pinned:  # beside any optimizer state on the host
         plans[OFFLOAD].host_bytes += pinned
         plans[OFFLOAD].pinned_host_bytes += pinned
+        plans[OFFLOAD].offload_pool_bytes = pinned
     baseline = plans[NONE].flops if NONE in plans else None
     ordered = [plans[m] for m in modes if m in plans]
     for plan in ordered:

@@ -105,7 +105,7 @@ def print_search(search, log=print) -> None:
     if best.plan is None:
         log(f"no context fits {search.budget_bytes / GIB:.2f} GiB with these flags (the shortest tried does not)")
         return
-    levers = describe_levers(best.levers)
+    levers = describe_levers(best.levers, best.plan)
     log(f"max context: {search.max_context:,} tokens with {levers} ({best.plan.peak_bytes / GIB:.2f} GiB planned; "
         f"search {search.seconds:.0f} s)")
     if best.plan.pinned_host_bytes:

@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from leantune.optimizers.streams import on_the_default_stream
+
 
 class OptimizerInBackward:
     """Steps ``optimizer``'s one-weight groups from backward hooks; ``close()`` removes the hooks."""
@@ -63,7 +65,7 @@ class OptimizerInBackward:
             grad, self._sharded = grad.to_local(), True
         squares = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
-        with without_bitsandbytes_sync():
+        with without_bitsandbytes_sync(), on_the_default_stream(param.device):
             step_group(self.optimizer, self._group_of[param])
         param.grad = None
 
@@ -94,17 +96,17 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
 def without_bitsandbytes_sync() -> Iterator[None]:
     """bitsandbytes' 8-bit optimizers end each weight's update with ``torch.cuda.synchronize()``
     (``sync_gpu``, bitsandbytes >= 0.47; a paged one waits once more). Stepped from backward, that
-    drains the GPU's queue once per weight in the middle of backward, so the wait is left out while
-    backward runs on torch's default stream. Nothing needs it there: bitsandbytes launches its
-    updates and its page prefetches on stream 0 whatever torch's current stream is, and torch's
-    default stream is stream 0, so each update stays ordered after its gradient and before the
-    gradient's memory is reused; and the host reads no optimizer state (a paged moment is
-    host-addressable memory) before the step's own wait for the device after backward
-    (``TrainStep.run``: the loss and norm copied to the host). On any other stream the wait stays.
+    drains the GPU's queue once per weight in the middle of backward, so the wait is left out, on
+    every stream. Nothing needs it there: the step runs on the default stream, where bitsandbytes
+    launches, ordered after the gradient and before the gradient's memory is reused
+    (``optimizers.streams.on_the_default_stream``, around it in the hook: event waits where FSDP2
+    calls the hook on its reduce-scatter stream); and the host reads no optimizer state (a paged
+    moment is host-addressable memory) before the step's own wait for the device after backward
+    (``TrainStep.run``: the loss and norm copied to the host).
     """
     module = sys.modules.get("bitsandbytes.optim.optimizer")
     original = getattr(module, "sync_gpu", None)
-    if original is None or not _on_default_stream():
+    if original is None:
         yield
         return
     module.sync_gpu = _no_sync
@@ -112,13 +114,6 @@ def without_bitsandbytes_sync() -> Iterator[None]:
         yield
     finally:
         module.sync_gpu = original
-
-
-def _on_default_stream() -> bool:
-    """Whether CUDA work (if any) is queued on torch's default stream, stream 0, where bitsandbytes launches."""
-    if not torch.cuda.is_available():
-        return True
-    return torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
 def _no_sync(_tensor: torch.Tensor) -> None:
