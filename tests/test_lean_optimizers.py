@@ -196,6 +196,20 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
     assert waits == [] and order == ["ordered", "update", "after"] * 4
 
 
+def test_a_step_in_backward_needs_no_bitsandbytes(monkeypatch):
+    """Where bitsandbytes was never imported (torch's AdamW stepped in backward) there is no wait to leave out."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "bitsandbytes.optim.optimizer", raising=False)
+    model = torch.nn.Linear(8, 4)
+    stepper = OptimizerInBackward(torch.optim.AdamW([{"params": [p]} for p in model.parameters()], lr=1e-2))
+    before = model.weight.detach().clone()
+    stepper.start_step()
+    model(torch.randn(2, 8)).square().sum().backward()
+    stepper.close()
+    assert not torch.equal(before, model.weight) and model.weight.grad is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw_8bit"])
@@ -570,3 +584,64 @@ def test_every_optimizer_takes_the_weight_decay_asked_for(optimizer, decay):
             param.grad = torch.zeros_like(param)
         stepped.step()
         assert torch.allclose(layer.weight.detach(), before * (1 - decay))
+
+
+def test_before_backward_there_is_no_norm_and_a_closed_stepper_steps_nothing():
+    model = torch.nn.Linear(8, 4)
+    stepper = OptimizerInBackward(torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1))
+    stepper.start_step()
+    assert stepper.gradient_norm() is None
+    stepper.close()
+    before = model.weight.detach().clone()
+    model(torch.randn(2, 8)).square().sum().backward()
+    assert torch.equal(before, model.weight) and model.weight.grad is not None  # no hook left to step it
+
+
+def test_a_bfloat16_gradients_norm_is_taken_in_float32():
+    model = torch.nn.Linear(64, 64).bfloat16()
+    stepper = OptimizerInBackward(torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.0))
+    stepper.start_step()
+    x = torch.randn(4, 64).bfloat16()
+    model(x).square().sum().backward()
+    norm = stepper.gradient_norm()
+    model.zero_grad(set_to_none=True)
+    stepper.close()
+    model(x).square().sum().backward()
+    expected = torch.sqrt(sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+                              for p in model.parameters()))
+    assert norm.dtype == torch.float32 and torch.equal(norm, expected)
+
+
+def test_under_fsdp2_each_shard_steps_in_backward_and_the_norm_is_summed_over_the_ranks(monkeypatch):
+    """One gloo rank in this process: FSDP2's hook hands the step a sharded gradient (a DTensor), whose local
+    shard's squares are summed over the ranks once, when the norm is asked (again: the same answer)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        plain = copy.deepcopy(model)
+        for layer in model:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        stepper = OptimizerInBackward(torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1))
+        reduced = []
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: reduced.append(tensor.clone()))
+        x = torch.randn(2, 8)
+        stepper.start_step()
+        model(x).square().sum().backward()
+        norm = stepper.gradient_norm()
+        assert len(reduced) == 1 and torch.equal(stepper.gradient_norm(), norm) and len(reduced) == 2
+        stepper.close()
+        plain(x).square().sum().backward()
+        expected = torch.sqrt(sum(p.grad.square().sum() for p in plain.parameters()))
+        torch.testing.assert_close(norm, expected)
+        for sharded, weight in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(sharded.full_tensor(), weight.detach() - 0.1 * weight.grad)
+    finally:
+        dist.destroy_process_group()

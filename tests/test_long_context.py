@@ -613,6 +613,13 @@ def test_the_flash_call_gets_the_layout_offsets_heads_and_causality_its_kernel_t
     assert calls == [dict(cu=[0, 5, 12, 15, 24], dtype=torch.int32, same=True, longest=(9, 9),
                           heads=(4, 2) if version == "newer" else (4, 4), causal=True, gqa=version == "newer",
                           scale=None if version == "first" else 0.3, dtypes={torch.float32})]
+    # heads not grouped: no enable_gqa, nothing repeated; the model's scale None (the kernel's own): nothing scaled
+    calls.clear()
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2, 3))
+    out, _ = varlen_attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=None,
+                                                       **{SEGMENTS: Segments(spans, packed=True)})
+    torch.testing.assert_close(out, _reference(q, k, v, spans, None), rtol=1e-6, atol=1e-6)
+    assert calls[0]["heads"] == (4, 4) and calls[0]["gqa"] is False
 
 
 def test_a_kernel_that_cannot_say_causal_is_not_used(monkeypatch):
@@ -649,6 +656,8 @@ def test_under_autocast_q_k_and_v_reach_the_kernel_in_autocasts_dtype(monkeypatc
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     # without autocast, mixed inputs are promoted to the widest (SDPA itself would refuse them)
     assert {t.dtype for t in varlen_attention.in_one_dtype(q, k, v.bfloat16())} == {torch.float32}
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # inputs that agree are left as they are, autocast or not
+        assert all(a is b for a, b in zip(varlen_attention.in_one_dtype(q, k, v), (q, k, v)))
 
 
 def test_cu_seqlens_are_built_once_a_batch_and_device(monkeypatch):

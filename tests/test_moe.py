@@ -470,21 +470,38 @@ def test_accumulated_and_validation_router_losses_and_perplexity_of_the_cross_en
     assert router > 1e-3  # a term that matters at this coefficient
 
 
-def test_an_expert_adapter_generates_and_merge_names_peft_for_it(moe_dir, tmp_path, capsys):
+@pytest.mark.parametrize("family", ROUTED)
+def test_an_expert_adapter_merges_as_peft_merges_it_and_generates(moe_dir, family, tmp_path, capsys):
+    """``leantune merge`` folds LoRA on the fused expert tensors (and on attention) into the base: the merged model's
+    logits equal those of peft's merge_and_unload on the base in float32 (1e-5), and it generates."""
+    from peft import PeftModel
+
     from leantune.use import generate, merge
 
-    out = tmp_path / "run"
-    lines: list[str] = []
-    finetuning.run(parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
-                                     "--lora_target_modules", "all-linear", "--context_length", "64",
-                                     "--max_train_step", "1", "--num_epochs", "1", "--run_validation", "false",
-                                     "--num_workers_dataloader", "0", "--output_dir", str(out)]), log=lines.append)
-    assert generate.main(["--model_name", str(out), "--prompt", "Name three colours.", "--max_new_tokens", "4"]) == 0
-    assert capsys.readouterr().out.strip()
-    assert merge.main([str(out), str(tmp_path / "merged")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "LoRA on a mixture of experts' fused expert tensors" in err
-    assert "merge_and_unload" in err and not (tmp_path / "merged").exists()
+    out, merged_dir = tmp_path / "run", tmp_path / "merged"
+    finetuning.run(parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
+                                     "--lora_target_modules", "all-linear", "--context_length", "64", "--lr", "1e-2",
+                                     "--max_train_step", "2", "--num_epochs", "1", "--run_validation", "false",
+                                     "--num_workers_dataloader", "0", "--output_dir", str(out)]), log=lambda _l: None)
+    assert json.loads((out / "adapter_config.json").read_text())["target_parameters"]
+    assert merge.main([str(out), str(merged_dir)]) == 0
+    assert "merging the whole model in float32" in capsys.readouterr().out
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(moe_dir(family), dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(base, str(out)).merge_and_unload()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(moe_dir(family), dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - plain).abs().max() > 1e-4  # the adapter changed the model
+    assert generate.main(["--model_name", str(merged_dir), "--prompt", "Name three colours.",
+                          "--max_new_tokens", "4"]) == 0
+    if family == "mixtral":  # --dtype chooses the merged weights' dtype
+        from safetensors import safe_open
+
+        assert merge.main([str(out), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+        with safe_open(next((tmp_path / "bf16").glob("*.safetensors")), "pt") as saved:
+            assert {saved.get_tensor(key).dtype for key in saved.keys()} == {torch.bfloat16}
 
 
 def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_way_out(moe_dir, tmp_path):

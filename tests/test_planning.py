@@ -730,3 +730,23 @@ def test_shared_traces_answer_what_fresh_traces_would():
     before = traces.get(one, shallower, CPU, "full").peak_bytes
     shallower.num_hidden_layers = 2  # changed in place: another model, another step
     assert traces.get(one, shallower, CPU, "full").peak_bytes < before
+
+
+def test_grouped_heads_are_counted_as_the_querys_heads_by_a_formula_that_refuses_them(monkeypatch):
+    """torch 2.11's SDPA FLOP formulas (the GPU image's) refuse key/value with fewer heads than the query, which
+    varlen's SDPA per span passes (enable_gqa): the planner hands them the query's head count, the FLOPs the
+    kernel spends, and so gets torch 2.13's own count for grouped heads."""
+    from leantune.planning import fake_step
+
+    def strict(query, key, value, *grad):
+        assert query[1] == key[1] == value[1], "grouped heads refused"
+        return 2 * query[0] * query[1] * query[2] * key[2] * (query[3] + value[3])
+
+    monkeypatch.setattr(fake_step, "sdpa_flop_count", strict)
+    monkeypatch.setattr(fake_step, "sdpa_backward_flop_count", lambda grad_out, q, k, v: strict(q, k, v))
+    formulas = fake_step._cpu_attention_flops()
+    aten = torch.ops.aten
+    q, k, v = (torch.empty(2, heads, 16, 8, device="meta") for heads in (8, 2, 2))
+    expected = 2 * 2 * 8 * 16 * 16 * 16
+    assert formulas[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v) == expected
+    assert formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward](q, q, k, v) == expected

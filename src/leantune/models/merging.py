@@ -44,10 +44,17 @@ class LoraPairs:
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # the base's weight name -> (A, B)
 
 
-def load_adapter(run_dir: Path) -> tuple[dict, LoraPairs]:
-    """The adapter's config and its LoRA pairs, keyed by the base weight each one changes."""
+def read_adapter_config(run_dir: Path) -> dict:
+    """The adapter's config, refused in one line where it is more than LoRA pairs and expert LoRA."""
     config = json.loads((run_dir / ADAPTER_CONFIG).read_text())
     _refuse_what_is_not_plain_lora(config)
+    return config
+
+
+def load_adapter(run_dir: Path) -> tuple[dict, LoraPairs]:
+    """The adapter's config and its LoRA pairs, keyed by the base weight each one changes (an adapter with LoRA on
+    fused expert tensors merges as a whole model: ``merge_whole_model``)."""
+    config = read_adapter_config(run_dir)
     header, start = read_header(run_dir / ADAPTER_WEIGHTS)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     with open(run_dir / ADAPTER_WEIGHTS, "rb") as file:
@@ -67,8 +74,7 @@ def _refuse_what_is_not_plain_lora(config: dict) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeRefused(f"the adapter is {config['peft_type']}, not LoRA: merge it with peft's merge_and_unload")
     for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
-                      ("modules_to_save", "modules_to_save"),
-                      ("target_parameters", "LoRA on a mixture of experts' fused expert tensors")):
+                      ("modules_to_save", "modules_to_save")):
         if config.get(key):
             raise MergeRefused(f"the adapter uses {what} ({key}), which leantune merge does not fold: merge it with "
                                "peft's merge_and_unload")
@@ -142,3 +148,26 @@ def _merged_tensor(source, entries: dict, start: int, lora: LoraPairs, dtype: Op
 def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
     """Floating-point tensors in the dtype asked for (their own without one); others as stored."""
     return wanted if wanted is not None and stored.is_floating_point else stored
+
+
+def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, dtype: Optional[torch.dtype],
+                      log: Callable[[str], None] = print) -> str:
+    """An adapter with LoRA on a mixture of experts' fused expert tensors (peft's ``target_parameters``), folded by
+    peft's ``merge_and_unload`` into the base loaded whole in float32, then saved in ``dtype`` (the base's without
+    one) with ``save_pretrained``. A checkpoint stores such experts one tensor per expert (Qwen3-MoE, Mixtral) or
+    fused (gpt-oss), and transformers fuses them as it loads: the tensor-at-a-time merge, which reads the stored
+    names, cannot place a fused tensor's delta; this path holds the whole float32 model in host memory instead.
+    Returns what it merged, for the closing line."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_dtype = getattr(AutoConfig.from_pretrained(base_dir), "dtype", None)
+    base_dtype = getattr(torch, base_dtype, None) if isinstance(base_dtype, str) else base_dtype
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    log(f"the adapter puts LoRA on fused expert tensors: merging the whole model in float32 ({size / 2**30:.2f} GiB "
+        "of host memory) with peft's merge_and_unload")
+    model = PeftModel.from_pretrained(model, str(run_dir)).merge_and_unload()
+    wanted = dtype or (base_dtype if isinstance(base_dtype, torch.dtype) else torch.float32)
+    model.to(wanted).save_pretrained(out)
+    return f"the adapter's LoRA (attention and experts), in {str(wanted).removeprefix('torch.')}"

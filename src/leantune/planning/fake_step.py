@@ -370,14 +370,21 @@ def _cpu_attention_flops() -> dict:
     if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return {}
 
-    # shape_wrapper hands the formulas shapes (torch.Size), as torch's own table gets them.
+    # shape_wrapper hands the formulas shapes (torch.Size), as torch's own table gets them. Grouped key/value
+    # heads (enable_gqa) are counted as the query's heads, as the kernel computes them: torch 2.13's formulas do
+    # so themselves, while 2.11's (the GPU image's) refuse K/V with fewer heads than the query.
     @shape_wrapper
     def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return sdpa_flop_count(query, key, value)
+        return sdpa_flop_count(query, *_with_query_heads(query, key, value))
 
     @shape_wrapper
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return sdpa_backward_flop_count(grad_out, query, key, value)
+        return sdpa_backward_flop_count(grad_out, query, *_with_query_heads(query, key, value))
 
     return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
+def _with_query_heads(query: torch.Size, *others: torch.Size) -> list[torch.Size]:
+    """Key and value shapes (B, H_kv, S, D) given the query's head count: the FLOPs grouped heads cost."""
+    return [torch.Size((shape[0], query[1], *shape[2:])) for shape in others]

@@ -97,8 +97,6 @@ class RunOutputs:
         self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
         out = shlex.quote(str(self.output_dir))
         merge = f"; fold the adapter into its base: leantune merge {out} {out}-merged" if is_peft else ""
-        if is_peft and getattr(model.peft_config.get("default"), "target_parameters", None):  # expert tensors
-            merge = "; fold the adapter into its base with peft's merge_and_unload (LoRA on expert tensors)"
         chat = " --chat" if getattr(tokenizer, "chat_template", None) else ""
         self.try_line = f"try it: leantune generate --model_name {out}{chat} --prompt \"Name three colours.\"{merge}"
         return self.output_dir

@@ -3,7 +3,8 @@
 Folds the LoRA adapter a run saved into its base and writes a Hugging Face model directory: the
 base's safetensors shards (same names, same index), its config and generation config, and the
 run's tokenizer (with its chat template). One tensor at a time (``models.merging``), so host memory
-stays near the adapter plus the largest weight. The directory appears whole or not at all: it is
+stays near the adapter plus the largest weight; an adapter with LoRA on a mixture of experts' fused expert
+tensors is folded by peft's ``merge_and_unload`` into the whole base model instead (``merge_whole_model``). The directory appears whole or not at all: it is
 written beside ``OUT_DIR`` under a hidden name and renamed into place.
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from leantune.models.merging import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPE_CHOICES, INDEX, RUN_FACTS, MergeRefused,
-                                     base_shards, check_pairs_fit, load_adapter, merge_shards)
+                                     base_shards, check_pairs_fit, load_adapter, merge_shards, merge_whole_model,
+                                     read_adapter_config)
 
 
 def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: Optional[str] = None,
@@ -28,7 +30,7 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     _check_run_dir(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MergeRefused(f"{out_dir} exists and is not empty; choose a new directory for the merged model")
-    config, lora = load_adapter(run_dir)
+    config = read_adapter_config(run_dir)
     base_dir = resolve_base(base or config.get("base_model_name_or_path"), run_dir)
     facts = json.loads((run_dir / RUN_FACTS).read_text()) if (run_dir / RUN_FACTS).is_file() else {}
     base_config = json.loads((base_dir / "config.json").read_text())
@@ -38,8 +40,11 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     if facts.get("model_type") and facts["model_type"] != base_config.get("model_type"):
         raise MergeRefused(f"the adapter was trained on a {facts['model_type']} model, {base_dir} is a "
                            f"{base_config.get('model_type')}; give its base with --model_name")
-    shards = base_shards(base_dir)
-    check_pairs_fit(lora, base_dir, shards, str(base_dir))
+    whole = bool(config.get("target_parameters"))  # LoRA on fused expert tensors: merged as a whole model
+    if not whole:
+        lora = load_adapter(run_dir)[1]
+        shards = base_shards(base_dir)
+        check_pairs_fit(lora, base_dir, shards, str(base_dir))
     if facts.get("quantization") == "4bit":
         log(f"the adapter was trained on a 4-bit ({facts.get('quant_type', 'nf4')}) base: merged onto the "
             f"unquantized weights of {base_dir}")
@@ -47,17 +52,22 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the model from other users once renamed
-        weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPE_CHOICES.get(dtype), log)
-        _write_companions(base_dir, run_dir, staging, base_config, dtype)
-        if (base_dir / INDEX).is_file():  # a base in several shards has one, and one shard may
-            _write_index(base_dir, staging, weight_map, total)
+        if whole:
+            merged = merge_whole_model(base_dir, run_dir, staging, DTYPE_CHOICES.get(dtype), log)
+            _write_tokenizer(base_dir, run_dir, staging)
+        else:
+            weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPE_CHOICES.get(dtype), log)
+            _write_companions(base_dir, run_dir, staging, base_config, dtype)
+            if (base_dir / INDEX).is_file():  # a base in several shards has one, and one shard may
+                _write_index(base_dir, staging, weight_map, total)
+            merged = f"{len(lora.pairs)} LoRA pairs"
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"merged {len(lora.pairs)} LoRA pairs into {base_dir}'s weights; wrote {out_dir} (loads with "
+    log(f"merged {merged} into {base_dir}'s weights; wrote {out_dir} (loads with "
         "AutoModelForCausalLM.from_pretrained; try it: leantune generate --model_name " f"{out_dir})")
     return out_dir
 
@@ -103,10 +113,7 @@ def _umask() -> int:
 
 
 def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[str]) -> None:
-    """The config (with the dtype written), the generation config and the tokenizer: the run's where it saved
-    one (its tokenizer_config.json, which save_pretrained writes with every tokenizer), otherwise the base's."""
-    from transformers import AutoTokenizer
-
+    """The config (with the dtype written), the generation config and the tokenizer (``_write_tokenizer``)."""
     config = dict(base_config)
     if dtype is not None:  # transformers 5 reads "dtype"; older configs spell it "torch_dtype"
         config["dtype"] = dtype
@@ -115,7 +122,15 @@ def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dic
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", out / "generation_config.json")
-    has_tokenizer = (run_dir / "tokenizer_config.json").is_file()  # every saved tokenizer writes it
+    _write_tokenizer(base_dir, run_dir, out)
+
+
+def _write_tokenizer(base_dir: Path, run_dir: Path, out: Path) -> None:
+    """The run's tokenizer where it saved one (its tokenizer_config.json, which save_pretrained writes with every
+    tokenizer), otherwise the base's."""
+    from transformers import AutoTokenizer
+
+    has_tokenizer = (run_dir / "tokenizer_config.json").is_file()
     AutoTokenizer.from_pretrained(run_dir if has_tokenizer else base_dir).save_pretrained(out)
 
 
