@@ -658,6 +658,7 @@ def test_under_autocast_q_k_and_v_reach_the_kernel_in_autocasts_dtype(monkeypatc
     assert {t.dtype for t in varlen_attention.in_one_dtype(q, k, v.bfloat16())} == {torch.float32}
     with torch.autocast("cpu", dtype=torch.bfloat16):  # inputs that agree are left as they are, autocast or not
         assert all(a is b for a, b in zip(varlen_attention.in_one_dtype(q, k, v), (q, k, v)))
+        assert {t.dtype for t in varlen_attention.in_one_dtype(q, k.bfloat16(), v.bfloat16())} == {torch.bfloat16}
 
 
 def test_cu_seqlens_are_built_once_a_batch_and_device(monkeypatch):
