@@ -15,6 +15,8 @@ Both run the step the planner traced (``fake_step.prepare_step(..., fake=False)`
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from leantune.config import RunConfig
@@ -68,9 +70,17 @@ def profiled_peak_bytes(cfg: RunConfig, config, target: torch.device, mode: str)
     with torch.random.fork_rng(devices=[]):
         step = prepare_step(cfg, config, target, mode, fake=False)
         round_to = CUDA_BLOCK_BYTES if target.type == "cuda" else 1
+        # Garbage left by whatever ran before (another test's reference cycles) is collected now, and no collection
+        # runs inside the profiled step: a block allocated before profiling and freed during it is an event of
+        # unknown size, which would be counted against the step's own allocations.
+        gc.collect()
         before, before_raw = live_storage_bytes(step, round_to), live_storage_bytes(step)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step.run()
+        gc.disable()
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step.run()
+        finally:
+            gc.enable()
     sizes = _allocation_events(prof)
     return {"bytes": before + _running_peak(sizes, round_to), "raw_bytes": before_raw + _running_peak(sizes, 1),
             "events": len(sizes), "missed_bytes": sum(sizes) - (live_storage_bytes(step) - before_raw)}
