@@ -528,8 +528,18 @@ def _dequantized_in_place(model) -> None:
         module._parameters[name] = torch.nn.Parameter(_dequantize(packed, quant_state_of(packed)), requires_grad=False)
 
 
+@pytest.fixture(params=["whole", "one_expert_at_a_time"])
+def expert_chunks(request, monkeypatch):
+    """The tiny experts dequantized in one chunk (they are far under ``EXPERT_CHUNK_BYTES``), or one at a time."""
+    if request.param == "one_expert_at_a_time":
+        from leantune.models import quantized_experts
+
+        monkeypatch.setattr(quantized_experts, "EXPERT_CHUNK_BYTES", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, family):
+def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, family, expert_chunks):
     torch.manual_seed(0)
     lines: list[str] = []
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0", "--lora_r", "2",
@@ -563,8 +573,9 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
 
 
-def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir):
-    cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", "--lora_dropout", "0",
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])  # grouped rows, and Llama 4's every expert over every row
+def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir, family):
+    cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
     model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
@@ -580,8 +591,42 @@ def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir):
     loss.backward()
 
 
+def test_a_4bit_expert_tensor_is_dequantized_a_chunk_at_a_time(monkeypatch):
+    """The rows through a 4-bit tensor equal each expert's rows times its dequantized weight, and with one expert a
+    chunk the most alive at once is one expert's weight, not the tensor's (counted by the planner's tracker)."""
+    import bitsandbytes as bnb
+
+    from leantune.memory.tracker import StorageTracker
+    from leantune.models import quantized_experts
+    from leantune.models.experts import grouped_mm  # noqa: F401  (registers leantune::grouped_mm)
+
+    generator = torch.Generator().manual_seed(5)
+    full = torch.randn(8, 64, 128, generator=generator)
+    packed, state = bnb.functional.quantize_4bit(full, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                                 quant_storage=torch.uint8)
+    weight = torch.nn.Parameter(packed, requires_grad=False)
+    weight.quant_state = state
+    dequantized = bnb.functional.dequantize_4bit(packed, state)
+    counts = torch.tensor([5, 0, 3, 9, 1, 0, 4, 2])
+    offsets, x = counts.cumsum(0), torch.randn(int(counts.sum()), 64, generator=generator, requires_grad=True)
+    expected = torch.cat([x[a:b] @ dequantized[e] for e, (a, b) in enumerate(zip([0, *offsets[:-1]], offsets))])
+    peaks = {}
+    for chunk_bytes in (quantized_experts.EXPERT_CHUNK_BYTES, 2 * 64 * 128 * 4, 64 * 128 * 4):
+        monkeypatch.setattr(quantized_experts, "EXPERT_CHUNK_BYTES", chunk_bytes)
+        out = quantized_experts.dequantized_grouped_mm(x, weight, offsets, transpose=False)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        grad, = torch.autograd.grad(out.square().sum(), x)
+        torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), x, retain_graph=True)[0],
+                                   rtol=1e-5, atol=1e-5)
+        with StorageTracker() as tracker:
+            quantized_experts.dequantized_grouped_mm(x.detach(), weight, offsets, transpose=False)
+        peaks[chunk_bytes] = tracker.peak_bytes
+    whole, two, one = peaks.values()
+    assert (whole - two, whole - one) == (6 * 64 * 128 * 4, 7 * 64 * 128 * 4)  # experts' float32 weights fewer alive
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_the_4bit_moe_plan_equals_the_real_steps_count(moe_dir, family):
+def test_the_4bit_moe_plan_equals_the_real_steps_count(moe_dir, family, expert_chunks):
     from leantune.planning.fake_step import trace_step
 
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0", "--quantization",

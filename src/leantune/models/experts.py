@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from leantune.models.quantized_experts import dequantized_matmul, quant_state_of
+from leantune.models.quantized_experts import dequantized_bmm, dequantized_grouped_mm, quant_state_of
 
 NAME = "leantune"  # the experts implementation's name in transformers' registry
 
@@ -143,9 +143,8 @@ def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torc
     """One projection of the sorted rows ``x``: base tensor, its bias rows, and the LoRA path when wrapped."""
     weight = getattr(experts, name)
     transposed = getattr(experts, "is_transposed", False)
-    if quant_state_of(weight) is not None:  # 4-bit: the layer's tensor dequantized for this matmul only
-        oriented = (lambda w: w) if transposed else (lambda w: w.transpose(1, 2))
-        out = dequantized_matmul(x, weight, lambda rows, w: grouped_mm(rows, w, offsets), oriented)
+    if quant_state_of(weight) is not None:  # 4-bit: a few experts dequantized at a time, for this matmul only
+        out = dequantized_grouped_mm(x, weight, offsets, transpose=not transposed)
     else:
         out = grouped_mm(x, weight if transposed else weight.transpose(1, 2), offsets)
     if getattr(experts, "has_bias", False):
@@ -183,8 +182,8 @@ def llama4_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -
 
     def project(name: str, x: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, name)
-        if quant_state_of(weight) is not None:  # 4-bit: dequantized for this matmul only
-            out = dequantized_matmul(x, weight, torch.bmm, lambda w: w)
+        if quant_state_of(weight) is not None:  # 4-bit: a few experts dequantized at a time, for this matmul only
+            out = dequantized_bmm(x, weight)
         else:
             out = torch.bmm(x, weight)
         if name in lora:

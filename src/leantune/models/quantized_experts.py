@@ -8,9 +8,14 @@ published shape does), with double quantization as ``--use_double_quant`` says, 
 Linear does.
 
 A quantized tensor is a frozen parameter holding the packed bytes, with its ``quant_state`` (what
-bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_matmul``) dequantizes the
-layer's tensor for the matmul and drops it; backward dequantizes it again rather than keep it, so
-one 16-bit expert tensor exists at a time, in forward, recompute and backward alike. LoRA's low-rank path
+bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_grouped_mm``, Llama 4's
+``dequantized_bmm``) dequantizes a few experts at a time (``EXPERT_CHUNK_BYTES``), runs them over
+their rows and drops them; backward dequantizes them again rather than keep them, so at most one
+chunk of 16-bit experts exists at a time, in forward, recompute and backward alike (a whole layer's
+tensor is 2.5 GiB in bfloat16 for Llama 4 Scout). The sorted rows' split among the chunks is read
+on the host, one wait a projection on a GPU; the planner's tracker replays the operator as one
+chunk's dequantization and the grouped matmul over every row, bytes that do not depend on the
+routing. LoRA's low-rank path
 runs beside it (``models.experts``), as on a 16-bit tensor. On the meta device (the planner's model)
 the tensor becomes a meta ``Params4bit``, which the planner packs on fake tensors with bitsandbytes'
 own code, as it does a 4-bit Linear's weight.
@@ -23,6 +28,7 @@ from typing import Optional
 import torch
 
 from leantune.config import QuantizationConfig
+from leantune.memory.custom_ops import DOUBLE_QUANT_BLOCK, REPLAYED
 from leantune.models.moe import expert_parameters
 from leantune.optional import import_bitsandbytes
 
@@ -58,30 +64,156 @@ def quant_state_of(weight: torch.Tensor):
 
 
 def _dequantize(packed: torch.Tensor, state) -> torch.Tensor:
+    """A whole 4-bit tensor in its original dtype (what a model holding the dequantized experts would hold)."""
     return import_bitsandbytes().functional.dequantize_4bit(packed, state)
 
 
-class _DequantizedMatmul(torch.autograd.Function):
-    """``matmul(x, W)`` with ``W`` dequantized from ``packed`` for forward and again for backward (never kept)."""
+# The experts of a layer's tensor dequantized at a time, at most this many bytes (at least one expert): a whole
+# tensor is 2.5 GiB in bfloat16 for Llama 4 Scout's gate_up_proj, 0.75 GiB for Qwen3-30B-A3B's.
+EXPERT_CHUNK_BYTES = 256 << 20
+
+
+def experts_per_chunk(shape, dtype: torch.dtype) -> int:
+    """How many experts of a tensor of ``shape`` [E, d1, d2] are dequantized at once, in ``dtype``: all of them where
+    its rows are not whole blocks of 64 (bitsandbytes' CPU kernel then lays its blocks out otherwise than expert by
+    expert, measured: an expert's bytes are not a slice; every published shape has whole blocks)."""
+    if shape[2] % BLOCK:
+        return shape[0]
+    per_expert = shape[1] * shape[2] * torch.finfo(dtype).bits // 8
+    return max(1, min(shape[0], EXPERT_CHUNK_BYTES // per_expert))
+
+
+def _block_scales(absmax, absmax_8bit=None, absmax_code=None, absmax_offset=None) -> torch.Tensor:
+    """Each block's float32 scale: double quantization stores them as 8-bit codes of float32 blocks."""
+    if absmax_8bit is None:
+        return absmax
+    return torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, DOUBLE_QUANT_BLOCK,
+                                                               torch.float32) + absmax_offset
+
+
+def _experts_dequantized(packed, scales, shape, blocksize: int, quant_type: str, dtype: torch.dtype, start: int,
+                         stop: int, transpose: bool) -> torch.Tensor:
+    """Experts ``start`` to ``stop`` of a 4-bit tensor, in ``dtype`` ([n, d1, d2], or [n, d2, d1] transposed): the
+    blocks of 64 lie within each expert, so an expert's bytes and scales are a slice of the tensor's."""
+    per_expert = shape[1] * shape[2]
+    weight = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed[start * per_expert // 2:stop * per_expert // 2], scales[start * per_expert // blocksize:
+                                                                      stop * per_expert // blocksize],
+        blocksize, quant_type, [stop - start, shape[1], shape[2]], dtype)
+    return weight.transpose(1, 2) if transpose else weight
+
+
+def _state_args(weight: torch.Tensor) -> tuple:
+    """A 4-bit expert tensor as ``grouped_mm_4bit``'s arguments after ``x``: its bytes, scales and layout."""
+    state = quant_state_of(weight)
+    nested = (state.absmax, state.state2.code, state.offset) if state.nested else (None, None, None)
+    scales = state.state2.absmax if state.nested else state.absmax
+    return weight, scales, list(state.shape), state.blocksize, state.quant_type, nested
+
+
+@torch.library.custom_op("leantune::grouped_mm_4bit", mutates_args=())
+def grouped_mm_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, offsets: torch.Tensor,
+                    shape: list[int], blocksize: int, quant_type: str, dtype: torch.dtype, transpose: bool,
+                    absmax_8bit: Optional[torch.Tensor] = None, absmax_code: Optional[torch.Tensor] = None,
+                    absmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` [S, in] (rows sorted by expert, ``offsets`` each expert's cumulative end) through a 4-bit expert tensor,
+    a few experts dequantized at a time (``experts_per_chunk``), each over its own rows."""
+    scales = _block_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
+    out = x.new_empty(x.shape[0], shape[1] if transpose else shape[2], dtype=dtype)
+    bounds = [0, *offsets.tolist()]  # the rows of each chunk: read on the host (one wait a call on a GPU)
+    chunk = experts_per_chunk(shape, dtype)
+    for start in range(0, shape[0], chunk):
+        stop = min(shape[0], start + chunk)
+        first, last = bounds[start], bounds[stop]
+        if last > first:
+            weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, start, stop, transpose)
+            out[first:last] = torch.ops.leantune.grouped_mm(x[first:last], weight, offsets[start:stop] - first)
+    return out
+
+
+@grouped_mm_4bit.register_fake
+def _(x, packed, absmax, offsets, shape, blocksize, quant_type, dtype, transpose, absmax_8bit=None, absmax_code=None,
+      absmax_offset=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], shape[1] if transpose else shape[2], dtype=dtype)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, packed, absmax, offsets, shape, blocksize, quant_type, _, transpose, *nested = inputs
+    ctx.save_for_backward(packed, absmax, offsets, *nested)
+    ctx.layout, ctx.x_dtype = (shape, blocksize, quant_type, transpose), x.dtype
+
+
+def _backward(ctx, grad: torch.Tensor):
+    """The input's gradient through the transposed tensor, dequantized again a chunk at a time in the gradient's
+    dtype (backward runs outside autocast); the packed tensor is frozen."""
+    packed, absmax, offsets, *nested = ctx.saved_tensors
+    shape, blocksize, quant_type, transpose = ctx.layout
+    grad_x = grouped_mm_4bit(grad, packed, absmax, offsets, shape, blocksize, quant_type, grad.dtype, not transpose,
+                             *nested)
+    return (grad_x.to(ctx.x_dtype),) + (None,) * 11
+
+
+grouped_mm_4bit.register_autograd(_backward, setup_context=_setup)
+
+
+def _grouped_mm_4bit_as_ops(x, packed, absmax, offsets, shape, blocksize, quant_type, dtype, transpose,
+                            absmax_8bit=None, absmax_code=None, absmax_offset=None) -> torch.Tensor:
+    """``grouped_mm_4bit`` as the planner's tracker sees it: the scales, one chunk's dequantized experts (the most
+    alive at once, whatever the routing) and the grouped matmul over every row (its FLOPs and output), the chunk's
+    first expert standing in for the rest (bytes, not values, are what a trace reads)."""
+    scales = _block_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
+    chunk = experts_per_chunk(shape, dtype)
+    weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, 0, chunk, transpose)
+    return torch.ops.leantune.grouped_mm(x, weight[:1].expand(shape[0], *weight.shape[1:]), offsets)
+
+
+REPLAYED["leantune::grouped_mm_4bit"] = _grouped_mm_4bit_as_ops
+
+
+def dequantized_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """The sorted rows ``x`` through a 4-bit expert tensor ``weight`` (its packed bytes and state), [E, in, out], or
+    [E, out, in] with ``transpose``: no more than ``EXPERT_CHUNK_BYTES`` of it dequantized at once, in forward,
+    recompute and backward."""
+    packed, scales, shape, blocksize, quant_type, nested = _state_args(weight)
+    return grouped_mm_4bit(x, packed, scales, offsets, shape, blocksize, quant_type, quant_state_of(weight).dtype,
+                           transpose, *nested)
+
+
+class _DequantizedBmm(torch.autograd.Function):
+    """``bmm(x, W)`` for a 4-bit [E, in, out] ``W``, a chunk of experts dequantized at a time, and again in backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, state, matmul, weight_of):
-        ctx.state, ctx.matmul, ctx.weight_of = state, matmul, weight_of
+    def forward(ctx, x, packed, state):
+        ctx.state = state
         ctx.save_for_backward(packed)
-        return matmul(x, weight_of(_dequantize(packed, state)))
+        return _chunked_bmm(x, packed, state, state.dtype, transpose=False)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
         # backward runs outside autocast: a half-precision gradient meets the weight in its own dtype
-        weight = ctx.weight_of(_dequantize(packed, ctx.state)).to(grad.dtype)
-        return ctx.matmul(grad, weight.transpose(-2, -1)), None, None, None, None
+        return _chunked_bmm(grad, packed, ctx.state, grad.dtype, transpose=True), None, None
 
 
-def dequantized_matmul(x: torch.Tensor, weight: torch.Tensor, matmul, weight_of) -> torch.Tensor:
-    """``matmul(x, weight_of(W))`` for a 4-bit expert tensor ``weight`` (its packed bytes and state): the 16-bit
-    ``W`` exists only within the call and again within its backward. ``weight_of`` orients it ([E, in, out])."""
-    return _DequantizedMatmul.apply(x, weight, quant_state_of(weight), matmul, weight_of)
+def _chunked_bmm(x: torch.Tensor, packed: torch.Tensor, state, dtype: torch.dtype, transpose: bool) -> torch.Tensor:
+    """Each chunk of experts' ``bmm`` written into the output as it is made (every expert sees all its rows)."""
+    shape, out = list(state.shape), None
+    nested = (state.absmax, state.state2.code, state.offset) if state.nested else (None, None, None)
+    scales = _block_scales(state.state2.absmax if state.nested else state.absmax, *nested)
+    chunk = experts_per_chunk(shape, dtype)
+    for start in range(0, shape[0], chunk):
+        stop = min(shape[0], start + chunk)
+        part = torch.bmm(x[start:stop], _experts_dequantized(packed, scales, shape, state.blocksize, state.quant_type,
+                                                             dtype, start, stop, transpose))
+        if out is None:
+            out = part.new_empty(shape[0], *part.shape[1:])
+        out[start:stop] = part
+    return out
+
+
+def dequantized_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``bmm(x, W)`` for Llama 4's 4-bit [E, in, out] expert tensor ``weight``, a chunk of experts at a time."""
+    return _DequantizedBmm.apply(x, weight, quant_state_of(weight))
 
 
 def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
@@ -96,7 +228,8 @@ def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
     kind = state.quant_type
     return (f"quantization: {len(tensors)} fused expert tensors, {weights / 1e6:,.2f}M weights, in 4-bit ({kind} "
             f"blocks of {BLOCK} within each expert{double}): {held / 2**20:,.1f} MiB, {held / (weights * 2):.3f} of "
-            "their bfloat16 bytes; each layer's dequantized for its matmuls and again in backward, never kept")
+            f"their bfloat16 bytes; dequantized at most {EXPERT_CHUNK_BYTES >> 20} MiB of experts at a time for "
+            "each matmul and again in backward, never kept")
 
 
 def expert_tensors_quantized(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
