@@ -485,7 +485,10 @@ def test_an_expert_adapter_merges_as_peft_merges_it_and_generates(moe_dir, famil
                                      "--num_workers_dataloader", "0", "--output_dir", str(out)]), log=lambda _l: None)
     assert json.loads((out / "adapter_config.json").read_text())["target_parameters"]
     assert merge.main([str(out), str(merged_dir)]) == 0
-    assert "merging the whole model in float32" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    whole = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(moe_dir(family)).parameters())
+    assert f"merging the whole model in float32 ({whole / 2**20:,.1f} MiB of host memory)" in said
+    assert "merged the adapter's LoRA (attention and experts), in float32 into" in said
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
     with torch.no_grad():
         ours = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(ids).logits
@@ -496,12 +499,21 @@ def test_an_expert_adapter_merges_as_peft_merges_it_and_generates(moe_dir, famil
     assert (ours - plain).abs().max() > 1e-4  # the adapter changed the model
     assert generate.main(["--model_name", str(merged_dir), "--prompt", "Name three colours.",
                           "--max_new_tokens", "4"]) == 0
-    if family == "mixtral":  # --dtype chooses the merged weights' dtype
+    if family == "mixtral":  # --dtype chooses the merged weights' dtype; without it, the base's
         from safetensors import safe_open
 
         assert merge.main([str(out), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
         with safe_open(next((tmp_path / "bf16").glob("*.safetensors")), "pt") as saved:
             assert {saved.get_tensor(key).dtype for key in saved.keys()} == {torch.bfloat16}
+        base_bf16 = tmp_path / "base-bf16"
+        AutoModelForCausalLM.from_pretrained(moe_dir(family), dtype=torch.bfloat16).save_pretrained(base_bf16)
+        assert merge.main([str(out), str(tmp_path / "onto-bf16"), "--model_name", str(base_bf16)]) == 0
+        assert "in bfloat16 into" in capsys.readouterr().out
+        with torch.no_grad():  # merged in float32 from the bf16 base, then rounded once
+            ours = AutoModelForCausalLM.from_pretrained(tmp_path / "onto-bf16", dtype=torch.float32)(ids).logits
+            base = AutoModelForCausalLM.from_pretrained(base_bf16, dtype=torch.float32)
+            theirs = PeftModel.from_pretrained(base, str(out)).merge_and_unload().to(torch.bfloat16).float()(ids).logits
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # a merge in bf16 is ~1e-3 off
 
 
 def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_way_out(moe_dir, tmp_path):
@@ -568,6 +580,9 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
     total = sum(held(t) for t in tensors)
     assert line.startswith(f"quantization: 4 fused expert tensors, ") and \
         f": {total / 2**20:,.1f} MiB, {total / (weights * 2):.3f} of their bfloat16 bytes;" in line
+    cap = "256 MiB" if expert_chunks == "whole" else "0 MiB"  # one expert a chunk: a cap of 1 byte
+    assert line.endswith(f"; dequantized at most {cap} of experts at a time for each matmul and again in backward, "
+                         "never kept")
     _dequantized_in_place(model)
     _close(quantized, _loss_and_grads(model, loss_model, ids, labels))
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
@@ -591,9 +606,21 @@ def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir, family):
     loss.backward()
 
 
-def test_a_4bit_expert_tensor_is_dequantized_a_chunk_at_a_time(monkeypatch):
-    """The rows through a 4-bit tensor equal each expert's rows times its dequantized weight, and with one expert a
-    chunk the most alive at once is one expert's weight, not the tensor's (counted by the planner's tracker)."""
+def _packed_experts(full: torch.Tensor, double: bool) -> torch.nn.Parameter:
+    import bitsandbytes as bnb
+
+    packed, state = bnb.functional.quantize_4bit(full, blocksize=64, compress_statistics=double, quant_type="nf4",
+                                                 quant_storage=torch.uint8)
+    weight = torch.nn.Parameter(packed, requires_grad=False)
+    weight.quant_state = state
+    return weight
+
+
+@pytest.mark.parametrize("double", [True, False], ids=["double_quant", "plain_scales"])
+def test_a_4bit_expert_tensor_is_dequantized_a_chunk_at_a_time(monkeypatch, double):
+    """The rows through a 4-bit tensor equal each expert's rows times its dequantized weight; only chunks with rows
+    are dequantized, the last one cut at the tensor's end; and with fewer experts a chunk fewer are alive at once
+    (counted by the planner's tracker, whatever the routing)."""
     import bitsandbytes as bnb
 
     from leantune.memory.tracker import StorageTracker
@@ -601,28 +628,62 @@ def test_a_4bit_expert_tensor_is_dequantized_a_chunk_at_a_time(monkeypatch):
     from leantune.models.experts import grouped_mm  # noqa: F401  (registers leantune::grouped_mm)
 
     generator = torch.Generator().manual_seed(5)
-    full = torch.randn(8, 64, 128, generator=generator)
-    packed, state = bnb.functional.quantize_4bit(full, blocksize=64, compress_statistics=True, quant_type="nf4",
-                                                 quant_storage=torch.uint8)
-    weight = torch.nn.Parameter(packed, requires_grad=False)
-    weight.quant_state = state
-    dequantized = bnb.functional.dequantize_4bit(packed, state)
+    weight = _packed_experts(torch.randn(8, 64, 128, generator=generator), double)
+    dequantized = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
     counts = torch.tensor([5, 0, 3, 9, 1, 0, 4, 2])
     offsets, x = counts.cumsum(0), torch.randn(int(counts.sum()), 64, generator=generator, requires_grad=True)
     expected = torch.cat([x[a:b] @ dequantized[e] for e, (a, b) in enumerate(zip([0, *offsets[:-1]], offsets))])
-    peaks = {}
-    for chunk_bytes in (quantized_experts.EXPERT_CHUNK_BYTES, 2 * 64 * 128 * 4, 64 * 128 * 4):
+    made, real = [], quantized_experts._experts_dequantized
+    monkeypatch.setattr(quantized_experts, "_experts_dequantized",
+                        lambda *args: made.append(args[-3:-1]) or real(*args))
+    expert, peaks, chunks = 64 * 128 * 4, {}, {}
+    for chunk_bytes in (quantized_experts.EXPERT_CHUNK_BYTES, 3 * expert, expert):
         monkeypatch.setattr(quantized_experts, "EXPERT_CHUNK_BYTES", chunk_bytes)
+        made.clear()
         out = quantized_experts.dequantized_grouped_mm(x, weight, offsets, transpose=False)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         grad, = torch.autograd.grad(out.square().sum(), x)
+        chunks[chunk_bytes] = list(made)
         torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), x, retain_graph=True)[0],
                                    rtol=1e-5, atol=1e-5)
         with StorageTracker() as tracker:
             quantized_experts.dequantized_grouped_mm(x.detach(), weight, offsets, transpose=False)
         peaks[chunk_bytes] = tracker.peak_bytes
-    whole, two, one = peaks.values()
-    assert (whole - two, whole - one) == (6 * 64 * 128 * 4, 7 * 64 * 128 * 4)  # experts' float32 weights fewer alive
+    assert list(chunks.values()) == [[(0, 8)] * 2, [(0, 3), (3, 6), (6, 8)] * 2,  # forward, then backward
+                                     [(0, 1), (2, 3), (3, 4), (4, 5), (6, 7), (7, 8)] * 2]  # none without rows
+    whole, three, one = peaks.values()
+    assert (whole - three, whole - one) == (5 * expert, 7 * expert)  # experts' float32 weights fewer alive at once
+
+
+@pytest.mark.parametrize("double", [True, False], ids=["double_quant", "plain_scales"])
+def test_llama4s_4bit_experts_run_a_chunk_at_a_time_over_every_row(monkeypatch, double):
+    import bitsandbytes as bnb
+
+    from leantune.models import quantized_experts
+
+    generator = torch.Generator().manual_seed(6)
+    weight = _packed_experts(torch.randn(5, 64, 128, generator=generator).bfloat16(), double)
+    dequantized = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    x = torch.randn(5, 7, 64, generator=generator).bfloat16().requires_grad_()
+    monkeypatch.setattr(quantized_experts, "EXPERT_CHUNK_BYTES", 2 * 64 * 128 * 2)
+    made, real = [], quantized_experts._experts_dequantized
+    monkeypatch.setattr(quantized_experts, "_experts_dequantized",
+                        lambda *args: made.append(args[-3:-1]) or real(*args))
+    out = quantized_experts.dequantized_bmm(x, weight)
+    grad, = torch.autograd.grad(out.float().square().sum(), x)
+    expected = torch.bmm(x, dequantized)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.float().square().sum(), x)[0])
+    assert made == [(0, 2), (2, 4), (4, 5)] * 2
+
+
+def test_a_bfloat16_expert_tensor_gives_bfloat16_rows_from_float32_ones():
+    from leantune.models import quantized_experts
+    from leantune.models.experts import grouped_mm  # noqa: F401
+
+    weight = _packed_experts(torch.randn(2, 64, 64).bfloat16(), True)
+    out = quantized_experts.dequantized_grouped_mm(torch.randn(6, 64), weight, torch.tensor([2, 6]), transpose=False)
+    assert out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -720,3 +781,17 @@ def test_the_grouped_matmuls_flops_are_counted():
             grouped_mm(x, weight, offsets).sum().backward()
         # forward, the input's gradient (the same matmul transposed), and the weight's when it trains
         assert counter.get_total_flops() == 2 * 10 * 6 * 5 * (3 if trains else 2)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_4bit_grouped_operator_has_the_shape_and_dtype_on_meta_tensors(transpose):
+    """What a compiled or meta-device trace gets (its fake implementation): the rows by the oriented tensor's outputs."""
+    from leantune.models import quantized_experts  # noqa: F401  (registers leantune::grouped_mm_4bit)
+
+    meta = torch.device("meta")
+    out = torch.ops.leantune.grouped_mm_4bit(torch.empty(10, 96 if transpose else 64, device=meta),
+                                             torch.empty(4 * 64 * 96 // 2, 1, dtype=torch.uint8, device=meta),
+                                             torch.empty(4 * 96, device=meta), torch.empty(4, dtype=torch.long,
+                                                                                           device=meta),
+                                             [4, 64, 96], 64, "nf4", torch.bfloat16, transpose)
+    assert out.shape == (10, 64 if transpose else 96) and out.dtype == torch.bfloat16 and out.is_meta

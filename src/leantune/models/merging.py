@@ -165,7 +165,7 @@ def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, dtype: Optional[
     base_dtype = getattr(torch, base_dtype, None) if isinstance(base_dtype, str) else base_dtype
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    log(f"the adapter puts LoRA on fused expert tensors: merging the whole model in float32 ({size / 2**30:.2f} GiB "
+    log(f"the adapter puts LoRA on fused expert tensors: merging the whole model in float32 ({size / 2**20:,.1f} MiB "
         "of host memory) with peft's merge_and_unload")
     model = PeftModel.from_pretrained(model, str(run_dir)).merge_and_unload()
     wanted = dtype or (base_dtype if isinstance(base_dtype, torch.dtype) else torch.float32)
