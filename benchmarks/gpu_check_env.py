@@ -94,11 +94,18 @@ def install_wheels(wheels: Path, site: Path) -> str:
     return f"installed {len(found)} wheels from {wheels} into {site}"
 
 
+def _in_a_child(statement: str, limit_s: float) -> subprocess.CompletedProcess | None:
+    """``statement`` run in a fresh interpreter with this path; None when it gave no answer in ``limit_s``."""
+    try:
+        return subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def imports_in_a_child(statement: str, limit_s: float = 120) -> str | None:
     """None where ``statement`` runs in a fresh interpreter with this path; else its last error line."""
-    try:
-        result = subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True, timeout=limit_s)
-    except subprocess.TimeoutExpired:
+    result = _in_a_child(statement, limit_s)
+    if result is None:
         return f"no answer in {limit_s:.0f} s"
     if result.returncode == 0:
         return None
@@ -108,11 +115,8 @@ def imports_in_a_child(statement: str, limit_s: float = 120) -> str | None:
 
 def cuda_device_count() -> tuple[int, str]:
     """CUDA devices torch sees, asked in a child (this process keeps no CUDA context), and torch's version."""
-    try:
-        result = subprocess.run([sys.executable, "-c",
-                                 "import torch; print(torch.cuda.device_count(), torch.__version__)"],
-                                capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
+    result = _in_a_child("import torch; print(torch.cuda.device_count(), torch.__version__)", 120)
+    if result is None:
         return 0, "torch gave no answer in 120 s"
     if result.returncode != 0:
         return 0, "torch does not import"
@@ -146,5 +150,6 @@ def optional_lines() -> dict:
     lines = {}
     for package, used_by in ALSO_WANTED.items():
         error = imports_in_a_child(f"import {package}")
-        lines[package] = f"{package}: installed" if error is None else f"{package}: not usable ({error}): {used_by} skipped"
+        lines[package] = (f"{package}: installed" if error is None
+                          else f"{package}: not usable ({error}): {used_by} skipped")
     return lines

@@ -150,7 +150,7 @@ def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.d
     return wanted if wanted is not None and stored.is_floating_point else stored
 
 
-def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, dtype: Optional[torch.dtype],
+def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[torch.dtype],
                       log: Callable[[str], None] = print) -> str:
     """An adapter with LoRA on a mixture of experts' fused expert tensors (peft's ``target_parameters``), folded by
     peft's ``merge_and_unload`` into the base loaded whole in float32, then saved in ``dtype`` (the base's without
@@ -159,10 +159,10 @@ def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, dtype: Optional[
     names, cannot place a fused tensor's delta; this path holds the whole float32 model in host memory instead.
     Returns what it merged, for the closing line."""
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    base_dtype = getattr(AutoConfig.from_pretrained(base_dir), "dtype", None)
-    base_dtype = getattr(torch, base_dtype, None) if isinstance(base_dtype, str) else base_dtype
+    stored = base_config.get("dtype") or base_config.get("torch_dtype")  # transformers 5's key, or the older one
+    base_dtype = getattr(torch, stored, None) if isinstance(stored, str) else None
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     log(f"the adapter puts LoRA on fused expert tensors: merging the whole model in float32 ({size / 2**20:,.1f} MiB "

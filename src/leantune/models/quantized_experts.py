@@ -103,11 +103,18 @@ def _experts_dequantized(packed, scales, shape, blocksize: int, quant_type: str,
     return weight.transpose(1, 2) if transpose else weight
 
 
+def _scale_inputs(state) -> tuple:
+    """A quantization state's scales as ``_block_scales`` takes them: the float32 scales (of the 8-bit codes, with
+    double quantization) and the codes, their code book and offset (Nones without)."""
+    if state.nested:
+        return state.state2.absmax, (state.absmax, state.state2.code, state.offset)
+    return state.absmax, (None, None, None)
+
+
 def _state_args(weight: torch.Tensor) -> tuple:
     """A 4-bit expert tensor as ``grouped_mm_4bit``'s arguments after ``x``: its bytes, scales and layout."""
     state = quant_state_of(weight)
-    nested = (state.absmax, state.state2.code, state.offset) if state.nested else (None, None, None)
-    scales = state.state2.absmax if state.nested else state.absmax
+    scales, nested = _scale_inputs(state)
     return weight, scales, list(state.shape), state.blocksize, state.quant_type, nested
 
 
@@ -170,7 +177,8 @@ def _grouped_mm_4bit_as_ops(x, packed, absmax, offsets, shape, blocksize, quant_
 REPLAYED["leantune::grouped_mm_4bit"] = _grouped_mm_4bit_as_ops
 
 
-def dequantized_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool) -> torch.Tensor:
+def dequantized_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                           transpose: bool) -> torch.Tensor:
     """The sorted rows ``x`` through a 4-bit expert tensor ``weight`` (its packed bytes and state), [E, in, out], or
     [E, out, in] with ``transpose``: no more than ``EXPERT_CHUNK_BYTES`` of it dequantized at once, in forward,
     recompute and backward."""
@@ -198,8 +206,8 @@ class _DequantizedBmm(torch.autograd.Function):
 def _chunked_bmm(x: torch.Tensor, packed: torch.Tensor, state, dtype: torch.dtype, transpose: bool) -> torch.Tensor:
     """Each chunk of experts' ``bmm`` written into the output as it is made (every expert sees all its rows)."""
     shape, out = list(state.shape), None
-    nested = (state.absmax, state.state2.code, state.offset) if state.nested else (None, None, None)
-    scales = _block_scales(state.state2.absmax if state.nested else state.absmax, *nested)
+    absmax, nested = _scale_inputs(state)
+    scales = _block_scales(absmax, *nested)
     chunk = experts_per_chunk(shape, dtype)
     for start in range(0, shape[0], chunk):
         stop = min(shape[0], start + chunk)

@@ -3,9 +3,10 @@
 Folds the LoRA adapter a run saved into its base and writes a Hugging Face model directory: the
 base's safetensors shards (same names, same index), its config and generation config, and the
 run's tokenizer (with its chat template). One tensor at a time (``models.merging``), so host memory
-stays near the adapter plus the largest weight; an adapter with LoRA on a mixture of experts' fused expert
-tensors is folded by peft's ``merge_and_unload`` into the whole base model instead (``merge_whole_model``). The directory appears whole or not at all: it is
-written beside ``OUT_DIR`` under a hidden name and renamed into place.
+stays near the adapter plus the largest weight; an adapter with LoRA on a mixture of experts'
+fused expert tensors is folded by peft's ``merge_and_unload`` into the whole base model instead
+(``merge_whole_model``). The directory appears whole or not at all: it is written beside
+``OUT_DIR`` under a hidden name and renamed into place.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     try:
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the model from other users once renamed
         if whole:
-            merged = merge_whole_model(base_dir, run_dir, staging, DTYPE_CHOICES.get(dtype), log)
+            merged = merge_whole_model(base_dir, run_dir, staging, base_config, DTYPE_CHOICES.get(dtype), log)
             _write_tokenizer(base_dir, run_dir, staging)
         else:
             weight_map, total = merge_shards(base_dir, staging, shards, lora, DTYPE_CHOICES.get(dtype), log)
