@@ -304,15 +304,43 @@ def _close(ours, theirs):
         assert float((grads[name] - grad).norm()) <= 2e-5 * max(float(grad.norm()), 1e-6), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def _transformers_own_experts(model) -> None:
+    model.config._experts_implementation = "eager"
+    for module in model.modules():  # Llama 4's: its block's and experts' forwards were replaced on the instances
+        if type(module).__name__ in ("Llama4TextMoe", "Llama4TextExperts"):
+            del module.forward
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_leantunes_experts_forward_is_transformers_eager_one(moe_dir, family):
-    """Full fine-tuning: the grouped experts (and their weights' gradients) equal transformers' own loop."""
+    """Full fine-tuning: the grouped experts (and their weights' gradients) equal transformers' own loop (Llama 4's:
+    its every expert over every token, the unchosen scaled to zero)."""
     _, model, loss_model = _built(moe_dir(family))
-    assert model.config._experts_implementation == "leantune"
     ids, labels = make_batch(model.config.vocab_size, seq=24)
     ours = _loss_and_grads(model, loss_model, ids, labels)
-    model.config._experts_implementation = "eager"
+    _transformers_own_experts(model)
     _close(ours, _loss_and_grads(model, loss_model, ids, labels))
+
+
+def test_llama4s_experts_see_only_their_own_tokens(moe_dir):
+    """transformers runs every Llama 4 expert over every token; leantune's block gives each expert its routed rows
+    only (tokens x top-k in all), and holds fewer bytes at its peak for it."""
+    from leantune.memory.tracker import StorageTracker
+
+    _, model, _ = _built(moe_dir("llama4"))
+    block = model.model.layers[0].feed_forward
+    rows = []
+    block.experts.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    hidden = torch.randn(2, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    peaks = []
+    for own in (False, True):
+        if own:
+            _transformers_own_experts(model)
+        with StorageTracker() as tracker:
+            block(hidden)
+        peaks.append(tracker.peak_bytes)
+    assert rows == [2 * 12 * model.config.num_experts_per_tok, 2 * 12 * model.config.num_local_experts]
+    assert peaks[0] < peaks[1]
 
 
 def _moe_block(model):
@@ -349,8 +377,8 @@ def test_expert_lora_apart_equals_pefts_parameter_lora(moe_dir, family):
     experts, _ = _experts_of(wrapper)
     if hasattr(experts, "has_gate"):
         model.config._experts_implementation = "eager"
-    else:  # Llama 4's experts: transformers' own forward
-        del experts.forward
+    else:  # Llama 4's block and experts: transformers' own forward (every expert over every token)
+        del experts.forward, block.forward
     theirs = _block_output_and_grads(model, block, hidden)
     for mine, own in zip(ours[:2], theirs[:2]):  # the output and its input's gradient, relative in norm
         assert float((mine - own).norm()) <= 1e-5 * float(own.norm())
@@ -588,7 +616,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])  # grouped rows, and Llama 4's every expert over every row
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
 def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir, family):
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
@@ -655,28 +683,6 @@ def test_a_4bit_expert_tensor_is_dequantized_a_chunk_at_a_time(monkeypatch, doub
     assert (whole - three, whole - one) == (5 * expert, 7 * expert)  # experts' float32 weights fewer alive at once
 
 
-@pytest.mark.parametrize("double", [True, False], ids=["double_quant", "plain_scales"])
-def test_llama4s_4bit_experts_run_a_chunk_at_a_time_over_every_row(monkeypatch, double):
-    import bitsandbytes as bnb
-
-    from leantune.models import quantized_experts
-
-    generator = torch.Generator().manual_seed(6)
-    weight = _packed_experts(torch.randn(5, 64, 128, generator=generator).bfloat16(), double)
-    dequantized = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
-    x = torch.randn(5, 7, 64, generator=generator).bfloat16().requires_grad_()
-    monkeypatch.setattr(quantized_experts, "EXPERT_CHUNK_BYTES", 2 * 64 * 128 * 2)
-    made, real = [], quantized_experts._experts_dequantized
-    monkeypatch.setattr(quantized_experts, "_experts_dequantized",
-                        lambda *args: made.append(args[-3:-1]) or real(*args))
-    out = quantized_experts.dequantized_bmm(x, weight)
-    grad, = torch.autograd.grad(out.float().square().sum(), x)
-    expected = torch.bmm(x, dequantized)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
-    torch.testing.assert_close(grad, torch.autograd.grad(expected.float().square().sum(), x)[0])
-    assert made == [(0, 2), (2, 4), (4, 5)] * 2
-
-
 def test_a_bfloat16_expert_tensor_gives_bfloat16_rows_from_float32_ones():
     from leantune.models import quantized_experts
     from leantune.models.experts import grouped_mm  # noqa: F401
@@ -701,7 +707,7 @@ def test_the_4bit_moe_plan_equals_the_real_steps_count(moe_dir, family, expert_c
 
 @pytest.mark.parametrize("family", ["llama4", "qwen3_moe"])
 def test_4bit_experts_under_half_precision_autocast_on_float32_weights(moe_dir, family):
-    """Backward runs outside autocast: its half-precision gradient meets the dequantized weight (bmm for Llama 4)."""
+    """Backward runs outside autocast: its half-precision gradient meets the dequantized weight."""
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
     model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)

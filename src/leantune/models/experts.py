@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from leantune.models.quantized_experts import dequantized_bmm, dequantized_grouped_mm, quant_state_of
+from leantune.models.quantized_experts import dequantized_grouped_mm, quant_state_of
 
 NAME = "leantune"  # the experts implementation's name in transformers' registry
 
@@ -142,7 +142,7 @@ def _project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torc
              expert_ids: torch.Tensor) -> torch.Tensor:
     """One projection of the sorted rows ``x``: base tensor, its bias rows, and the LoRA path when wrapped."""
     weight = getattr(experts, name)
-    transposed = getattr(experts, "is_transposed", False)
+    transposed = getattr(experts, "is_transposed", False) or _is_llama4(experts)  # [E, in, out]
     if quant_state_of(weight) is not None:  # 4-bit: a few experts dequantized at a time, for this matmul only
         out = dequantized_grouped_mm(x, weight, offsets, transpose=not transposed)
     else:
@@ -176,24 +176,34 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     return out[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def llama4_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Llama 4's experts (every expert over every token, its tensors [E, in, out]) with LoRA's low-rank path apart."""
-    lora = getattr(self, "leantune_lora", {})
+def llama4_experts_forward(self: torch.nn.Module, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts (tensors [E, in, out]) over the rows routed to them, sorted by expert (``offsets``)."""
+    gate, up = _project(self, "gate_up_proj", rows, offsets, None).chunk(2, dim=-1)
+    return _project(self, "down_proj", up * self.act_fn(gate), offsets, None)
 
-    def project(name: str, x: torch.Tensor) -> torch.Tensor:
-        weight = getattr(self, name)
-        if quant_state_of(weight) is not None:  # 4-bit: a few experts dequantized at a time, for this matmul only
-            out = dequantized_bmm(x, weight)
-        else:
-            out = torch.bmm(x, weight)
-        if name in lora:
-            p, q, scale = lora[name]
-            out = out + scale * torch.bmm(torch.bmm(x, p), q)
-        return out
 
-    x = hidden_states.view(self.num_experts, -1, self.hidden_size)
-    gate, up = project("gate_up_proj", x).chunk(2, dim=-1)
-    return project("down_proj", up * self.act_fn(gate)).view(-1, self.hidden_size)
+def llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's MoE block with each expert over its own tokens only.
+
+    transformers runs every expert over every token, the unchosen ones scaled to zero (an [E, tokens, 2I]
+    intermediate: 3 GiB a layer for Scout at 2,048 tokens, in forward and again in recompute). A zero row adds
+    exactly zero (these experts have no bias), so the chosen rows alone give the same sum: they are sorted by
+    expert, scaled by their router score before the experts as Llama 4 scales them, and summed back per token.
+    """
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    scores, logits = self.router(hidden_states)
+    top_k = self.top_k
+    chosen = torch.topk(logits, top_k, dim=1).indices  # the router's own choice: the same op on the same logits
+    expert_ids, order = torch.sort(chosen.reshape(-1))
+    rows = hidden_states[order // top_k] * scores.gather(1, chosen).reshape(-1)[order].unsqueeze(-1)
+    counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids.device)  # a fixed size: traceable
+    offsets = torch.cumsum(counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)), 0)
+    routed = self.experts(rows, offsets)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    out = self.shared_expert(hidden_states)
+    out.add_(routed[back].view(-1, top_k, routed.shape[-1]).sum(dim=1))
+    return out, logits
 
 
 def _experts_of(wrapper: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
@@ -247,6 +257,8 @@ def use_leantune_experts(model: torch.nn.Module) -> None:
                 module.forward = types.MethodType(_split_lora_forward, module)
         if _is_llama4(module):
             module.forward = types.MethodType(llama4_experts_forward, module)
+        elif type(module).__name__ == "Llama4TextMoe":
+            module.forward = types.MethodType(llama4_moe_forward, module)
         elif hasattr(module, "has_gate") and hasattr(module, "config"):
             module.config._experts_implementation = NAME
 

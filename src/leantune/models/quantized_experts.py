@@ -8,8 +8,7 @@ published shape does), with double quantization as ``--use_double_quant`` says, 
 Linear does.
 
 A quantized tensor is a frozen parameter holding the packed bytes, with its ``quant_state`` (what
-bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_grouped_mm``, Llama 4's
-``dequantized_bmm``) dequantizes a few experts at a time (``EXPERT_CHUNK_BYTES``), runs them over
+bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_grouped_mm``) dequantizes a few experts at a time (``EXPERT_CHUNK_BYTES``), runs them over
 their rows and drops them; backward dequantizes them again rather than keep them, so at most one
 chunk of 16-bit experts exists at a time, in forward, recompute and backward alike (a whole layer's
 tensor is 2.5 GiB in bfloat16 for Llama 4 Scout). The sorted rows' split among the chunks is read
@@ -185,43 +184,6 @@ def dequantized_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch
     packed, scales, shape, blocksize, quant_type, nested = _state_args(weight)
     return grouped_mm_4bit(x, packed, scales, offsets, shape, blocksize, quant_type, quant_state_of(weight).dtype,
                            transpose, *nested)
-
-
-class _DequantizedBmm(torch.autograd.Function):
-    """``bmm(x, W)`` for a 4-bit [E, in, out] ``W``, a chunk of experts dequantized at a time, and again in backward."""
-
-    @staticmethod
-    def forward(ctx, x, packed, state):
-        ctx.state = state
-        ctx.save_for_backward(packed)
-        return _chunked_bmm(x, packed, state, state.dtype, transpose=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        # backward runs outside autocast: a half-precision gradient meets the weight in its own dtype
-        return _chunked_bmm(grad, packed, ctx.state, grad.dtype, transpose=True), None, None
-
-
-def _chunked_bmm(x: torch.Tensor, packed: torch.Tensor, state, dtype: torch.dtype, transpose: bool) -> torch.Tensor:
-    """Each chunk of experts' ``bmm`` written into the output as it is made (every expert sees all its rows)."""
-    shape, out = list(state.shape), None
-    absmax, nested = _scale_inputs(state)
-    scales = _block_scales(absmax, *nested)
-    chunk = experts_per_chunk(shape, dtype)
-    for start in range(0, shape[0], chunk):
-        stop = min(shape[0], start + chunk)
-        part = torch.bmm(x[start:stop], _experts_dequantized(packed, scales, shape, state.blocksize, state.quant_type,
-                                                             dtype, start, stop, transpose))
-        if out is None:
-            out = part.new_empty(shape[0], *part.shape[1:])
-        out[start:stop] = part
-    return out
-
-
-def dequantized_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``bmm(x, W)`` for Llama 4's 4-bit [E, in, out] expert tensor ``weight``, a chunk of experts at a time."""
-    return _DequantizedBmm.apply(x, weight, quant_state_of(weight))
 
 
 def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
