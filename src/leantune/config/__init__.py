@@ -42,14 +42,16 @@ class ModelConfig:
         "bfloat16 with --mixed_precision on a bf16-capable GPU (float32 under --use_fp16)."))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
         "Where to train. auto: the GPU of this process's LOCAL_RANK when CUDA is available, else the CPU."))
-    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"] = field(
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2",
+                                 "sinks"] = field(
         default="auto", metadata=_help(
             "Attention kernel (transformers' names, and leantune's varlen: causal attention within each example "
             "of a row, no mask, memory linear in the context). auto: varlen where the model supports SDPA and "
             "attends over the whole context, sdpa where it has a sliding window (its mask holds the window; "
             "with examples packed apart a batch x S x S one), else eager (Gemma 2), whose batch x heads x seq x "
-            "seq scores per layer the plan shows. flex_attention and flash_attention_2 need a CUDA GPU "
-            "(flash_attention_2 also the flash-attn package)."))
+            "seq scores per layer the plan shows; a model with attention sinks (gpt-oss) takes leantune's sinks "
+            "(SDPA with the sink logits as one key more, no scores kept). flex_attention and flash_attention_2 "
+            "need a CUDA GPU (flash_attention_2 also the flash-attn package)."))
 
     rope_scaling_factor: Optional[float] = field(default=None, metadata=_help("Extend the model's positions this "
         "many times by RoPE interpolation (its positions and RoPE scaling factor multiplied; linear if none)."))

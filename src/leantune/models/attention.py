@@ -5,7 +5,8 @@ transformers names the implementations (``sdpa``, ``eager``, ``flex_attention``,
 (``models.varlen_attention``: each example of a row attended alone, no mask at all). ``auto``
 takes ``varlen`` where the class supports SDPA and attends over the whole context (no sliding
 window, no soft-capping), then ``sdpa`` (a sliding window: its mask holds the window), then eager
-attention (Gemma 2: its attention soft-capping has no SDPA path). With examples packed apart,
+attention (Gemma 2: its attention soft-capping has no SDPA path); a family with attention sinks
+(gpt-oss) takes ``sinks`` (``models.sink_attention``: SDPA with the sinks as one key more). With examples packed apart,
 ``sdpa`` and eager build a dense batch x 1 x S x S mask; ``varlen`` builds none, so its memory is
 linear in the context. Eager attention also materialises every layer's scores, batch x heads x
 seq x seq, and keeps them for backward: the planner traces the implementation the run uses, so
@@ -22,6 +23,7 @@ from transformers import PretrainedConfig
 
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
+from leantune.models.sink_attention import NAME as SINKS
 from leantune.models.varlen_attention import NAME as VARLEN
 from leantune.precision import AMPERE, cuda_capability
 
@@ -29,7 +31,9 @@ AUTO = "auto"
 # implementation -> the model class's attribute that says it supports it (varlen runs SDPA's kernels)
 _SUPPORT = {VARLEN: "_supports_sdpa", "sdpa": "_supports_sdpa", "eager": None,
             "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}
-CHOICES = (AUTO, *_SUPPORT)
+# families whose attention adds per-head sink logits, which leantune's ``sinks`` attention computes through SDPA
+SINK_FAMILIES = ("gpt_oss",)
+CHOICES = (AUTO, *_SUPPORT, SINKS)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:
@@ -46,7 +50,8 @@ def causal_lm_class(config: PretrainedConfig) -> type:
 def supported(config: PretrainedConfig) -> list[str]:
     """The implementations ``config``'s model class supports, best first."""
     cls = causal_lm_class(config)
-    return [name for name, flag in _SUPPORT.items() if flag is None or getattr(cls, flag, False)]
+    sinks = [SINKS] if getattr(config, "model_type", None) in SINK_FAMILIES else []
+    return sinks + [name for name, flag in _SUPPORT.items() if flag is None or getattr(cls, flag, False)]
 
 
 def resolve_attention(config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True,
@@ -58,6 +63,8 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     usable = supported(config)
     name = causal_lm_class(config).__name__
     if requested == AUTO:
+        if SINKS in usable:
+            return SINKS
         if "sdpa" not in usable:
             return "eager"
         return "sdpa" if compiled or whole_context_not_attended(config) else VARLEN
@@ -101,8 +108,7 @@ def whole_context_not_attended(config: PretrainedConfig) -> str | None:
 
 # Classes whose attention cannot keep examples packed in a row apart, and why (leantune pads their rows instead).
 _PACKED_EXAMPLES_MEET = {
-    "gpt_oss": ("its attention adds per-head sink logits, which only its eager attention computes, and it builds "
-                "that attention's mask without the position ids that keep packed examples apart"),
+    "gpt_oss": ("it builds its attention's mask without the position ids that keep packed examples apart"),
 }
 
 
@@ -113,6 +119,9 @@ def packed_examples_meet(config: PretrainedConfig) -> str | None:
 
 def describe_attention(attention: str) -> str:
     """What the model line says of ``attention`` beyond its name."""
+    if attention == SINKS:
+        return (f"{SINKS} attention (the per-head sink logits as one key more, through SDPA: no batch x heads x "
+                "seq x seq scores, which eager attention keeps)")
     if attention == VARLEN:
         return (f"{VARLEN} attention (each example of a row alone, no S x S mask: PyTorch's varlen flash kernel for "
                 "bf16/fp16 on a GPU, SDPA per example otherwise)")
@@ -128,7 +137,7 @@ def traceable_attention(config: PretrainedConfig, attention: str) -> str:
     log-sum-exp), never the score matrix, and read packed examples without a dense mask; under
     eager the plan overstates them.
     """
-    if attention in ("sdpa", "eager", VARLEN):
+    if attention in ("sdpa", "eager", VARLEN, SINKS):
         return attention
     return VARLEN if "sdpa" in supported(config) and not whole_context_not_attended(config) else (
         "sdpa" if "sdpa" in supported(config) else "eager")

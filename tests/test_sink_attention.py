@@ -1,0 +1,101 @@
+"""gpt-oss's attention sinks through SDPA (``--attn_implementation sinks``, auto's choice for gpt-oss): the same
+logits, loss, gradients and generated tokens as transformers' eager attention, without its score matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from leantune.cli_args import parse_run_config
+from leantune.config import ConfigError
+from leantune.memory.tracker import StorageTracker
+from leantune.models.facts import run_model_facts
+from leantune.models.sink_attention import NAME, SinkAttentionError, padded_head_dim, sink_attention_forward
+
+WINDOW = 5  # shorter than the rows: the sliding layers' masks matter
+LENGTH = 40  # longer than the padded head dimension (16 -> 24): a saved query is not mistaken for scores
+
+
+def _model(path, attention: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    with torch.no_grad():
+        for layer in model.model.layers:  # sinks of either sign and of some size (they start at zero)
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, layer.self_attn.sinks.numel()))
+            if layer.self_attn.sliding_window:
+                layer.self_attn.sliding_window = WINDOW
+    model.config.sliding_window = WINDOW
+    return model
+
+
+def _batch(vocab: int):
+    ids = torch.randint(0, vocab, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: transformers' mask has rows and columns masked
+    return ids, mask
+
+
+def test_auto_takes_sinks_for_gpt_oss_and_another_family_is_refused_it(moe_dir, family_dir):
+    facts = run_model_facts(parse_run_config(["--model_name", str(moe_dir("gpt_oss"))]).model)
+    assert facts.config._attn_implementation == NAME
+    with pytest.raises(ConfigError, match="--attn_implementation sinks: LlamaForCausalLM does not support it"):
+        run_model_facts(parse_run_config(["--model_name", str(family_dir("llama")), "--attn_implementation",
+                                          "sinks"]).model)
+
+
+def test_sinks_equal_eager_attention_in_float32(moe_dir):
+    """Logits, loss and every gradient (the sinks' own included) within 1e-5 of eager, over sliding and full layers
+    with a left-padded row; greedy generation (a cache: one new query at a time) gives the same tokens."""
+    results = {}
+    for attention in ("eager", NAME):
+        model = _model(moe_dir("gpt_oss"), attention)
+        ids, mask = _batch(model.config.vocab_size)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        tokens = model.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
+        results[attention] = (out.logits.detach(), float(out.loss.detach()), grads, tokens)
+    (logits, loss, grads, tokens), (our_logits, our_loss, our_grads, our_tokens) = results.values()
+    torch.testing.assert_close(our_logits, logits, rtol=1e-5, atol=1e-5)
+    assert our_loss == pytest.approx(loss, rel=1e-5)
+    assert our_grads.keys() == grads.keys() and any("sinks" in n for n in grads)
+    for name, grad in grads.items():
+        assert float((our_grads[name] - grad).norm()) <= 1e-5 * max(float(grad.norm()), 1e-6), name
+    assert torch.equal(our_tokens, tokens)
+
+
+def test_sinks_keep_no_score_matrix(moe_dir):
+    """Eager keeps each layer's batch x heads x seq x seq scores for backward (and their softmax with the sink
+    column); sinks keeps no tensor of that size, and holds fewer bytes at its peak."""
+    peaks, largest = {}, {}
+    for attention in ("eager", NAME):
+        model = _model(moe_dir("gpt_oss"), attention)
+        ids, _ = _batch(model.config.vocab_size)
+        sizes = []
+        with StorageTracker() as tracker:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
+                model(input_ids=ids)
+        peaks[attention] = tracker.peak_bytes
+        heads = model.config.num_attention_heads
+        largest[attention] = {shape for shape in sizes if len(shape) == 4 and shape[1] == heads
+                              and shape[2] == LENGTH and shape[3] >= LENGTH}
+    assert largest["eager"] == {(2, heads, LENGTH, LENGTH + 1)}
+    assert not largest[NAME]
+    assert peaks[NAME] < peaks["eager"]
+
+
+def test_sinks_under_bfloat16_autocast_stay_near_eager(moe_dir):
+    losses = {}
+    for attention in ("eager", NAME):
+        model = _model(moe_dir("gpt_oss"), attention)
+        ids, mask = _batch(model.config.vocab_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[attention] = float(model(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    assert losses[NAME] == pytest.approx(losses["eager"], rel=2e-2)  # eager's softmax runs in bf16, SDPA's not
+
+
+def test_the_head_dimension_is_padded_to_whole_units_and_a_call_without_sinks_is_refused():
+    assert [padded_head_dim(d) for d in (64, 63, 71, 128)] == [72, 64, 72, 136]
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(SinkAttentionError, match="Linear passes no sink logits; use sdpa"):
+        sink_attention_forward(torch.nn.Linear(1, 1), q, q, q, None)
