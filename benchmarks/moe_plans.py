@@ -7,8 +7,10 @@ Each row is ``leantune plan ... --json`` run as its own process: the model's sha
 1 x 2048, full activation checkpointing, LoRA r8 on every linear layer and every fused expert tensor
 (``--lora_target_modules all-linear --lora_dropout 0``), the base in 4 bits (``--quantization
 4bit``: its Linear layers by transformers' bitsandbytes quantizer, its expert tensors by leantune,
-NF4 with double quantization). Each model is planned with torch's AdamW and with the leanest optimizer
-rung that keeps the step on the GPU (8-bit AdamW stepped in backward: no gradient is kept).
+NF4 with double quantization). Each model is planned with torch's AdamW and with the leanest levers that
+keep the step on the GPU: 8-bit AdamW stepped in backward (no gradient is kept) and the frozen input
+embedding in host memory (``--offload_embedding``). Llama 4's experts run over their own tokens and
+gpt-oss's attention sinks through SDPA in both rows (leantune's defaults).
 
 The targets the mixture-of-experts issue set, beside published figures measured on their own hardware,
 not here: Qwen3-30B-A3B at most 16 GiB (Unsloth: 17.5 GB), gpt-oss-20b at most 11.9 GiB (Unsloth:
@@ -30,7 +32,7 @@ from pathlib import Path
 COMMON = ["--device", "cuda", "--batch_size_training", "1", "--context_length", "2048",
           "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
           "--use_peft", "--lora_target_modules", "all-linear", "--lora_dropout", "0", "--quantization", "4bit"]
-LEANEST = ["--optimizer", "adamw_8bit", "--optimizer_in_backward"]
+LEANEST = ["--optimizer", "adamw_8bit", "--optimizer_in_backward", "--offload_embedding"]
 MODELS = [  # hub id, target GiB (None: reported only), published figure
     ("Qwen/Qwen3-30B-A3B", 16.0, "Unsloth 17.5 GB (4-bit)"),
     ("openai/gpt-oss-20b", 11.9, "Unsloth 12.8 GB"),

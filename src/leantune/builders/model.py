@@ -19,6 +19,7 @@ from leantune.models.attention import describe_attention
 from leantune.models.experts import use_leantune_experts
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
                                    text_config)
+from leantune.models.host_embedding import describe_host_embedding, offload_embedding
 from leantune.models.loading import attach_lora, count_parameters, describe_lora, load_model, load_tokenizer
 from leantune.models.moe import RouterLoss, expert_tensor_targets
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
@@ -82,6 +83,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
             model.to(precision.device)
     else:
         place(model)
+    if cfg.model.offload_embedding:  # after the placement, which would move it back
+        offload_embedding(unwrap_model(model))
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
@@ -135,6 +138,9 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     elif cfg.quant.quantization == "4bit" and expert_tensor_targets(model):
         log("quantization: the fused expert tensors stay in the weights' dtype under --enable_fsdp (4-bit experts "
             "are not sharded yet); train on one GPU for 4-bit experts")
+    embedding_line = describe_host_embedding(unwrap_model(model))
+    if embedding_line is not None:
+        log(embedding_line)
     if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))
     if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then

@@ -36,6 +36,9 @@ from torch.utils._pytree import tree_leaves
 from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.custom_ops import replay_of
 
+# set on a parameter kept in host memory while the rest trains on the device (--offload_embedding): not the
+# device's bytes, in the planner's trace (where every tensor is a fake host one) as on the device
+ON_HOST = "leantune_on_host"
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
 # The category of a storage created in each stage of a step.
 STAGES = {"forward": "activation", "loss": "loss", "backward": "temporary", "optimizer": "temporary"}
@@ -95,8 +98,9 @@ class StorageTracker(TorchDispatchMode):
         self.register((t for state in optimizer.state.values() for t in state.values()), "optimizer_state")
 
     def register_model(self, model: torch.nn.Module) -> None:
-        self.register(model.parameters(), "parameter")
-        self.register((t for p in model.parameters() for t in carried_tensors(p)), "parameter")
+        params = [p for p in model.parameters() if not getattr(p, ON_HOST, False)]
+        self.register(params, "parameter")
+        self.register((t for p in params for t in carried_tensors(p)), "parameter")
         self.register(model.buffers(), "buffer")
         self.register((p.grad for p in model.parameters() if p.grad is not None), "gradient")
 
