@@ -24,7 +24,7 @@ from leantune.models.loading import attach_lora, count_parameters, describe_lora
 from leantune.models.moe import RouterLoss, expert_tensor_targets
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
-from leantune.models.quantized_experts import describe_quantized_experts, quantize_experts
+from leantune.models.quantized_experts import describe_quantized_experts, offload_experts, quantize_experts
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.structure import unwrap_model
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
@@ -85,6 +85,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
         place(model)
     if cfg.model.offload_embedding:  # after the placement, which would move it back
         offload_embedding(unwrap_model(model))
+    offload_experts(model, cfg.model.offload_experts)
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)

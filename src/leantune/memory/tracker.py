@@ -36,7 +36,8 @@ from torch.utils._pytree import tree_leaves
 from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.custom_ops import replay_of
 
-# set on a parameter kept in host memory while the rest trains on the device (--offload_embedding): not the
+# set on a parameter kept in host memory while the rest trains on the device (--offload_embedding, --offload_experts):
+# not the
 # device's bytes, in the planner's trace (where every tensor is a fake host one) as on the device
 ON_HOST = "leantune_on_host"
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
@@ -69,6 +70,7 @@ class StorageTracker(TorchDispatchMode):
         self.stage_peaks: dict[str, int] = {}
         self.stage_breakdowns: dict[str, dict] = {}  # what each stage's peak was made of
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, category, StorageWeakRef]
+        self._elsewhere: set[int] = set()  # storages of parameters kept on the host (ON_HOST): never counted
         self._hooks: list = []
 
     # ------------------------------------------------------------ registering
@@ -98,9 +100,10 @@ class StorageTracker(TorchDispatchMode):
         self.register((t for state in optimizer.state.values() for t in state.values()), "optimizer_state")
 
     def register_model(self, model: torch.nn.Module) -> None:
-        params = [p for p in model.parameters() if not getattr(p, ON_HOST, False)]
-        self.register(params, "parameter")
-        self.register((t for p in params for t in carried_tensors(p)), "parameter")
+        self._elsewhere.update(id(p.untyped_storage()) for p in model.parameters() if getattr(p, ON_HOST, False))
+        self.register((p for p in model.parameters() if not getattr(p, ON_HOST, False)), "parameter")
+        # a 4-bit tensor kept on the host keeps its scales on the device
+        self.register((t for p in model.parameters() for t in carried_tensors(p)), "parameter")
         self.register(model.buffers(), "buffer")
         self.register((p.grad for p in model.parameters() if p.grad is not None), "gradient")
 
@@ -143,6 +146,8 @@ class StorageTracker(TorchDispatchMode):
             return
         storage = tensor.untyped_storage()
         key = id(storage)
+        if key in self._elsewhere:  # a view of a host-kept parameter (a chunk of its bytes, sliced to be copied over)
+            return
         entry = self._live.get(key)
         if entry is not None and entry[0]() is storage:
             if refile and entry[2] != category:

@@ -26,8 +26,9 @@ from typing import Optional
 
 import torch
 
-from leantune.config import QuantizationConfig
+from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.custom_ops import DOUBLE_QUANT_BLOCK, REPLAYED
+from leantune.memory.tracker import ON_HOST
 from leantune.models.moe import expert_parameters
 from leantune.optional import import_bitsandbytes
 
@@ -91,13 +92,17 @@ def _block_scales(absmax, absmax_8bit=None, absmax_code=None, absmax_offset=None
 
 
 def _experts_dequantized(packed, scales, shape, blocksize: int, quant_type: str, dtype: torch.dtype, start: int,
-                         stop: int, transpose: bool) -> torch.Tensor:
+                         stop: int, transpose: bool, host: bool = False) -> torch.Tensor:
     """Experts ``start`` to ``stop`` of a 4-bit tensor, in ``dtype`` ([n, d1, d2], or [n, d2, d1] transposed): the
-    blocks of 64 lie within each expert, so an expert's bytes and scales are a slice of the tensor's."""
+    blocks of 64 lie within each expert, so an expert's bytes and scales are a slice of the tensor's. ``host``: the
+    bytes are kept in host memory (``--offload_experts``) and the slice is copied to the scales' device first (a
+    copy also where that is the host: the planner's trace and a CPU run count the bytes a GPU would receive)."""
     per_expert = shape[1] * shape[2]
+    part = packed[start * per_expert // 2:stop * per_expert // 2]
+    if host:  # from pinned memory: queued on the stream before the dequantization that reads it
+        part = part.to(scales.device, copy=True, non_blocking=True)
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(
-        packed[start * per_expert // 2:stop * per_expert // 2], scales[start * per_expert // blocksize:
-                                                                      stop * per_expert // blocksize],
+        part, scales[start * per_expert // blocksize:stop * per_expert // blocksize],
         blocksize, quant_type, [stop - start, shape[1], shape[2]], dtype)
     return weight.transpose(1, 2) if transpose else weight
 
@@ -114,16 +119,17 @@ def _state_args(weight: torch.Tensor) -> tuple:
     """A 4-bit expert tensor as ``grouped_mm_4bit``'s arguments after ``x``: its bytes, scales and layout."""
     state = quant_state_of(weight)
     scales, nested = _scale_inputs(state)
-    return weight, scales, list(state.shape), state.blocksize, state.quant_type, nested
+    return weight, scales, list(state.shape), state.blocksize, state.quant_type, nested, getattr(weight, ON_HOST, False)
 
 
 @torch.library.custom_op("leantune::grouped_mm_4bit", mutates_args=())
 def grouped_mm_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, offsets: torch.Tensor,
                     shape: list[int], blocksize: int, quant_type: str, dtype: torch.dtype, transpose: bool,
                     absmax_8bit: Optional[torch.Tensor] = None, absmax_code: Optional[torch.Tensor] = None,
-                    absmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    absmax_offset: Optional[torch.Tensor] = None, host: bool = False) -> torch.Tensor:
     """``x`` [S, in] (rows sorted by expert, ``offsets`` each expert's cumulative end) through a 4-bit expert tensor,
-    a few experts dequantized at a time (``experts_per_chunk``), each over its own rows."""
+    a few experts dequantized at a time (``experts_per_chunk``), each over its own rows; ``host``: its bytes are in
+    host memory, each chunk's copied over as it is dequantized."""
     scales = _block_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
     out = x.new_empty(x.shape[0], shape[1] if transpose else shape[2], dtype=dtype)
     bounds = [0, *offsets.tolist()]  # the rows of each chunk: read on the host (one wait a call on a GPU)
@@ -132,44 +138,45 @@ def grouped_mm_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         stop = min(shape[0], start + chunk)
         first, last = bounds[start], bounds[stop]
         if last > first:
-            weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, start, stop, transpose)
+            weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, start, stop, transpose,
+                                          host)
             out[first:last] = torch.ops.leantune.grouped_mm(x[first:last], weight, offsets[start:stop] - first)
     return out
 
 
 @grouped_mm_4bit.register_fake
 def _(x, packed, absmax, offsets, shape, blocksize, quant_type, dtype, transpose, absmax_8bit=None, absmax_code=None,
-      absmax_offset=None) -> torch.Tensor:
+      absmax_offset=None, host=False) -> torch.Tensor:
     return x.new_empty(x.shape[0], shape[1] if transpose else shape[2], dtype=dtype)
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, packed, absmax, offsets, shape, blocksize, quant_type, _, transpose, *nested = inputs
+    x, packed, absmax, offsets, shape, blocksize, quant_type, _, transpose, *nested, host = inputs
     ctx.save_for_backward(packed, absmax, offsets, *nested)
-    ctx.layout, ctx.x_dtype = (shape, blocksize, quant_type, transpose), x.dtype
+    ctx.layout, ctx.x_dtype = (shape, blocksize, quant_type, transpose, host), x.dtype
 
 
 def _backward(ctx, grad: torch.Tensor):
     """The input's gradient through the transposed tensor, dequantized again a chunk at a time in the gradient's
     dtype (backward runs outside autocast); the packed tensor is frozen."""
     packed, absmax, offsets, *nested = ctx.saved_tensors
-    shape, blocksize, quant_type, transpose = ctx.layout
+    shape, blocksize, quant_type, transpose, host = ctx.layout
     grad_x = grouped_mm_4bit(grad, packed, absmax, offsets, shape, blocksize, quant_type, grad.dtype, not transpose,
-                             *nested)
-    return (grad_x.to(ctx.x_dtype),) + (None,) * 11
+                             *nested, host)
+    return (grad_x.to(ctx.x_dtype),) + (None,) * 12
 
 
 grouped_mm_4bit.register_autograd(_backward, setup_context=_setup)
 
 
 def _grouped_mm_4bit_as_ops(x, packed, absmax, offsets, shape, blocksize, quant_type, dtype, transpose,
-                            absmax_8bit=None, absmax_code=None, absmax_offset=None) -> torch.Tensor:
+                            absmax_8bit=None, absmax_code=None, absmax_offset=None, host=False) -> torch.Tensor:
     """``grouped_mm_4bit`` as the planner's tracker sees it: the scales, one chunk's dequantized experts (the most
     alive at once, whatever the routing) and the grouped matmul over every row (its FLOPs and output), the chunk's
     first expert standing in for the rest (bytes, not values, are what a trace reads)."""
     scales = _block_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
     chunk = experts_per_chunk(shape, dtype)
-    weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, 0, chunk, transpose)
+    weight = _experts_dequantized(packed, scales, shape, blocksize, quant_type, dtype, 0, chunk, transpose, host)
     return torch.ops.leantune.grouped_mm(x, weight[:1].expand(shape[0], *weight.shape[1:]), offsets)
 
 
@@ -181,9 +188,30 @@ def dequantized_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch
     """The sorted rows ``x`` through a 4-bit expert tensor ``weight`` (its packed bytes and state), [E, in, out], or
     [E, out, in] with ``transpose``: no more than ``EXPERT_CHUNK_BYTES`` of it dequantized at once, in forward,
     recompute and backward."""
-    packed, scales, shape, blocksize, quant_type, nested = _state_args(weight)
+    packed, scales, shape, blocksize, quant_type, nested, host = _state_args(weight)
     return grouped_mm_4bit(x, packed, scales, offsets, shape, blocksize, quant_type, quant_state_of(weight).dtype,
-                           transpose, *nested)
+                           transpose, *nested, host)
+
+
+def offload_experts(model: torch.nn.Module, layers: int) -> None:
+    """Keep the 4-bit expert tensors of ``model``'s first ``layers`` MoE layers in host memory (pinned where a GPU
+    trains), each chunk copied to the device as it is dequantized; their scales stay on the device."""
+    if layers == 0:
+        return
+    owners = list(dict.fromkeys(module for module, _ in expert_tensors_quantized(model)))
+    if not owners:
+        raise ConfigError("--offload_experts: this model has no 4-bit expert tensors (a mixture of experts under "
+                          "--quantization 4bit keeps them); drop the flag")
+    if layers > len(owners):
+        raise ConfigError(f"--offload_experts {layers}: this model has {len(owners)} layers of experts; at most "
+                          f"{len(owners)}")
+    for module in owners[:layers]:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if quant_state_of(param) is None:
+                continue
+            if param.device.type != "cpu":  # the planner's fake bytes are on the host already
+                param.data = param.data.cpu().pin_memory() if torch.cuda.is_available() else param.data.cpu()
+            setattr(param, ON_HOST, True)
 
 
 def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
@@ -196,10 +224,17 @@ def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
     state = quant_state_of(tensors[0])
     double = ", double quantization" if state.nested else ""
     kind = state.quant_type
-    return (f"quantization: {len(tensors)} fused expert tensors, {weights / 1e6:,.2f}M weights, in 4-bit ({kind} "
+    line = (f"quantization: {len(tensors)} fused expert tensors, {weights / 1e6:,.2f}M weights, in 4-bit ({kind} "
             f"blocks of {BLOCK} within each expert{double}): {held / 2**20:,.1f} MiB, {held / (weights * 2):.3f} of "
             f"their bfloat16 bytes; dequantized at most {EXPERT_CHUNK_BYTES >> 20} MiB of experts at a time for "
             "each matmul and again in backward, never kept")
+    on_host = [t for t in tensors if getattr(t, ON_HOST, False)]
+    if on_host:
+        host_bytes = sum(t.numel() * t.element_size() for t in on_host)
+        line += (f"; {len(on_host)} of them ({host_bytes / 2**20:,.1f} MiB) kept in host memory (--offload_experts), "
+                 "each chunk copied to the device as it is dequantized: up to that much over the host link in forward, "
+                 "again in recompute and in backward")
+    return line
 
 
 def expert_tensors_quantized(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
