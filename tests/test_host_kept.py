@@ -80,16 +80,19 @@ def test_tied_embeddings_and_a_trainable_embedding_are_refused(tmp_path, moe_dir
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_embedding_stays_on_the_host_and_its_rows_reach_the_gpu(moe_dir):
-    cfg = parse_run_config(["--model_name", str(moe_dir("gpt_oss")), *LORA, "--offload_embedding"])
-    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cuda")), log=lambda _line: None)
+    losses = []
+    for flags in ([], ["--offload_embedding"]):
+        cfg = parse_run_config(["--model_name", str(moe_dir("gpt_oss")), *LORA, *flags])
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, choose_precision(cfg, torch.device("cuda")), log=lambda _line: None)
+        ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
+        loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
+        loss.backward()
+        losses.append(float(loss.detach()))
     embedding = unwrap_model(model).get_input_embeddings()
-    assert embedding.weight.device.type == "cpu"
-    rows = embedding(torch.tensor([[1, 2, 3]], device="cuda"))
-    assert rows.device.type == "cuda"
-    ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
-    loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
-    loss.backward()
     assert embedding.weight.device.type == "cpu" and embedding.weight.grad is None
+    assert embedding(torch.tensor([[1, 2, 3]], device="cuda")).device.type == "cuda"
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ --offload_experts
@@ -182,3 +185,13 @@ def test_on_a_gpu_kept_experts_are_pinned_host_memory_and_the_loss_is_unchanged(
     kept = [p for p in model.parameters() if getattr(p, ON_HOST, False)]
     assert kept and all(p.device.type == "cpu" and p.is_pinned() for p in kept)
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_the_hooks_move_the_ids_to_the_host_and_the_rows_to_the_models_device():
+    from leantune.models.host_embedding import ids_to_host, rows_to
+
+    ids = torch.tensor([[1, 2]])
+    assert ids_to_host(None, (ids,), {})[0][0].device.type == "cpu"
+    assert ids_to_host(None, (), {"input": ids})[1]["input"].device.type == "cpu"  # as a keyword too
+    rows = torch.zeros(1, 2, 4)
+    assert rows_to(torch.device("meta"), None, (ids,), rows).device.type == "meta"

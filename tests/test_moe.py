@@ -275,7 +275,7 @@ def test_bad_expert_lora_input_gets_one_line_before_loading(moe_dir, flags, mess
         run_model_facts(cfg.model).check_lora_targets(cfg.peft)
 
 
-def test_the_router_flag_needs_lora(family_dir):
+def test_the_router_flag_needs_lora(family_dir, moe_dir):
     with pytest.raises(ConfigError, match="--lora_router: puts LoRA on the routers and needs --use_peft"):
         parse_run_config(["--lora_router"])
     cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--use_peft", "--lora_router"])
@@ -283,6 +283,11 @@ def test_the_router_flag_needs_lora(family_dir):
 
     with pytest.raises(ModelLoadError, match="--lora_router: LlamaForCausalLM has no router"):
         run_model_facts(cfg.model).check_lora_targets(cfg.peft)
+    llama4 = parse_run_config(["--model_name", str(moe_dir("llama4")), "--use_peft", "--lora_router",
+                               "--lora_dropout", "0"])
+    with pytest.raises(ModelLoadError, match="--lora_router: Llama4ForCausalLM's router returns its scores with its "
+                                             "logits"):
+        run_model_facts(llama4.model).check_lora_targets(llama4.peft)
 
 
 # ------------------------------------------------------------------- the experts' forward, and LoRA's path apart

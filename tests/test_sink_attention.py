@@ -28,8 +28,8 @@ def _model(path, attention: str):
     return model
 
 
-def _batch(vocab: int):
-    ids = torch.randint(0, vocab, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+def _batch(vocab: int, length: int = LENGTH):
+    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding: transformers' mask has rows and columns masked
     return ids, mask
@@ -66,11 +66,12 @@ def test_sinks_equal_eager_attention_in_float32(moe_dir):
 
 def test_sinks_keep_no_score_matrix(moe_dir):
     """Eager keeps each layer's batch x heads x seq x seq scores for backward (and their softmax with the sink
-    column); sinks keeps no tensor of that size, and holds fewer bytes at its peak."""
-    peaks, largest = {}, {}
+    column); sinks keeps no tensor of that size, and holds fewer bytes at its peak (at 256 tokens: at a few dozen, the
+    padded channels and repeated key/value heads weigh more than the scores)."""
+    peaks, largest, length = {}, {}, 256
     for attention in ("eager", NAME):
         model = _model(moe_dir("gpt_oss"), attention)
-        ids, _ = _batch(model.config.vocab_size)
+        ids, _ = _batch(model.config.vocab_size, length)
         sizes = []
         with StorageTracker() as tracker:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
@@ -78,8 +79,8 @@ def test_sinks_keep_no_score_matrix(moe_dir):
         peaks[attention] = tracker.peak_bytes
         heads = model.config.num_attention_heads
         largest[attention] = {shape for shape in sizes if len(shape) == 4 and shape[1] == heads
-                              and shape[2] == LENGTH and shape[3] >= LENGTH}
-    assert largest["eager"] == {(2, heads, LENGTH, LENGTH + 1)}
+                              and shape[2] == length and shape[3] >= length}
+    assert largest["eager"] == {(2, heads, length, length + 1)}
     assert not largest[NAME]
     assert peaks[NAME] < peaks["eager"]
 
@@ -99,3 +100,34 @@ def test_the_head_dimension_is_padded_to_whole_units_and_a_call_without_sinks_is
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(SinkAttentionError, match="Linear passes no sink logits; use sdpa"):
         sink_attention_forward(torch.nn.Linear(1, 1), q, q, q, None)
+
+
+def test_a_gpus_causal_mask_is_the_cpus_without_being_built_and_a_given_mask_gains_the_sinks_column():
+    from leantune.models.sink_attention import _with_sink_column
+
+    built = _with_sink_column(None, 5, 7, torch.device("cpu"))
+    assert built.tolist()[0] == [True, True, True, False, False, False, False]  # the sink, then keys 0..i
+    lazy = _with_sink_column(None, 5, 7, torch.device("cuda"))  # a CausalBias: no CUDA needed to make one
+    assert torch.equal(lazy._materialize(torch.device("cpu")), built)
+    boolean = torch.tensor([[[[False, True], [True, True]]]])
+    assert _with_sink_column(boolean, 2, 3, torch.device("cpu")).tolist() == [[[[True, False, True],
+                                                                                  [True, True, True]]]]
+    additive = torch.tensor([[[[float("-inf"), 0.0]]]])
+    assert _with_sink_column(additive, 1, 3, torch.device("cpu")).tolist() == [[[[0.0, float("-inf"), 0.0]]]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_sinks_run_a_fused_kernel_in_bfloat16_near_eager(moe_dir):
+    """A fused kernel takes the padded, masked call (no fallback: it would raise), with no score matrix kept."""
+    losses, kept = {}, {}
+    for attention in ("eager", NAME):
+        model = _model(moe_dir("gpt_oss"), attention).cuda()
+        ids, mask = (t.cuda() for t in _batch(model.config.vocab_size, 256))
+        shapes = []
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            losses[attention] = float(model(input_ids=ids, attention_mask=mask, labels=ids).loss.detach())
+        kept[attention] = [s for s in shapes if len(s) == 4 and s[2] == 256 and s[3] >= 256]
+    assert kept["eager"] and not kept[NAME]
+    assert losses[NAME] == pytest.approx(losses["eager"], rel=2e-2)

@@ -139,9 +139,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     elif cfg.quant.quantization == "4bit" and expert_tensor_targets(model):
         log("quantization: the fused expert tensors stay in the weights' dtype under --enable_fsdp (4-bit experts "
             "are not sharded yet); train on one GPU for 4-bit experts")
-    embedding_line = describe_host_embedding(unwrap_model(model))
-    if embedding_line is not None:
-        log(embedding_line)
+    if cfg.model.offload_embedding:
+        log(describe_host_embedding(unwrap_model(model)))
     if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))
     if not timed_next:  # auto's candidates are timed next: the line that says what is in force comes then

@@ -5,7 +5,9 @@ A LoRA run never trains the input embedding, yet a GPU holds all of it: vocabula
 A step reads only its batch's rows. Here the embedding module stays on the host: each batch's token
 ids go to the host (a few KiB), the module's own forward gathers their rows there (so a class that
 scales its embeddings still does), and the rows, batch x seq x hidden, are copied to the device.
-One copy each way per forward, none in backward (nothing flows into a frozen embedding).
+One copy each way per forward (the ids' is a wait on a GPU, once a forward); nothing flows back into
+a frozen embedding. transformers' ``model.device`` reads the first parameter, often the embedding's:
+it then says the host, which leantune's training never reads.
 
 Refused where the rows would be wrong or a weight would train: tied embeddings (the LM head reads the
 same tensor on the device), a trainable embedding (full fine-tuning), FSDP (each rank shards it).
@@ -13,7 +15,7 @@ same tensor on the device), a trainable embedding (full fine-tuning), FSDP (each
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
 
 import torch
 
@@ -38,15 +40,26 @@ def offload_embedding(model: torch.nn.Module) -> None:
         embedding.to(HOST)
     for param in embedding.parameters():
         setattr(param, ON_HOST, True)  # not the device's bytes (the planner's fake trace has them on the host too)
-    embedding.register_forward_pre_hook(lambda _module, args: (args[0].to(HOST), *args[1:]))
-    embedding.register_forward_hook(lambda _module, _args, rows: rows.to(device, non_blocking=True))
+    embedding.register_forward_pre_hook(ids_to_host, with_kwargs=True)
+    embedding.register_forward_hook(functools.partial(rows_to, device))
 
 
-def describe_host_embedding(model: torch.nn.Module) -> Optional[str]:
-    """The start-up line on an embedding ``offload_embedding`` keeps on the host (None without one)."""
+def ids_to_host(_module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The embedding's forward pre-hook: its token ids (positional or ``input=``) to the host. A wait on a GPU: the
+    ids are read where they are (a few KiB), once a forward."""
+    if args:
+        return (args[0].to(HOST), *args[1:]), kwargs
+    return args, {**kwargs, "input": kwargs["input"].to(HOST)}
+
+
+def rows_to(device: torch.device, _module, _args, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding's forward hook: the gathered rows to ``device``, where the rest of the model is."""
+    return rows.to(device, non_blocking=True)
+
+
+def describe_host_embedding(model: torch.nn.Module) -> str:
+    """The start-up line on the embedding ``offload_embedding`` keeps on the host."""
     kept = [p for p in model.get_input_embeddings().parameters() if getattr(p, ON_HOST, False)]
-    if not kept:
-        return None
     held = sum(p.numel() * p.element_size() for p in kept)
     return (f"embedding: kept in host memory (--offload_embedding; {held / 2**20:,.1f} MiB not on the device): each "
             "batch's rows are gathered there and copied over")

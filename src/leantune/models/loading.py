@@ -183,6 +183,9 @@ def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
     if cfg.lora_router and not routers:
         raise ModelLoadError(f"--lora_router: {type(model).__name__} has no router (not a mixture of experts); "
                              "drop the flag")
+    if cfg.lora_router and any(type(m).__name__ == "Llama4Router" for m in model.modules()):
+        raise ModelLoadError(f"--lora_router: {type(model).__name__}'s router returns its scores with its logits, "
+                             "which peft's LoRA on a linear layer cannot wrap; drop the flag (its routers stay frozen)")
     targets = moe_lora_targets(cfg.lora_target_modules, linear, experts, found_routers, all_linear, cfg.lora_router)
     if targets is None:
         return LoraTargets((ALL_LINEAR,) if all_linear else tuple(cfg.lora_target_modules))
