@@ -191,7 +191,25 @@ def test_the_hooks_move_the_ids_to_the_host_and_the_rows_to_the_models_device():
     from leantune.models.host_embedding import ids_to_host, rows_to
 
     ids = torch.tensor([[1, 2]])
-    assert ids_to_host(None, (ids,), {})[0][0].device.type == "cpu"
-    assert ids_to_host(None, (), {"input": ids})[1]["input"].device.type == "cpu"  # as a keyword too
+    args, kwargs = ids_to_host(None, (ids, "more"), {})
+    assert args[0].device.type == "cpu" and args[1:] == ("more",) and kwargs == {}
+    args, kwargs = ids_to_host(None, (), {"input": ids})  # as a keyword too
+    assert args == () and list(kwargs) == ["input"] and kwargs["input"].device.type == "cpu"
     rows = torch.zeros(1, 2, 4)
     assert rows_to(torch.device("meta"), None, (ids,), rows).device.type == "meta"
+
+
+def test_the_rows_go_where_the_rest_of_the_model_is(moe_dir):
+    """The rest of the model on another device (meta here, a GPU in a run): the embedding stays on the host with
+    both hooks on it, and its rows come out on that device."""
+    from transformers import AutoModelForCausalLM
+
+    from leantune.models.host_embedding import offload_embedding
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir("gpt_oss"), dtype=torch.float32)
+    embedding = model.get_input_embeddings().requires_grad_(False)
+    for module in (model.model.layers, model.model.norm, model.lm_head):
+        module.to("meta")
+    offload_embedding(model)
+    assert embedding.weight.device.type == "cpu" and len(embedding._forward_pre_hooks) == 1
+    assert embedding(torch.tensor([[1, 2]])).device.type == "meta"

@@ -106,7 +106,7 @@ def test_a_gpus_causal_mask_is_the_cpus_without_being_built_and_a_given_mask_gai
     from leantune.models.sink_attention import _with_sink_column
 
     built = _with_sink_column(None, 5, 7, torch.device("cpu"))
-    assert built.tolist()[0] == [True, True, True, False, False, False, False]  # the sink, then keys 0..i
+    assert built.dtype == torch.bool and built.tolist()[0] == [True, True, True, False, False, False, False]  # the sink, then keys 0..i
     lazy = _with_sink_column(None, 5, 7, torch.device("cuda"))  # a CausalBias: no CUDA needed to make one
     assert torch.equal(lazy._materialize(torch.device("cpu")), built)
     boolean = torch.tensor([[[[False, True], [True, True]]]])
@@ -131,3 +131,65 @@ def test_on_a_gpu_sinks_run_a_fused_kernel_in_bfloat16_near_eager(moe_dir):
         kept[attention] = [s for s in shapes if len(s) == 4 and s[2] == 256 and s[3] >= 256]
     assert kept["eager"] and not kept[NAME]
     assert losses[NAME] == pytest.approx(losses["eager"], rel=2e-2)
+
+
+def _reference(query, key, value, sinks, mask, scale):
+    """Attention with per-head sinks written out: softmax over the scores and the sink, the sink's column dropped."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(-1, -2) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    combined = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return (combined.softmax(dim=-1)[..., :-1] @ value).transpose(1, 2)
+
+
+@pytest.mark.parametrize("scaling, length", [(None, 6), (0.3, 6), (0.3, 3)])  # 3: keys with the sink = query heads
+def test_the_call_itself_equals_attention_with_sinks_written_out(scaling, length):
+    """Grouped heads, a head dimension that pads to 24, the model's scale or the default 1/sqrt(d), no mask given
+    (the causal one built) and a boolean one given (a window of 3)."""
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(2, 4, length, 20, generator=generator)
+    key, value = (torch.randn(2, 2, length, 20, generator=generator) for _ in range(2))
+    sinks = torch.randn(4, generator=generator)
+    scale = 20 ** -0.5 if scaling is None else scaling
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    window = causal & ~torch.ones(length, length, dtype=torch.bool).tril(-3)
+    outs = []
+    for given, mask in ((None, causal), (window.view(1, 1, length, length), window)):
+        out, _ = sink_attention_forward(torch.nn.Module(), query, key, value, given, scaling=scaling, s_aux=sinks)
+        torch.testing.assert_close(out, _reference(query, key, value, sinks, mask, scale), rtol=1e-5, atol=1e-6)
+        outs.append(out)
+    torch.manual_seed(0)
+    dropped, _ = sink_attention_forward(torch.nn.Module(), query, key, value, None, dropout=0.5, scaling=scaling,
+                                        s_aux=sinks)
+    assert not torch.allclose(dropped, outs[0])  # dropout reaches SDPA
+
+
+def test_on_a_gpu_only_fused_kernels_run_and_a_call_none_takes_is_refused_in_one_line():
+    from leantune.models.sink_attention import _fused_kernels_only
+
+    with _fused_kernels_only(torch.device("cpu")):
+        assert torch.backends.cuda.math_sdp_enabled()  # the CPU's choice is left alone
+    with _fused_kernels_only(torch.device("cuda")):
+        assert not torch.backends.cuda.math_sdp_enabled()
+    with pytest.raises(SinkAttentionError, match="no fused SDPA kernel of this GPU takes this call .*use "
+                                                 "--attn_implementation eager"):
+        with _fused_kernels_only(torch.device("cuda")):
+            raise RuntimeError("No available kernel. Aborting execution.")
+    with pytest.raises(RuntimeError, match="something else") as raised:
+        with _fused_kernels_only(torch.device("cuda")):
+            raise RuntimeError("something else")
+    assert raised.type is RuntimeError  # passed on as it was
+
+
+def test_registering_makes_the_name_one_transformers_accepts():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from leantune.models.sink_attention import register
+
+    AttentionInterface._global_mapping.pop(NAME)
+    AttentionMaskInterface._global_mapping.pop(NAME)
+    register()
+    assert AttentionInterface._global_mapping[NAME] is sink_attention_forward
+    assert NAME in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
