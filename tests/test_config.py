@@ -128,6 +128,8 @@ FLAG_VALUES = {
     "memory_monitoring_interval": (["--memory_monitoring_interval", "0.2"], {"memory_monitoring_interval": 0.2}),
     "memory_budget_gb": (["--memory_budget_gb", "12.5"], {"memory_budget_gb": 12.5}),
     "memory_snapshot": (["--memory_snapshot"], {"memory_snapshot": True}),
+    "offload_embedding": (["--offload_embedding", "--use_peft"], {"offload_embedding": True}),
+    "offload_experts": (["--offload_experts", "2", "--quantization", "4bit", "--use_peft"], {"offload_experts": 2}),
     "auto_batch_size": (["--auto_batch_size"], {"auto_batch_size": True}),
     "target_global_batch_size": (["--target_global_batch_size", "8"],  # 8 rows / the default batch of 4
                                  {"target_global_batch_size": 8, "gradient_accumulation_steps": 2}),

@@ -615,7 +615,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
         f": {total / 2**20:,.1f} MiB, {total / (weights * 2):.3f} of their bfloat16 bytes;" in line
     cap = "256 MiB" if expert_chunks == "whole" else "0 MiB"  # one expert a chunk: a cap of 1 byte
     assert line.endswith(f"; dequantized at most {cap} of experts at a time for each matmul and again in backward, "
-                         "never kept")
+                         "never kept; quantized as they loaded (one 16-bit expert tensor on the device at a time)")
     _dequantized_in_place(model)
     _close(quantized, _loss_and_grads(model, loss_model, ids, labels))
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
@@ -806,3 +806,36 @@ def test_the_4bit_grouped_operator_has_the_shape_and_dtype_on_meta_tensors(trans
                                                                                            device=meta),
                                              [4, 64, 96], 64, "nf4", torch.bfloat16, transpose)
     assert out.shape == (10, 64 if transpose else 96) and out.dtype == torch.bfloat16 and out.is_meta
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_4bit_experts_are_quantized_as_they_load_and_train_as_those_quantized_after_loading(moe_dir, family,
+                                                                                              monkeypatch):
+    """No 16-bit expert tensor is left in the loaded model (each was packed the moment transformers set it), peft
+    still sees their 3-D shapes, and the loss and every gradient equal those of experts quantized after LoRA."""
+    import contextlib
+
+    import leantune.builders.model as builder
+    from leantune.models.moe import expert_parameters
+
+    real_load, left = builder.load_model, []
+    monkeypatch.setattr(builder, "load_model", lambda *a, **k: (lambda m: left.append(
+        [n for n, _, _, p in expert_parameters(m) if p.dim() == 3]) or m)(real_load(*a, **k)))
+    results = []
+    for as_loaded in (True, False):
+        if not as_loaded:  # the path before: the experts load in 16 bits and are quantized after LoRA
+            monkeypatch.setattr(builder, "experts_quantized_as_loaded", lambda _quant: contextlib.nullcontext())
+        cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
+                                "--lora_target_modules", "all-linear", "--quantization", "4bit"])
+        torch.manual_seed(0)
+        lines = []
+        model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+        ids, labels = make_batch(model.config.vocab_size, seq=24)
+        results.append((*_loss_and_grads(model, loss_model_for(model, cfg.training, sharded=False), ids, labels),
+                        "quantized as they loaded" in "\n".join(lines)))
+    (loss, grads, said), (after_loss, after_grads, said_after) = results
+    assert left[0] == [] and left[1]  # 16-bit experts in the loaded model only on the path before
+    assert said and not said_after
+    assert loss == after_loss and grads.keys() == after_grads.keys()
+    assert all(torch.equal(grads[n], after_grads[n]) for n in grads)
+    assert any("experts" in n and "lora_A" in n for n in grads)

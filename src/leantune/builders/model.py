@@ -7,6 +7,8 @@ so all three train the same thing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -24,7 +26,8 @@ from leantune.models.loading import attach_lora, count_parameters, describe_lora
 from leantune.models.moe import RouterLoss, expert_tensor_targets
 from leantune.models.quantized import (describe_quantization, prepare_quantized_for_training, quantized_layers,
                                        run_bnb_config)
-from leantune.models.quantized_experts import describe_quantized_experts, offload_experts, quantize_experts
+from leantune.models.quantized_experts import (describe_quantized_experts, expert_shapes_for_peft,
+                                               experts_quantized_as_loaded, offload_experts, quantize_experts)
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.structure import unwrap_model
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
@@ -72,7 +75,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     PEFT wrapper with LoRA) and what inspection of its layers finds.
     """
     if cfg.peft.use_peft:
-        model = attach_lora(model, cfg.peft)
+        with expert_shapes_for_peft(model):  # experts quantized as they loaded: peft reads their 3-D shapes
+            model = attach_lora(model, cfg.peft)
     if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
         quantize_experts(model, cfg.quant)  # after LoRA: peft reads the tensors' shapes
     use_leantune_experts(model)  # a mixture of experts: frozen experts get no gradient, LoRA's path apart
@@ -83,9 +87,9 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
             model.to(precision.device)
     else:
         place(model)
-    if cfg.model.offload_embedding:  # after the placement, which would move it back
+    if cfg.memory.offload_embedding:  # after the placement, which would move it back
         offload_embedding(unwrap_model(model))
-    offload_experts(model, cfg.model.offload_experts)
+    offload_experts(model, cfg.memory.offload_experts)
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
@@ -121,9 +125,13 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     else:
         # under FSDP a quantized base is quantized in host memory too, and fully_shard moves its shards
         loads_on = torch.device("cpu") if cfg.distributed.enable_fsdp else precision.device
+        # one GPU: 4-bit experts quantized as they load (under FSDP they stay in 16 bits)
+        experts = (contextlib.nullcontext if cfg.distributed.enable_fsdp
+                   else functools.partial(experts_quantized_as_loaded, cfg.quant))
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
                             run_bnb_config(cfg.quant, precision), loads_on,
-                            config=facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits else None)
+                            config=facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits else None,
+                            experts=experts)
         model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)
     log(f"model: {cfg.model.model_name} ({total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
@@ -139,7 +147,7 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     elif cfg.quant.quantization == "4bit" and expert_tensor_targets(model):
         log("quantization: the fused expert tensors stay in the weights' dtype under --enable_fsdp (4-bit experts "
             "are not sharded yet); train on one GPU for 4-bit experts")
-    if cfg.model.offload_embedding:
+    if cfg.memory.offload_embedding:
         log(describe_host_embedding(unwrap_model(model)))
     if cfg.quant.enabled and not shard_first:  # a shard-first base is quantized as it is sharded: said then
         log(describe_quantization(cfg.quant, model))

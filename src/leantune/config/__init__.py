@@ -17,7 +17,7 @@ from leantune.optimizers import AUTO as AUTO_OPTIMIZER
 from leantune.optimizers import optimizer_choices, optimizer_entry, optimizer_help
 from leantune.config.checks import ConfigError, _help, _require
 from leantune.config.data import DataConfig
-from leantune.config.memory import MemoryConfig
+from leantune.config.memory import MemoryConfig, offload_conflicts
 from leantune.config.quantization import QuantizationConfig, quantization_conflicts
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
@@ -53,15 +53,6 @@ class ModelConfig:
             "(SDPA with the sink logits as one key more, no scores kept). flex_attention and flash_attention_2 "
             "need a CUDA GPU (flash_attention_2 also the flash-attn package)."))
 
-    offload_embedding: bool = field(default=False, metadata=_help(
-        "Keep the frozen input embedding in host memory (LoRA runs): each batch's token ids go to the host, their "
-        "rows are gathered there and copied to the device (vocabulary x hidden off the GPU: 1.08 GiB for "
-        "gpt-oss, 1.93 GiB for Llama 4 Scout in bfloat16). Not with tied embeddings or --enable_fsdp."))
-    offload_experts: int = field(default=0, metadata=_help(
-        "A mixture of experts under --quantization 4bit: keep the 4-bit expert tensors of this many MoE layers "
-        "(the first ones) in pinned host memory, each chunk copied to the GPU as it is dequantized, in forward, "
-        "recompute and backward (their bytes over the host link three times a step: slower steps). Their scales "
-        "stay on the device. leantune plan shows what each layer takes off."))
     rope_scaling_factor: Optional[float] = field(default=None, metadata=_help("Extend the model's positions this "
         "many times by RoPE interpolation (its positions and RoPE scaling factor multiplied; linear if none)."))
     output_router_logits: bool = field(default=False, metadata=_help(
@@ -73,7 +64,6 @@ class ModelConfig:
         _require(bool(self.model_name.strip()), "model_name", "must not be empty")
         _require(self.rope_scaling_factor is None or self.rope_scaling_factor > 1, "rope_scaling_factor",
                  f"must be more than 1 (got {self.rope_scaling_factor})")
-        _require(self.offload_experts >= 0, "offload_experts", f"a number of layers, 0 or more (got {self.offload_experts})")
 
 
 @dataclass
@@ -330,15 +320,7 @@ class RunConfig:
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
         self._check_optimizer_flags()
         dc = self.distributed
-        if self.model.offload_embedding:
-            _require(self.peft.use_peft, "offload_embedding", "keeps a frozen embedding on the host and needs "
-                     "--use_peft (full fine-tuning trains the embedding)")
-            _require(not dc.enable_fsdp, "offload_embedding", "not with --enable_fsdp (each rank holds a shard of "
-                     "the embedding); drop one")
-        if self.model.offload_experts:
-            _require(self.quant.quantization == "4bit" and not dc.enable_fsdp, "offload_experts",
-                     "keeps 4-bit expert tensors in host memory: it needs --quantization 4bit on one GPU (the experts "
-                     "stay in 16 bits under --enable_fsdp)")
+        offload_conflicts(self.memory, self.peft.use_peft, self.quant.quantization, dc.enable_fsdp)
         quantization_conflicts(self.quant, self.peft.use_peft, dc.enable_fsdp, dc.low_cpu_fsdp)
         mode = self.checkpointing.activation_checkpointing_mode
         if self.training.compile and mode not in (None, AUTO) and not policy_class(mode).compiles:

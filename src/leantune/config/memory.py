@@ -33,11 +33,33 @@ class MemoryConfig:
         "follows its live tensors. Costs page faults: 8%% of a CPU step at 8,192 tokens, 65%% at 512. auto: on "
         "when training on the CPU with --context_length 4096 or more, where host memory is the device's memory; "
         "off on a GPU."))
+    offload_embedding: bool = field(default=False, metadata=_help(
+        "Keep the frozen input embedding in host memory (LoRA runs): each batch's token ids go to the host, their "
+        "rows are gathered there and copied to the device (vocabulary x hidden off the GPU: 1.08 GiB for "
+        "gpt-oss, 1.93 GiB for Llama 4 Scout in bfloat16). Not with tied embeddings or --enable_fsdp."))
+    offload_experts: int = field(default=0, metadata=_help(
+        "A mixture of experts under --quantization 4bit: keep the 4-bit expert tensors of this many MoE layers "
+        "(the first ones) in pinned host memory, each chunk copied to the GPU as it is dequantized, in forward, "
+        "recompute and backward (their bytes over the host link three times a step: slower steps). Their scales "
+        "stay on the device. leantune plan shows what each layer takes off."))
 
     def __post_init__(self):
+        _require(self.offload_experts >= 0, "offload_experts", f"a number of layers, 0 or more (got {self.offload_experts})")
         _require(self.memory_monitoring_interval > 0, "memory_monitoring_interval",
                  f"must be positive seconds (got {self.memory_monitoring_interval})")
         _require(self.memory_budget_gb is None or 0 < self.memory_budget_gb < float("inf"), "memory_budget_gb",
                  f"must be a positive number of GiB (got {self.memory_budget_gb})")
         _require(self.target_global_batch_size is None or self.target_global_batch_size >= 1,
                  "target_global_batch_size", f"must be at least 1 (got {self.target_global_batch_size})")
+
+
+def offload_conflicts(memory: MemoryConfig, use_peft: bool, quantization: Optional[str], enable_fsdp: bool) -> None:
+    """What keeping weights in host memory needs from the other sections."""
+    if memory.offload_embedding:
+        _require(use_peft, "offload_embedding", "keeps a frozen embedding on the host and needs --use_peft (full "
+                 "fine-tuning trains the embedding)")
+        _require(not enable_fsdp, "offload_embedding", "not with --enable_fsdp (each rank holds a shard of the "
+                 "embedding); drop one")
+    if memory.offload_experts:
+        _require(quantization == "4bit" and not enable_fsdp, "offload_experts", "keeps 4-bit expert tensors in host "
+                 "memory: it needs --quantization 4bit on one GPU (the experts stay in 16 bits under --enable_fsdp)")

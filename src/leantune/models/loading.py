@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import difflib
 import functools
 import os
@@ -104,13 +106,14 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
-               device: Optional[torch.device] = None, config=None):
+               device: Optional[torch.device] = None, config=None, experts=contextlib.nullcontext):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
     ``--attn_implementation`` by ``models.facts.run_model_facts``).
 
     ``quantized``: a ``BitsAndBytesConfig``; its Linear layers are then quantized as they load, onto
     ``device`` (where a quantized model must be loaded: bitsandbytes quantizes on the way there).
     ``config``: the model's config as the run changed it (``--rope_scaling_factor``), else its own.
+    ``experts``: a context the load runs in (``experts_quantized_as_loaded``: 4-bit experts as they load).
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -121,7 +124,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     if config is not None:
         placement["config"] = config
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention, **placement)
+        with experts():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention,
+                                                         **placement)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "

@@ -22,6 +22,7 @@ own code, as it does a 4-bit Linear's weight.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.custom_ops import DOUBLE_QUANT_BLOCK, REPLAYED
 from leantune.memory.tracker import ON_HOST
-from leantune.models.moe import expert_parameters
+from leantune.models.moe import EXPERT_TENSORS, expert_parameters
 from leantune.optional import import_bitsandbytes
 
 BLOCK = 64
@@ -40,22 +41,77 @@ def expert_tensors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(module, name) for _, module, name, param in expert_parameters(model) if param.dim() == 3]
 
 
+def _settings(quant: QuantizationConfig) -> dict:
+    return dict(blocksize=BLOCK, compress_statistics=quant.use_double_quant, quant_type=quant.quant_type,
+                quant_storage=torch.uint8)
+
+
+def _packed(tensor: torch.Tensor, quant: QuantizationConfig) -> torch.nn.Parameter:
+    """``tensor`` in 4 bits: a frozen parameter of its packed bytes, with its ``quant_state``."""
+    packed, state = import_bitsandbytes().functional.quantize_4bit(tensor, **_settings(quant))
+    quantized = torch.nn.Parameter(packed, requires_grad=False)
+    quantized.quant_state = state
+    return quantized
+
+
 def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> None:
-    """Quantize ``model``'s fused expert tensors in place (after LoRA is attached: peft reads their shapes)."""
+    """Quantize ``model``'s 16-bit fused expert tensors in place (after LoRA is attached: peft reads their shapes);
+    those quantized as they loaded (``experts_quantized_as_loaded``) are 4-bit already."""
     if quant.quantization != "4bit":
         return
     bnb = import_bitsandbytes()
     for module, name in expert_tensors(model):
         param = module._parameters[name]
-        settings = dict(blocksize=BLOCK, compress_statistics=quant.use_double_quant, quant_type=quant.quant_type,
-                        quant_storage=torch.uint8)
         if param.is_meta:  # the planner packs it on fake tensors (``fake_quantized_weight``)
-            quantized = bnb.nn.Params4bit(param.data, requires_grad=False, **settings)
+            module._parameters[name] = bnb.nn.Params4bit(param.data, requires_grad=False, **_settings(quant))
         else:
-            packed, state = bnb.functional.quantize_4bit(param.data, **settings)
-            quantized = torch.nn.Parameter(packed, requires_grad=False)
-            quantized.quant_state = state
-        module._parameters[name] = quantized
+            module._parameters[name] = _packed(param.data, quant)
+
+
+LOADED_QUANTIZED = "leantune_quantized_as_loaded"  # set on an expert tensor quantized as transformers set it
+
+
+@contextlib.contextmanager
+def experts_quantized_as_loaded(quant: QuantizationConfig):
+    """While transformers loads a model, each fused expert tensor is quantized the moment it is set on its module
+    (a parameter registration hook: transformers sets each loaded tensor with ``setattr``), so the device never
+    holds more than one 16-bit expert tensor (0.75 GiB for Qwen3-30B-A3B) where it held all of them (57 GiB).
+    A tensor the hook does not see (another transformers) is quantized after LoRA, as before."""
+    if quant.quantization != "4bit":
+        yield
+        return
+
+    def quantize(_module, name: str, param: Optional[torch.nn.Parameter]):
+        if name not in EXPERT_TENSORS or param is None or param.dim() != 3 or param.is_meta:
+            return None
+        quantized = _packed(param.data, quant)
+        quantized._is_hf_initialized = True  # transformers would initialise it again otherwise
+        setattr(quantized, LOADED_QUANTIZED, True)
+        return quantized
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(quantize)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def expert_shapes_for_peft(model: torch.nn.Module):
+    """4-bit expert tensors shown to peft as their 3-D shape while it attaches LoRA (it reads shape, dtype and
+    device): a zero-stride view of one element each, the packed tensors put back after."""
+    kept = []
+    for module, name in expert_tensors_quantized(model):
+        param = module._parameters[name]
+        state = quant_state_of(param)
+        shown = torch.empty((), dtype=state.dtype, device=param.device).expand(*state.shape)
+        module._parameters[name] = torch.nn.Parameter(shown, requires_grad=False)
+        kept.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in kept:
+            module._parameters[name] = param
 
 
 def quant_state_of(weight: torch.Tensor):
@@ -228,6 +284,8 @@ def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
             f"blocks of {BLOCK} within each expert{double}): {held / 2**20:,.1f} MiB, {held / (weights * 2):.3f} of "
             f"their bfloat16 bytes; dequantized at most {EXPERT_CHUNK_BYTES >> 20} MiB of experts at a time for "
             "each matmul and again in backward, never kept")
+    if all(getattr(t, LOADED_QUANTIZED, False) for t in tensors):
+        line += "; quantized as they loaded (one 16-bit expert tensor on the device at a time)"
     on_host = [t for t in tensors if getattr(t, ON_HOST, False)]
     if on_host:
         host_bytes = sum(t.numel() * t.element_size() for t in on_host)
