@@ -476,6 +476,12 @@ BREAKAGES = [
     B("experts_packed_shape_to_peft", "peft sees a 4-bit expert tensor's packed 2-D shape when it attaches LoRA",
       "src/leantune/builders/model.py", "        with expert_shapes_for_peft(model):", "        with contextlib.nullcontext():",
       ("tests/test_moe.py", "-k", "as_they_load")),
+    B("experts_missing_packed", "an expert tensor the checkpoint lacks is packed from uninitialised memory as it loads",
+      "src/leantune/models/quantized_experts.py", '                not getattr(param, "_is_hf_initialized", False):',
+      "                False:", ("tests/test_moe.py", "-k", "lacks")),
+    B("host_chunk_not_copied", "a host-kept chunk goes to the dequantization as the host's own bytes (no copy)",
+      "src/leantune/models/quantized_experts.py", "        part = part.to(scales.device, copy=True, non_blocking=True)",
+      "        part = part.to(scales.device, non_blocking=True)", ("tests/test_moe.py", "-k", "host_kept")),
     B("grouped_4bit_kept", "a 4-bit layer's experts keep the input's dequantized weight for backward",
       "src/leantune/models/quantized_experts.py", "    ctx.save_for_backward(packed, absmax, offsets, *nested)",
       "    ctx.save_for_backward(packed, absmax, offsets, *nested, _experts_dequantized(packed, _block_scales(absmax, "

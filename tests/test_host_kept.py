@@ -53,6 +53,7 @@ def test_the_plan_holds_the_embedding_off_the_device_and_equals_the_measured_ste
         steps[bool(flags)] = predicted
     embedding_bytes = config.vocab_size * config.hidden_size * 4  # float32 weights on the CPU
     assert steps[False].breakdown["parameter"] - steps[True].breakdown["parameter"] == embedding_bytes
+    assert steps[True].host_state_bytes == (embedding_bytes, 0) and steps[False].host_state_bytes == (0, 0)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -142,6 +143,7 @@ def test_the_plan_holds_the_experts_off_the_device_and_equals_the_measured_step(
     inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     packed = 2 * experts * 3 * config.hidden_size * inner // 2  # two layers' gate-up and down tensors, 4 bits
     assert steps["0"].breakdown["parameter"] - steps["2"].breakdown["parameter"] == packed
+    assert steps["2"].host_state_bytes == (packed, 0)  # on the CPU: not pinned (a GPU's pinned bytes are rounded)
     # the peak drops too: the bytes copied over are one chunk at a time (the whole tensor at these tiny shapes)
     assert steps["0"].peak_bytes - steps["2"].peak_bytes >= packed // 2
 

@@ -615,7 +615,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
         f": {total / 2**20:,.1f} MiB, {total / (weights * 2):.3f} of their bfloat16 bytes;" in line
     cap = "256 MiB" if expert_chunks == "whole" else "0 MiB"  # one expert a chunk: a cap of 1 byte
     assert line.endswith(f"; dequantized at most {cap} of experts at a time for each matmul and again in backward, "
-                         "never kept; quantized as they loaded (one 16-bit expert tensor on the device at a time)")
+                         "never kept; quantized as they loaded (one layer's 16-bit experts on the device at a time)")
     _dequantized_in_place(model)
     _close(quantized, _loss_and_grads(model, loss_model, ids, labels))
     assert any("experts" in n and "lora_B" in n for n in quantized[1])
@@ -839,3 +839,53 @@ def test_4bit_experts_are_quantized_as_they_load_and_train_as_those_quantized_af
     assert loss == after_loss and grads.keys() == after_grads.keys()
     assert all(torch.equal(grads[n], after_grads[n]) for n in grads)
     assert any("experts" in n and "lora_A" in n for n in grads)
+
+
+def test_expert_tensors_the_checkpoint_lacks_are_initialised_not_packed_as_they_load(moe_dir, tmp_path):
+    """transformers makes a missing tensor with empty memory and initialises it after setting it: packing it the
+    moment it is set would pack that memory. It is quantized after LoRA instead, from its initialised values."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from leantune.models.quantized_experts import LOADED_QUANTIZED, _dequantize, quant_state_of
+
+    source, copy = moe_dir("qwen3_moe"), tmp_path / "lacking"
+    shutil.copytree(source, copy)
+    weights = load_file(copy / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".layers.0.mlp.experts" not in k}, copy / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = parse_run_config(["--model_name", str(copy), "--use_peft", "--lora_dropout", "0", "--lora_target_modules",
+                            "all-linear", "--quantization", "4bit"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    from leantune.models.quantized_experts import expert_tensors_quantized
+
+    experts = {f"{id(m)}.{n}": (".layers.0." in _name_of(model, m), getattr(m, n))
+               for m, n in expert_tensors_quantized(model)}
+    assert len(experts) == 4
+    for first_layer, weight in experts.values():
+        assert getattr(weight, LOADED_QUANTIZED, False) != first_layer
+        assert float(_dequantize(weight.data, quant_state_of(weight)).float().std()) < 1.0  # initialised values
+
+
+def _name_of(model, module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def test_a_host_kept_tensors_chunk_is_copied_before_it_is_dequantized():
+    """With ``host`` the chunk's packed bytes are a new tensor on the scales' device (the copy a GPU receives, which
+    the planner counts), not a view of the host's."""
+    from leantune.memory.tracker import StorageTracker
+    from leantune.models import quantized_experts
+
+    weight = _packed_experts(torch.randn(4, 64, 128, generator=torch.Generator().manual_seed(8)), True)
+    scales = quantized_experts._block_scales(*(lambda s, n: (s, *n))(*quantized_experts._scale_inputs(
+        weight.quant_state)))
+    peaks, outs = [], []
+    for host in (False, True):
+        with StorageTracker() as tracker:
+            outs.append(quantized_experts._experts_dequantized(weight, scales, [4, 64, 128], 64, "nf4", torch.float32,
+                                                               1, 3, False, host))
+        peaks.append(tracker.peak_bytes)
+    assert torch.equal(*outs)
+    assert peaks[1] - peaks[0] == 2 * 64 * 128 // 2  # two experts' packed bytes, copied

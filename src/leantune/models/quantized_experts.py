@@ -73,27 +73,41 @@ LOADED_QUANTIZED = "leantune_quantized_as_loaded"  # set on an expert tensor qua
 
 @contextlib.contextmanager
 def experts_quantized_as_loaded(quant: QuantizationConfig):
-    """While transformers loads a model, each fused expert tensor is quantized the moment it is set on its module
-    (a parameter registration hook: transformers sets each loaded tensor with ``setattr``), so the device never
-    holds more than one 16-bit expert tensor (0.75 GiB for Qwen3-30B-A3B) where it held all of them (57 GiB).
-    A tensor the hook does not see (another transformers) is quantized after LoRA, as before."""
+    """While transformers loads a model, each fused expert tensor read from the checkpoint is quantized the moment it
+    is set on its module (a parameter registration hook: transformers sets each loaded tensor with ``setattr``), so
+    the device holds one layer's 16-bit expert tensors at a time (transformers stacks a layer's experts from their
+    stored pieces first) where it held all of them (57 GiB for Qwen3-30B-A3B). A tensor the checkpoint lacks is left
+    to transformers to initialise and is quantized after LoRA, as is any tensor another transformers sets otherwise.
+    transformers' allocator warm-up, which would reserve the 16-bit experts' bytes on the GPU for the whole run, is
+    skipped, and the cache is emptied after loading."""
     if quant.quantization != "4bit":
         yield
         return
 
     def quantize(_module, name: str, param: Optional[torch.nn.Parameter]):
-        if name not in EXPERT_TENSORS or param is None or param.dim() != 3 or param.is_meta:
+        # only a tensor read from the checkpoint: transformers marks it initialised just before setting it
+        if name not in EXPERT_TENSORS or param is None or param.dim() != 3 or param.is_meta or \
+                not getattr(param, "_is_hf_initialized", False):
             return None
         quantized = _packed(param.data, quant)
         quantized._is_hf_initialized = True  # transformers would initialise it again otherwise
         setattr(quantized, LOADED_QUANTIZED, True)
         return quantized
 
+    import transformers.modeling_utils as hf_modeling
+
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(quantize)
+    warmup = getattr(hf_modeling, "caching_allocator_warmup", None)
+    if warmup is not None:
+        hf_modeling.caching_allocator_warmup = lambda *_args, **_kwargs: None
     try:
         yield
     finally:
         handle.remove()
+        if warmup is not None:
+            hf_modeling.caching_allocator_warmup = warmup
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -285,7 +299,7 @@ def describe_quantized_experts(model: torch.nn.Module) -> Optional[str]:
             f"their bfloat16 bytes; dequantized at most {EXPERT_CHUNK_BYTES >> 20} MiB of experts at a time for "
             "each matmul and again in backward, never kept")
     if all(getattr(t, LOADED_QUANTIZED, False) for t in tensors):
-        line += "; quantized as they loaded (one 16-bit expert tensor on the device at a time)"
+        line += "; quantized as they loaded (one layer's 16-bit experts on the device at a time)"
     on_host = [t for t in tensors if getattr(t, ON_HOST, False)]
     if on_host:
         host_bytes = sum(t.numel() * t.element_size() for t in on_host)

@@ -36,10 +36,11 @@ from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import sampled_chunks
 from leantune.memory.allocator_model import AllocatorModel, AllocatorPair, expandable_segments_on
-from leantune.memory.tracker import StorageTracker
+from leantune.memory.tracker import ON_HOST, StorageTracker
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
 from leantune.models.structure import decoder_layers, decoder_of, unwrap_model
+from leantune.optimizers import pinned_size
 from leantune.precision import Precision, choose_precision
 from leantune.training.step import TrainStep
 
@@ -65,7 +66,9 @@ class StepTrace:
     # per stage: the bytes by category at its largest moment with N decoder-layer inputs alive, for each N seen
     stage_moments: dict = dataclasses.field(default_factory=dict)
     reserved_expandable_bytes: int = 0  # what the allocator would reserve with expandable segments on
-    host_state_bytes: tuple[int, int] = (0, 0)  # an optimizer's state kept in host memory (bytes, of which pinned)
+    # in host memory (bytes, of which pinned): an optimizer's state, and weights kept there (--offload_embedding,
+    # --offload_experts)
+    host_state_bytes: tuple[int, int] = (0, 0)
 
 
 def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = None) -> RunConfig:
@@ -312,7 +315,24 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
                      tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments),
                      tracker.allocator.reserved_expandable if tracker.allocator is not None else 0,
-                     getattr(optimizer, "host_state_bytes", lambda: (0, 0))())
+                     _plus(getattr(optimizer, "host_state_bytes", lambda: (0, 0))(), _host_kept(model, on_gpu)))
+
+
+def _host_kept(model: torch.nn.Module, on_gpu: bool) -> tuple[int, int]:
+    """Weights kept in host memory (bytes, of which pinned): 4-bit experts are pinned on a GPU, as the pinned host
+    allocator rounds them (a power of two each); the embedding is not."""
+    total = pinned = 0
+    for param in {id(p): p for p in model.parameters() if getattr(p, ON_HOST, False)}.values():
+        size = param.untyped_storage().nbytes()
+        if on_gpu and hasattr(param, "quant_state"):
+            size = pinned_size(size)
+            pinned += size
+        total += size
+    return total, pinned
+
+
+def _plus(first: tuple[int, int], second: tuple[int, int]) -> tuple[int, int]:
+    return first[0] + second[0], first[1] + second[1]
 
 
 def _by_stage(moments: dict) -> dict:

@@ -55,6 +55,10 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
     quant = cfg.quant
     if quant.quantization == "4bit":
         kind += f" on a 4-bit {quant.quant_type} base{' (double quantization)' if quant.use_double_quant else ''}"
+    kept = [what for what, on in (("the embedding", cfg.memory.offload_embedding),
+                                  (f"{cfg.memory.offload_experts} layers' experts", cfg.memory.offload_experts)) if on]
+    if kept:
+        kind += f", {' and '.join(kept)} in host memory"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
     return (f"plan: {cfg.model.model_name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"
