@@ -124,7 +124,8 @@ def test_experts_kept_on_the_host_give_the_same_loss_and_gradients(moe_dir, fami
     assert kept and all(".layers.0." in n for n in kept)  # the first layer's two expert tensors
     assert len(kept) == 2
     line = next(line for line in lines if line.startswith("quantization: ") and "fused expert" in line)
-    assert "2 of them (" in line and "kept in host memory (--offload_experts)" in line
+    mib = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in kept) / 2**20
+    assert f"; 2 of them ({mib:,.1f} MiB) kept in host memory (--offload_experts)" in line
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

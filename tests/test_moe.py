@@ -857,9 +857,11 @@ def test_expert_tensors_the_checkpoint_lacks_are_initialised_not_packed_as_they_
               metadata={"format": "pt"})
     cfg = parse_run_config(["--model_name", str(copy), "--use_peft", "--lora_dropout", "0", "--lora_target_modules",
                             "all-linear", "--quantization", "4bit"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    lines = []
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
     from leantune.models.quantized_experts import expert_tensors_quantized
 
+    assert "quantized as they loaded" not in "\n".join(lines)  # not all of them were
     experts = {f"{id(m)}.{n}": (".layers.0." in _name_of(model, m), getattr(m, n))
                for m, n in expert_tensors_quantized(model)}
     assert len(experts) == 4
@@ -889,3 +891,32 @@ def test_a_host_kept_tensors_chunk_is_copied_before_it_is_dequantized():
         peaks.append(tracker.peak_bytes)
     assert torch.equal(*outs)
     assert peaks[1] - peaks[0] == 2 * 64 * 128 // 2  # two experts' packed bytes, copied
+
+
+def test_the_start_up_line_counts_host_kept_experts_in_mib():
+    from leantune.memory.tracker import ON_HOST
+    from leantune.models.quantized_experts import describe_quantized_experts
+
+    experts = torch.nn.Module()
+    experts.gate_up_proj = _packed_experts(torch.randn(4, 512, 1024), True)  # 2M weights: 1 MiB packed
+    setattr(experts.gate_up_proj, ON_HOST, True)
+    model = torch.nn.Module()
+    model.experts = experts
+    line = describe_quantized_experts(model)
+    assert "; 1 of them (1.0 MiB) kept in host memory (--offload_experts)" in line
+
+
+def test_transformers_allocator_warm_up_is_skipped_while_experts_load_and_put_back_after(moe_dir, monkeypatch):
+    """The warm-up would reserve the 16-bit experts' bytes on a GPU for the whole run."""
+    import transformers.modeling_utils as hf_modeling
+
+    calls = []
+
+    def warm_up(*_args, **_kwargs):
+        calls.append(1)
+
+    monkeypatch.setattr(hf_modeling, "caching_allocator_warmup", warm_up)
+    cfg = parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
+                            "--quantization", "4bit"])
+    build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    assert calls == [] and hf_modeling.caching_allocator_warmup is warm_up
