@@ -920,3 +920,47 @@ def test_transformers_allocator_warm_up_is_skipped_while_experts_load_and_put_ba
                             "--quantization", "4bit"])
     build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
     assert calls == [] and hf_modeling.caching_allocator_warmup is warm_up
+
+
+def test_tiles_leave_the_experts_block_whole_and_the_loss_unchanged(moe_dir):
+    """--tiled_mlp tiles a mixture of experts' norms, never its experts block (its router's logits are collected
+    once a layer, and it reads its input whole): the loss, the router's term included, is the untiled one."""
+    from leantune.models.tiled_mlp import tiled_modules
+
+    losses = []
+    for tiles in ("off", "8"):
+        cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--output_router_logits", "--tiled_mlp",
+                                tiles, "--context_length", "24"])
+        lines = []
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+        ids, labels = make_batch(model.config.vocab_size, seq=24)
+        losses.append(float(loss_model_for(model, cfg.training, sharded=False)(ids, labels).detach()))
+    layer = model.model.layers[0]
+    assert layer.mlp not in tiled_modules(layer) and tiled_modules(layer)  # its norms are
+    assert any("norms in tiles of 8 tokens" in line and "experts block runs whole" in line for line in lines)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_the_longest_context_is_searched_for_a_mixture_of_experts(moe_dir):
+    from leantune.planning.max_context import find_max_context
+
+    cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear"])
+    config = run_model_facts(cfg.model).config
+    search = find_max_context(cfg, config, CPU, 64 << 20)
+    assert search.max_context > 0
+
+
+def test_auto_checkpointing_chooses_a_mode_that_fits_for_a_mixture_of_experts(moe_dir):
+    from leantune.planning.choose import choose_auto_mode
+
+    cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", "--lora_dropout", "0",
+                            "--lora_target_modules", "all-linear", "--enable_activation_checkpointing",
+                            "--activation_checkpointing_mode", "auto", "--context_length", "256"])
+    config = run_model_facts(cfg.model).config
+    lines = []
+    unbounded, plan = choose_auto_mode(cfg, config, CPU, 1 << 40, lines.append)
+    assert plan.mode == "none" and plan.peak_bytes < 1 << 40  # all fit: the least recompute
+    tight, fitted = choose_auto_mode(cfg, config, CPU, plan.peak_bytes - 1, lines.append)
+    assert fitted.mode != "none" and fitted.peak_bytes < plan.peak_bytes

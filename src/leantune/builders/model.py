@@ -29,8 +29,8 @@ from leantune.models.quantized import (describe_quantization, prepare_quantized_
 from leantune.models.quantized_experts import (describe_quantized_experts, expert_shapes_for_peft,
                                                experts_quantized_as_loaded, offload_experts, quantize_experts)
 from leantune.models.skeleton import quantized_skeleton
-from leantune.models.structure import unwrap_model
-from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens
+from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
 
@@ -157,7 +157,10 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         log(f"positions: {position_limit(facts.config):,}, extended {cfg.model.rope_scaling_factor:g}x by RoPE "
             f"interpolation (--rope_scaling_factor; {facts.config.rope_parameters.get('rope_type')} scaling)")
     tokens = tiled_tokens(model)
-    if tokens:
+    if tokens and mlp_of(decoder_layers(model)[0]) is None:
+        log(f"tiled MLP: every decoder layer's norms in tiles of {tokens} tokens (--tiled_mlp {cfg.training.tiled_mlp}); "
+            "its experts block runs whole (its router's logits are collected once a layer)")
+    elif tokens:
         log(f"tiled MLP: every decoder layer's MLP in tiles of {tokens} tokens (--tiled_mlp "
             f"{cfg.training.tiled_mlp}): no batch x context x intermediate tensor; one more MLP forward in backward")
     return model, tokenizer

@@ -32,6 +32,7 @@ import torch
 
 from leantune.checkpointing.selective import recompute_everything
 from leantune.loss import sampled_pieces
+from leantune.models.moe import is_router
 from leantune.models.structure import decoder_layers
 
 _TOKENS = "_leantune_tile_tokens"  # set on a tiled module: its tile size
@@ -52,9 +53,13 @@ def tile_tokens(setting: str, context_length: int, hidden_size: int) -> Optional
 
 
 def mlp_of(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """A decoder layer's MLP (``mlp`` in every dense family leantune trains), or None (a mixture of experts)."""
+    """A decoder layer's MLP (``mlp`` in every dense family leantune trains), or None: none, or an experts block
+    (Qwen3-MoE's and gpt-oss's ``mlp``), whose router's logits the model collects once a layer and which reads its
+    input whole (a tile is a strided slice of it)."""
     mlp = getattr(layer, "mlp", None)
-    return mlp if isinstance(mlp, torch.nn.Module) else None
+    if not isinstance(mlp, torch.nn.Module) or any(is_router(module) for module in mlp.modules()):
+        return None
+    return mlp
 
 
 def tiled_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
