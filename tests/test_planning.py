@@ -736,15 +736,15 @@ def test_grouped_heads_are_counted_as_the_querys_heads_by_a_formula_that_refuses
     """torch 2.11's SDPA FLOP formulas (the GPU image's) refuse key/value with fewer heads than the query, which
     varlen's SDPA per span passes (enable_gqa): the planner hands them the query's head count, the FLOPs the
     kernel spends, and so gets torch 2.13's own count for grouped heads."""
-    from leantune.planning import fake_step
+    from leantune.planning import flop_tracker
 
     def strict(query, key, value, *grad):
         assert query[1] == key[1] == value[1], "grouped heads refused"
         return 2 * query[0] * query[1] * query[2] * key[2] * (query[3] + value[3])
 
-    monkeypatch.setattr(fake_step, "sdpa_flop_count", strict)
-    monkeypatch.setattr(fake_step, "sdpa_backward_flop_count", lambda grad_out, q, k, v: strict(q, k, v))
-    formulas = fake_step._cpu_attention_flops()
+    monkeypatch.setattr(flop_tracker, "sdpa_flop_count", strict)
+    monkeypatch.setattr(flop_tracker, "sdpa_backward_flop_count", lambda grad_out, q, k, v: strict(q, k, v))
+    formulas = flop_tracker._cpu_attention_flops()
     aten = torch.ops.aten
     q, k, v = (torch.empty(2, heads, 16, 8, device="meta") for heads in (8, 2, 2))
     expected = 2 * 2 * 8 * 16 * 16 * 16

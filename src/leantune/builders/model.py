@@ -157,13 +157,17 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         log(f"positions: {position_limit(facts.config):,}, extended {cfg.model.rope_scaling_factor:g}x by RoPE "
             f"interpolation (--rope_scaling_factor; {facts.config.rope_parameters.get('rope_type')} scaling)")
     tokens = tiled_tokens(model)
-    if tokens and mlp_of(decoder_layers(model)[0]) is None:
-        log(f"tiled MLP: every decoder layer's norms in tiles of {tokens} tokens (--tiled_mlp {cfg.training.tiled_mlp}); "
-            "its experts block runs whole (its router's logits are collected once a layer)")
-    elif tokens:
-        log(f"tiled MLP: every decoder layer's MLP in tiles of {tokens} tokens (--tiled_mlp "
-            f"{cfg.training.tiled_mlp}): no batch x context x intermediate tensor; one more MLP forward in backward")
+    if tokens:
+        log(_tiling_line(model, tokens, cfg.training.tiled_mlp))
     return model, tokenizer
+
+
+def _tiling_line(model: torch.nn.Module, tokens: int, setting: str) -> str:
+    if mlp_of(decoder_layers(model)[0]) is None:  # a mixture of experts: its block runs whole
+        return (f"tiled MLP: every decoder layer's norms in tiles of {tokens} tokens (--tiled_mlp {setting}); its "
+                "experts block runs whole (its router's logits are collected once a layer)")
+    return (f"tiled MLP: every decoder layer's MLP in tiles of {tokens} tokens (--tiled_mlp {setting}): no batch x "
+            "context x intermediate tensor; one more MLP forward in backward")
 
 
 def _where(enable_fsdp: bool, shard_first: bool) -> str:

@@ -93,6 +93,8 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
 def whole_context_not_attended(config: PretrainedConfig) -> str | None:
     """Why ``config``'s attention is not plain causal attention over the whole context (a sliding window,
     soft-capped scores), or None when it is."""
+    if hasattr(config, "get_text_config"):  # a composite (image and text) config: its language model's fields
+        config = config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores"
     if getattr(config, "attention_chunk_size", None) or "chunked_attention" in (getattr(config, "layer_types", None)

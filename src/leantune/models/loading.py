@@ -7,6 +7,7 @@ import contextlib
 import difflib
 import functools
 import os
+import re
 import socket
 import urllib.parse
 import warnings
@@ -18,6 +19,7 @@ import torch
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
+from leantune.models.structure import decoder_of
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
 
@@ -158,9 +160,26 @@ def _new_lora(model, cfg: PeftSettings):
 
     targets = lora_targets(model, cfg)
     modules = ALL_LINEAR if targets.modules == (ALL_LINEAR,) else list(targets.modules)
+    beside = outside_the_language_model(model)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=modules,
-                      target_parameters=list(targets.parameters) or None, bias="none", task_type="CAUSAL_LM")
+                      target_parameters=list(targets.parameters) or None, bias="none", task_type="CAUSAL_LM",
+                      exclude_modules=rf"^({'|'.join(map(re.escape, beside))})\..*" if beside else None)
     return get_peft_model(model, lora)
+
+
+def outside_the_language_model(model: torch.nn.Module) -> list[str]:
+    """An image-and-text model's parts beside its language model (Gemma 3's ``model.vision_tower`` and
+    ``model.multi_modal_projector``), by name: leantune trains such a model on text rows, which never run them, so
+    LoRA stays off them. Empty for a text model."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config") or config.get_text_config() is config:
+        return []
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    names = {id(module): name for name, module in model.named_modules()}
+    outer = names[id(decoder)].rsplit(".", 1)[0] if "." in names[id(decoder)] else ""
+    holder = model.get_submodule(outer) if outer else model
+    return [f"{outer}.{name}" if outer else name for name, child in holder.named_children()
+            if child is not decoder and child is not head and any(True for _ in child.parameters())]
 
 
 def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
@@ -216,6 +235,9 @@ def describe_lora(model: torch.nn.Module) -> Optional[str]:
     if parameters:
         line += f" and parameters {', '.join(parameters)} (each expert its own low-rank pair)"
     line += f": {wrapped} places, {trainable:,} trainable parameters"
+    beside = outside_the_language_model(model.get_base_model()) if config.exclude_modules else []
+    if beside:  # an image-and-text model trained on text rows
+        line += f"; none in {', '.join(beside)} (text rows never run them)"
     if routers:  # a wrapped router sits as its LoRA layer's base_layer
         wrapped_router = any(name.endswith(".base_layer") for name in routers)
         line += f"; routers {'with LoRA (--lora_router)' if wrapped_router else 'frozen (--lora_router trains them)'}"

@@ -20,7 +20,7 @@ from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_m
 from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig
 from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES
-from leantune.models.facts import check_context_length
+from leantune.models.facts import check_context_length, text_config
 from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
 GIB = 2**30
@@ -299,7 +299,7 @@ def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: i
     selective to full, so bisection over that count needs about log2(layers) traces. Returns the
     ``--activation_checkpointing_layers`` value and its plan, or None when only ``full`` itself fits.
     """
-    layers = config.num_hidden_layers
+    layers = text_config(config).num_hidden_layers
 
     def plan_with(full_layers: int) -> tuple[str, ModePlan]:
         mix = format_layer_mix(("full",) * full_layers + ("selective_ops",) * (layers - full_layers))

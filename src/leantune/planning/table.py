@@ -8,6 +8,7 @@ import torch
 
 from leantune.checkpointing.modes import NONE
 from leantune.config import RunConfig
+from leantune.models.facts import text_config
 from leantune.planning.fake_step import assumes_bf16, target_precision
 from leantune.planning.max_context import describe_levers
 from leantune.planning.plan import EXTRA_SOURCES, GIB, MIB, ModePlan, run_mode
@@ -60,7 +61,8 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
     if kept:
         kind += f", {' and '.join(kept)} in host memory"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
-    return (f"plan: {cfg.model.model_name} ({config.num_hidden_layers} layers, hidden {config.hidden_size}), {kind}, "
+    text = text_config(config)  # a composite (image and text) config: its language model's
+    return (f"plan: {cfg.model.model_name} ({text.num_hidden_layers} layers, hidden {text.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"
             f"{f', {cfg.training.gradient_accumulation_steps} batches per step' if cfg.training.gradient_accumulation_steps > 1 else ''}"
             f", for {'a GPU' if target.type == 'cuda' else 'the CPU'} ({precision})")
