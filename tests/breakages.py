@@ -491,8 +491,8 @@ BREAKAGES = [
       "    if not isinstance(mlp, torch.nn.Module):", ("tests/test_moe.py", "-k", "tiles_leave or longest_context")),
     B("composite_window_unread", "an image-and-text config's sliding window is read from the composite (none): varlen "
       "is chosen and dies at step 1", "src/leantune/models/attention.py",
-      '    if hasattr(config, "get_text_config"):  # a composite (image and text) config: its language model\'s fields\n'
-      "        config = config.get_text_config()\n", "", ("tests/test_image_text_models.py",)),
+      "    config = text_config(config)  # a composite (image and text) config: its language model's fields\n", "",
+      ("tests/test_image_text_models.py",)),
     B("vision_tower_lora", "LoRA on an image-and-text model's vision tower, which text rows never run (its pairs stay "
       "at their start)", "src/leantune/models/loading.py",
       "    beside = outside_the_language_model(model)\n", "    beside = []\n", ("tests/test_image_text_models.py",)),

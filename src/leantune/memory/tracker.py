@@ -37,8 +37,7 @@ from leantune.memory.allocator_model import AllocatorModel
 from leantune.memory.custom_ops import replay_of
 
 # set on a parameter kept in host memory while the rest trains on the device (--offload_embedding, --offload_experts):
-# not the
-# device's bytes, in the planner's trace (where every tensor is a fake host one) as on the device
+# not the device's bytes, in the planner's trace (where every tensor is a fake host one) as on the device
 ON_HOST = "leantune_on_host"
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "loss", "temporary", "input")
 # The category of a storage created in each stage of a step.

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
 from leantune.models.sink_attention import NAME as SINKS
+from leantune.models.structure import text_config
 from leantune.models.varlen_attention import NAME as VARLEN
 from leantune.precision import AMPERE, cuda_capability
 
@@ -93,8 +94,7 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
 def whole_context_not_attended(config: PretrainedConfig) -> str | None:
     """Why ``config``'s attention is not plain causal attention over the whole context (a sliding window,
     soft-capped scores), or None when it is."""
-    if hasattr(config, "get_text_config"):  # a composite (image and text) config: its language model's fields
-        config = config.get_text_config()
+    config = text_config(config)  # a composite (image and text) config: its language model's fields
     if getattr(config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores"
     if getattr(config, "attention_chunk_size", None) or "chunked_attention" in (getattr(config, "layer_types", None)

@@ -160,20 +160,32 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call (``@use_experts_implementation`` classes): the tokens' rows sorted by expert,
     each projection a grouped matmul (``_project``), weighted by the routing and summed back per token."""
-    tokens, top_k = top_k_index.shape
-    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    top_k = top_k_index.shape[1]
+    order, expert_ids, offsets = _sorted_by_expert(top_k_index, self.num_experts)
     rows = hidden_states[order // top_k]
-    counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids.device)  # a fixed size: traceable
-    offsets = torch.cumsum(counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)), 0)
     hidden = _project(self, "gate_up_proj" if self.has_gate else "up_proj", rows, offsets, expert_ids)
     hidden = self._apply_gate(hidden) if self.has_gate else self.act_fn(hidden)
     out = _project(self, "down_proj", hidden, offsets, expert_ids)
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    return _per_token_sum(out, order, top_k).to(hidden_states.dtype)
+
+
+def _sorted_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's chosen experts ([tokens, top-k]) sorted by expert: the order of the (token, slot) pairs, their
+    experts in that order, and each expert's cumulative end (the grouped matmuls' offsets)."""
+    expert_ids, order = torch.sort(chosen.reshape(-1))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)  # a fixed size: traceable
+    return order, expert_ids, torch.cumsum(counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)), 0)
+
+
+def _per_token_sum(out: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows in expert order (``_sorted_by_expert``'s) put back in (token, slot) order and summed over each token's
+    slots."""
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    return out[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return out[back].view(-1, top_k, out.shape[-1]).sum(dim=1)
 
 
 def llama4_experts_forward(self: torch.nn.Module, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -194,15 +206,10 @@ def llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tu
     scores, logits = self.router(hidden_states)
     top_k = self.top_k
     chosen = torch.topk(logits, top_k, dim=1).indices  # the router's own choice: the same op on the same logits
-    expert_ids, order = torch.sort(chosen.reshape(-1))
+    order, _, offsets = _sorted_by_expert(chosen, self.num_experts)
     rows = hidden_states[order // top_k] * scores.gather(1, chosen).reshape(-1)[order].unsqueeze(-1)
-    counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids.device)  # a fixed size: traceable
-    offsets = torch.cumsum(counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)), 0)
-    routed = self.experts(rows, offsets)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
     out = self.shared_expert(hidden_states)
-    out.add_(routed[back].view(-1, top_k, routed.shape[-1]).sum(dim=1))
+    out.add_(_per_token_sum(self.experts(rows, offsets), order, top_k))
     return out, logits
 
 

@@ -24,7 +24,7 @@ from leantune.models.attention import AUTO, resolve_attention, traceable_attenti
 from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.moe import expert_count
 from leantune.models.presets import model_config
-from leantune.models.structure import decoder_layers
+from leantune.models.structure import decoder_layers, text_config
 
 # Config fields a model's forward applies to the LM head's output: (field, True if it divides).
 # Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Falcon-H1's
@@ -33,11 +33,6 @@ LOGIT_SCALES = (("logits_scaling", True), ("logit_scale", False), ("lm_head_mult
 LOGIT_SOFTCAP = "final_logit_softcapping"
 # Families whose forward multiplies by ``logits_scaling`` where Granite divides (HyperCLOVA X's MuP).
 MULTIPLIES_BY_LOGITS_SCALING = ("hyperclovax",)
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The language model's part of ``config`` (``config`` itself unless it is a composite, multimodal one)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def logit_transform(config: PretrainedConfig) -> LogitTransform:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import difflib
 import functools
 import os
@@ -19,7 +18,7 @@ import torch
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
-from leantune.models.structure import decoder_of
+from leantune.models.structure import decoder_of, text_config
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
 
@@ -172,14 +171,12 @@ def outside_the_language_model(model: torch.nn.Module) -> list[str]:
     ``model.multi_modal_projector``), by name: leantune trains such a model on text rows, which never run them, so
     LoRA stays off them. Empty for a text model."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config") or config.get_text_config() is config:
+    if config is None or text_config(config) is config:
         return []
     decoder, head = decoder_of(model), model.get_output_embeddings()
-    names = {id(module): name for name, module in model.named_modules()}
-    outer = names[id(decoder)].rsplit(".", 1)[0] if "." in names[id(decoder)] else ""
-    holder = model.get_submodule(outer) if outer else model
-    return [f"{outer}.{name}" if outer else name for name, child in holder.named_children()
-            if child is not decoder and child is not head and any(True for _ in child.parameters())]
+    outer = next(name for name, module in model.named_modules() if module is decoder).rpartition(".")[0]
+    return [f"{outer}.{name}" if outer else name for name, child in model.get_submodule(outer).named_children()
+            if child is not decoder and child is not head and next(child.parameters(), None) is not None]
 
 
 def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 import torch
 from transformers import PretrainedConfig
 
+from leantune.models.structure import text_config
+
 # The config fields that count a layer's experts and each token's share of them, across families.
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token")
@@ -52,7 +54,7 @@ class RouterLoss:
 
 def router_loss_of(config: PretrainedConfig) -> Optional[RouterLoss]:
     """The router's loss ``config``'s model adds to its training loss (``output_router_logits`` on), or None."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     if not getattr(config, "output_router_logits", False):
         return None
     experts, top_k = expert_count(config), _first(config, _TOP_K)

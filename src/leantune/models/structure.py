@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def text_config(config):
+    """The language model's part of a Hugging Face ``config`` (``config`` itself unless it is a composite, multimodal
+    one)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face ``PreTrainedModel`` inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
