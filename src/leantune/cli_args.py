@@ -27,7 +27,6 @@ COOKBOOK_ONLY_FLAGS = {
     "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
     "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",
     "num_freeze_layers": "layer freezing is not supported",
-    "freeze_LLM_only": "vision models are not supported",
     "one_gpu": "leantune trains on one device unless torchrun starts several processes with --enable_fsdp",
     "use_profiler": "the profiler hook is not supported yet",
     "flop_counter": "leantune counts every step's FLOPs itself: MFU and HFU per step on a GPU it knows, or with "
@@ -55,7 +54,7 @@ _FSDP_CONFIG_FIELDS = {"mixed_precision", "use_fp16", "fsdp_cpu_offload", "pure_
 # (leantune's --quant_type), --custom_dataset.file F (leantune's --custom_dataset_file), --fsdp_config.pure_bf16.
 # CONFIG -> (the prefix of leantune's flag, the fields taken).
 COOKBOOK_SECTIONS = {"quantization_config": ("", {f.name for f in fields(QuantizationConfig)}),
-                     "custom_dataset": ("custom_dataset_", {"file"}),
+                     "custom_dataset": ("custom_dataset_", {"file", "train_split", "test_split"}),
                      "fsdp_config": ("", _FSDP_CONFIG_FIELDS)}
 
 

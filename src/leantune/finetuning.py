@@ -35,7 +35,9 @@ from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.attention import packed_examples_meet
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
+from leantune.models.image_text import load_processor
 from leantune.models.loading import ModelLoadError, load_tokenizer
+from leantune.models.structure import is_image_text
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_peak
 from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
@@ -43,7 +45,7 @@ from leantune.planning.flops import count_token_flops
 from leantune.planning.measured_choice import choose_by_timing, keep_saved_choice
 from leantune.planning.per_rank import RankShare, sharding_shapes
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.preflight import clear_previous_run, preflight
+from leantune.preflight import clear_previous_run, image_batches, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.checkpoint_files import unpickler_warning
@@ -64,10 +66,9 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
                   stop=NoStopRequest()) -> Trainer:
     """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
 
-    The model's config is read once (``preflight``), the saved state once, the data tokenized
-    once, and each step the planner traces is traced once (``StepTraces``), whichever of the
-    plan, the batch check and the FLOP count asks. ``cfg`` becomes the plan's (auto mode and
-    batch resolved) as soon as there is one.
+    The model's config is read once (``preflight``), the saved state once, the data tokenized once, and each step
+    the planner traces is traced once (``StepTraces``), whichever of the plan, the batch check and the FLOP count
+    asks. ``cfg`` becomes the plan's (auto mode and batch resolved) as soon as there is one.
     """
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
@@ -106,9 +107,11 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         log(compile_decoder_layers(model))
     step = build_train_step(cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
     log(describe_optimizer(cfg.training, step.optimizer))
-    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces) or (None, None)
+    images = image_batches(cfg.data, facts.config)
+    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, images) or (None, None)
     # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
-    peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
+    peak_tflops = None if images else dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops),
+                                                     what="peak TFLOP/s")
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
                           scheduler=build_scheduler(cfg.training, step.optimizer),
                           state_store=TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log),
@@ -170,12 +173,16 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     the batch confirmed by one real step (the loaders made again if it backed off).
 
     ``resume``: the state's directory and what ``read_state`` read from it (both None when not resuming).
-    Returns the memory plan as confirmed, the model, the tokenizer, (train, validation) loaders and the checkpoint
-    a 4-bit base under FSDP is read from shard-first as it is sharded (None for any other run: the model is whole).
+    Returns the memory plan as confirmed, the model, the tokenizer (an image-and-text run's processor), (train,
+    validation) loaders and the checkpoint a 4-bit base under FSDP is read from shard-first as it is sharded (None
+    for any other run: the model is whole).
     """
     cfg, (path, saved) = memory.cfg, resume
     tokenizer = load_tokenizer(cfg.model)
-    data = RunData(cfg.data, cfg.training, tokenizer, log, dist)
+    # an image-and-text model's dataset file is handed its processor, as llama-cookbook hands a vision dataset
+    processor = (load_processor(cfg.model.model_name) if cfg.data.custom_dataset_file and is_image_text(facts.config)
+                 else None)
+    data = RunData(cfg.data, cfg.training, tokenizer, log, dist, processor=processor)
     loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
     checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype,
@@ -190,7 +197,8 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name
             check_compatible(saved, confirmed.cfg.flat(), path, dist.world_size)
         loaders = data.loaders(confirmed.cfg.training)
-    return confirmed, model, tokenizer, loaders, checkpoint
+    # an image-and-text run saves its processor (the tokenizer within it) with the model, for generation with images
+    return confirmed, model, processor if processor is not None else tokenizer, loaders, checkpoint
 
 
 def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optional[float], log=print,

@@ -15,10 +15,14 @@ from typing import Callable, Optional
 import torch
 
 from leantune.builders.own_loss import check_own_loss
-from leantune.config import ConfigError, OutputConfig, RunConfig
+from leantune.config import ConfigError, DataConfig, OutputConfig, PeftSettings, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.compiling import check_can_compile
+from leantune.data.custom_file import defines_collator
 from leantune.models.facts import ModelFacts, run_model_facts
+from leantune.models.image_text import check_image_text_class
+from leantune.models.structure import is_image_text
+from leantune.planning.choose import needs_plan
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
 from leantune.optimizers import AUTO, optimizer_entry
 from leantune.optional import installed
@@ -40,12 +44,49 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
         resume = resolve_resume_path(cfg.output.resume_from_checkpoint, cfg.output.output_dir)
     check_optimizer(cfg, device_type)
     facts = check_model_shape(cfg, device_type)
+    check_image_text_run(cfg.peft, cfg.data, facts, [why for asks, why in NOT_WITH_IMAGES if asks(cfg)])
     stand_in = traceable_attention(facts.config, facts.attention)
     if stand_in != facts.attention:
         log(f"attention: {facts.attention}; the planner and the loss check build {stand_in} in its place "
             "(it has no CPU kernel; both keep O(sequence) per head for backward)")
     log(check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp).summary_line())
     return resume, facts
+
+
+# What an image-and-text run (batches of the dataset file's collator) cannot take yet, and why.
+NOT_WITH_IMAGES = (
+    (lambda cfg: needs_plan(cfg.checkpointing, cfg.memory, cfg.training),
+     "--activation_checkpointing_mode auto, --auto_batch_size and --optimizer auto plan the step, and the planner "
+     "does not count images yet; name the mode, the batch and the optimizer"),
+    (lambda cfg: cfg.training.tiled_mlp not in ("auto", "off"), "--tiled_mlp: not for image-and-text runs yet"),
+    (lambda cfg: cfg.distributed.enable_fsdp, "--enable_fsdp: image-and-text runs train on one device for now"),
+    (lambda cfg: cfg.quant.enabled, "--quantization: a 4-bit or 8-bit base for image-and-text runs is not built "
+                                    "yet (its vision tower must stay in 16 bits); train a bfloat16 base"),
+    (lambda cfg: cfg.memory.offload_embedding or cfg.memory.offload_experts,
+     "--offload_embedding / --offload_experts: not for image-and-text runs yet"),
+)
+
+
+def image_batches(data: DataConfig, config) -> bool:
+    """Whether the run's batches hold images: an image-and-text model (``config``) and a dataset file with a
+    collator."""
+    file = data.custom_dataset_file
+    return bool(file) and is_image_text(config) and defines_collator(file)
+
+
+def check_image_text_run(peft: PeftSettings, data: DataConfig, facts: ModelFacts, refusals: list[str]) -> None:
+    """An image-and-text model's class and what its run asks for: ``--freeze_LLM_only`` needs one, and batches of
+    images (a dataset file with ``get_data_collator``) refuse what does not handle them yet (``refusals``: why,
+    for each such flag the run sets)."""
+    image_text = is_image_text(facts.config)
+    if peft.freeze_LLM_only and not image_text:
+        raise ConfigError(f"--freeze_LLM_only: {facts.architecture} is a language model alone (no vision tower to "
+                          "train); drop the flag, or use --use_peft")
+    if not image_text:
+        return
+    check_image_text_class(facts.shape)
+    if image_batches(data, facts.config) and refusals:
+        raise ConfigError(refusals[0])
 
 
 def check_optimizer(cfg: RunConfig, device_type: str) -> None:

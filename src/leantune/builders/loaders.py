@@ -7,24 +7,55 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 from __future__ import annotations
 
 from leantune.config import DataConfig, TrainingConfig
-from leantune.data import DatasetError, NothingToLearn, build_datasets, make_dataloader, make_rows
+from leantune.data import DatasetError, NothingToLearn, build_datasets, custom_splits, make_dataloader, make_rows
+from leantune.data.collated import CollatedBatches, make_collated_loader
+from leantune.data.custom_file import custom_file_rows, data_collator
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.formats import format_entry
 
 
 class RunData:
     """The run's tokenized examples (read once; a bad record is a ``DatasetError`` here, before any weight loads)
-    and their rows (made once per split: what fitting them into the context cut is said once)."""
+    and their rows (made once per split: what fitting them into the context cut is said once).
 
-    def __init__(self, data: DataConfig, tc: TrainingConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS):
-        self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed,
-                                                                validation=tc.run_validation, log=log)
+    ``processor``: an image-and-text model's, handed to a cookbook dataset file; when the file defines
+    ``get_data_collator(processor)`` its rows stay as they are and its collator batches them (``data.collated``),
+    its first batch made here so that a broken one is said before any weight loads."""
+
+    def __init__(self, data: DataConfig, tc: TrainingConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS,
+                 processor=None):
         self.data, self.pad_id, self.log, self.dist = data, tokenizer.pad_token_id, log, dist
         self._rows: dict[str, list] = {}
+        file = data.custom_dataset_file
+        collator = data_collator(file, processor) if file and processor is not None else None
+        self.collate = None if collator is None else CollatedBatches(collator, data.context_length, self.pad_id)
+        if self.collate is None:
+            self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed, validation=tc.run_validation,
+                                                                    log=log, processor=processor)
+            return
+        if data.batching_strategy == "packing":
+            raise DatasetError(f"--batching_strategy packing: {file}'s rows are batched by its get_data_collator, "
+                               "images and all, and cannot be packed; pass --batching_strategy padding (as "
+                               "llama-cookbook's vision recipe does)")
+        train, test = custom_splits(data)
+        self.train_examples = custom_file_rows(file, processor, train, (train, test))
+        wanted = tc.run_validation and data.val_fraction > 0
+        self.val_examples = custom_file_rows(file, processor, test, (train, test)) if wanted else []
+        for split, rows in (("train", self.train_examples), ("validation", self.val_examples)):
+            if rows:
+                self.collate([self._named(split, 0, rows[0])])  # the contract checked before any weight loads
+            elif split == "train":
+                raise DatasetError(f"{file}: its {train} split has no rows")
+
+    def _named(self, split: str, index: int, row) -> tuple[str, object]:
+        name = self.data.custom_dataset_file.rpartition("/")[2].partition(":")[0]
+        return f"{name} {split} row {index}", row
 
     def loaders(self, tc: TrainingConfig):
         """(train loader, validation loader or None) at the training section's batch sizes (``--auto_batch_size``
         may change them after the data is read); a split with nothing to learn is a ``DatasetError``."""
+        if self.collate is not None:
+            return self._collated_loaders(tc)
         data = self.data
         common = dict(strategy=data.batching_strategy, pad_id=self.pad_id, seed=tc.seed,
                       num_workers=data.num_workers_dataloader, rank=self.dist.rank, world_size=self.dist.world_size)
@@ -41,6 +72,21 @@ class RunData:
                  f"{len(train_loader)} batches of {tc.batch_size_training} x {data.context_length} "
                  f"({how}) per epoch")
         return train_loader, val_loader
+
+    def _collated_loaders(self, tc: TrainingConfig):
+        """Loaders of the dataset file's collator's batches (``data.collated``)."""
+        common = dict(seed=tc.seed, num_workers=self.data.num_workers_dataloader, rank=self.dist.rank,
+                      world_size=self.dist.world_size)
+        made = []
+        for split, rows, batch, shuffle in (("train", self.train_examples, tc.batch_size_training, True),
+                                            ("validation", self.val_examples, tc.val_batch_size, False)):
+            sources = [self._named(split, index, row)[0] for index, row in enumerate(rows)]
+            made.append(make_collated_loader(rows, sources, self.collate, batch_size=batch, shuffle=shuffle,
+                                             **common) if rows else None)
+        self.log(f"data: {self.data.custom_dataset_file}: {len(self.train_examples)} train / "
+                 f"{len(self.val_examples)} validation rows, {len(made[0])} batches of {tc.batch_size_training} "
+                 "per epoch, each made by the file's get_data_collator with the model's processor (padding)")
+        return made[0], made[1] if tc.run_validation else None
 
     def rows(self, split: str) -> list:
         """The split's rows (``make_rows``), made on first use; what fitting cut is logged then."""

@@ -29,7 +29,8 @@ from leantune.models.quantized import (describe_quantization, prepare_quantized_
 from leantune.models.quantized_experts import (describe_quantized_experts, expert_shapes_for_peft,
                                                experts_quantized_as_loaded, offload_experts, quantize_experts)
 from leantune.models.skeleton import quantized_skeleton
-from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.models.image_text import checkpointable_vision_layers, describe_parts, freeze_language_model
+from leantune.models.structure import decoder_layers, image_text_base, unwrap_model
 from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
@@ -77,6 +78,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     if cfg.peft.use_peft:
         with expert_shapes_for_peft(model):  # experts quantized as they loaded: peft reads their 3-D shapes
             model = attach_lora(model, cfg.peft)
+    elif cfg.peft.freeze_LLM_only:
+        freeze_language_model(model)
     if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
         quantize_experts(model, cfg.quant)  # after LoRA: peft reads the tensors' shapes
     use_leantune_experts(model)  # a mixture of experts: frozen experts get no gradient, LoRA's path apart
@@ -93,8 +96,10 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
-    if tokens:  # inside the layers, so every checkpointing mode wraps the layer around it
+    if tokens and image_text_base(model) is None:  # an image-and-text model's vision layers are not tiled  # inside the layers, so every checkpointing mode wraps the layer around it
         tile_mlps(model, tokens)
+    if image_text_base(model) is not None:
+        checkpointable_vision_layers(model)  # Llama 3.2 Vision's encoder layers, checkpointed as the decoder's
     policy = policy_from_config(cfg.checkpointing)
     # bound to where it trains, not where its weights are now (the host under FSDP, meta on a
     # --low_cpu_fsdp rank, fake tensors in the planner)
@@ -141,6 +146,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     lora_line = describe_lora(model)
     if lora_line is not None:
         log(lora_line)
+    if image_text_base(model) is not None:
+        log(describe_parts(model))
     experts_line = describe_quantized_experts(model)
     if experts_line is not None:
         log(experts_line)

@@ -33,7 +33,7 @@ from leantune.loss import LogitTransform
 from leantune.models.facts import ModelFacts, meta_model, text_config
 from leantune.models.loading import ModelLoadError
 from leantune.models.moe import RouterLoss, expert_count
-from leantune.models.structure import decoder_of
+from leantune.models.structure import decoder_of, image_text_base
 from leantune.training.step import CausalLMLoss
 
 WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary
@@ -47,7 +47,7 @@ BENIGN_DECODER_ARGUMENTS = frozenset({"use_cache", "return_dict", "output_attent
 # What a class's forward may read from its decoder's output beyond the hidden states: None here, as
 # without a cache. A mixture of experts' router logits are the stand-in's own when asked for.
 KNOWN_OUTPUTS = frozenset({"past_key_values", "cache", "hidden_states", "attentions", "cross_attentions",
-                           "router_logits"})
+                           "router_logits", "image_outputs", "image_hidden_states", "video_outputs", "rope_deltas"})
 ROUTED_LAYERS = 3  # the stand-in's layers of router logits, when a mixture of experts asks for them
 PADDED = 3  # the batch's second row ends in this many padding tokens (a router's loss must not count them)
 # Relative differences beyond float32 rounding, far below what a transform makes.
@@ -86,6 +86,8 @@ class StandInDecoder(torch.nn.Module):
         spread = torch.logspace(-0.7, 0.9, VOCAB)[torch.randperm(VOCAB, generator=generator)]
         self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
         self.unexpected: list[str] = []  # what the class's forward handed it that leantune's path would not
+        self.images: dict = {}  # the image inputs the check passes (an image-and-text class must hand them on as they are)
+        self.passed_on: dict = {}  # what the class may hand on as it is (its labels: Gemma 3's base takes them)
         with torch.no_grad():
             self.embed_tokens.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) * spread[:, None])
         # a mixture of experts' routers: each layer's logits a fixed projection of the hidden states
@@ -108,7 +110,9 @@ class StandInDecoder(torch.nn.Module):
             else:
                 router_logits = tuple(hidden.reshape(-1, WIDTH) @ layer for layer in self.routers)
         self.unexpected += [name for name, value in kwargs.items()  # a flag left off asks for nothing
-                            if value is not None and value is not False and name not in BENIGN_DECODER_ARGUMENTS]
+                            if value is not None and value is not False and name not in BENIGN_DECODER_ARGUMENTS
+                            and value is not self.images.get(name) and value is not self.passed_on.get(name)]
+        self.unexpected += [f"not {name} as given" for name in self.images if kwargs.get(name) is not self.images[name]]
         if position_ids is not None and not torch.equal(position_ids.expand(hidden.shape[:2]),
                                                         torch.arange(hidden.shape[1]).expand(hidden.shape[:2])):
             self.unexpected.append("position_ids (not 0, 1, 2, ...)")
@@ -166,7 +170,8 @@ def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torc
 
 def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
     model = meta_model(small_vocabulary(config), torch.float32)
-    decoder, head = decoder_of(model), model.get_output_embeddings()
+    # an image-and-text class: its base (vision encoder, projector, language model) is what leantune's step runs
+    decoder, head = image_text_base(model) or decoder_of(model), model.get_output_embeddings()
     if decoder is model or head is None:
         raise OwnLossMismatch(f"{type(model).__name__}: transformers finds no separate decoder and LM head in it "
                               "(get_decoder() returns the model itself, or get_output_embeddings() nothing), so "
@@ -228,11 +233,13 @@ def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool) -> O
 def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generator: torch.Generator,
              started: float) -> OwnLossCheck:
     ids, labels, mask = _batch(generator, routed=bool(getattr(text_config(model.config), "output_router_logits", False)))
-    architecture, stand_in = type(model).__name__, decoder_of(model)
+    stand_in = image_text_base(model) or decoder_of(model)
+    architecture, images = type(model).__name__, _image_inputs(stand_in, model, generator, labels)
     try:
         loss = loss_function(model, tc.loss_chunk_size, sharded=sharded)
         ours_model = CausalLMLoss(model, loss)
-        own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        own, own_grads = _loss_and_grads(model, lambda: model(input_ids=ids, attention_mask=mask, labels=labels,
+                                                              **images).loss)
     except Exception as err:  # noqa: BLE001 - whatever stops it, the model's own loss cannot be compared
         raise OwnLossMismatch(f"{architecture}: its forward(labels=...) could not be run on a stand-in decoder to "
                               f"check leantune's loss against it ({type(err).__name__}: {str(err)[:300]}); leantune "
@@ -242,7 +249,8 @@ def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generato
                               "which leantune's path (the decoder on the token ids alone) does not; leantune refuses "
                               "a model whose loss it cannot reproduce")
     transform = ours_model.loss_fn.transform
-    ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels, real_tokens=mask) / count_targets(labels))
+    ours, our_grads = _loss_and_grads(model, lambda: ours_model(ids, labels, real_tokens=mask, images=images or None)
+                                      / count_targets(labels))
     loss_difference = abs(ours - own) / max(abs(own), 1e-12)
     gradient_difference = _relative(our_grads, own_grads)
     if not loss_difference <= TOLERANCE or not gradient_difference <= TOLERANCE:
@@ -255,6 +263,17 @@ def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generato
             "loss; please report the architecture")
     return OwnLossCheck(architecture, transform, own, loss_difference, gradient_difference,
                         time.perf_counter() - started, ours_model.router_loss)
+
+
+def _image_inputs(stand_in: StandInDecoder, model: torch.nn.Module, generator: torch.Generator,
+                  labels: torch.Tensor) -> dict:
+    """An image-and-text class's check runs with a pixel batch, which its forward must hand its base as it is
+    (leantune's step hands the batch's own to the base); none for a text model."""
+    if image_text_base(model) is None:
+        return {}
+    stand_in.images = {"pixel_values": torch.randn(BATCH, 3, 4, 4, generator=generator)}
+    stand_in.passed_on = {"labels": labels}  # leantune's step hands them on too when the base takes them
+    return stand_in.images
 
 
 def _refuse_a_missing_router_loss(model: torch.nn.Module, stand_in: StandInDecoder, own_grads: list[torch.Tensor],

@@ -146,6 +146,10 @@ class PeftSettings:
         "(gate_up_proj, down_proj), and all-linear takes them, not its routers (--lora_router)."))
     lora_router: bool = field(default=False, metadata=_help(
         "A mixture of experts: LoRA on its routers too (left frozen by default, as Unsloth does)."))
+    freeze_LLM_only: bool = field(default=False, metadata=_help(
+        "llama-cookbook's flag for an image-and-text model, without --use_peft: its language model frozen (the "
+        "head too) but for its cross-attention layers (Llama 3.2 Vision's fusion); the vision encoder and projector "
+        "train."))
 
     def __post_init__(self):
         self.lora_target_modules = [m for item in self.lora_target_modules for m in item.split(",") if m]
@@ -158,6 +162,9 @@ class PeftSettings:
         _require(not self.from_peft_checkpoint or self.use_peft, "from_peft_checkpoint", "needs --use_peft")
         _require(not self.lora_router or self.use_peft, "lora_router",
                  "puts LoRA on the routers and needs --use_peft (without it every weight trains, the routers too)")
+        _require(not (self.freeze_LLM_only and self.use_peft), "freeze_LLM_only",
+                 "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it "
+                 "there); drop one")
 
 
 @dataclass

@@ -49,7 +49,15 @@ class DataConfig:
     custom_dataset_file: Optional[str] = field(default=None, metadata=_help(
         "llama-cookbook's --custom_dataset.file FILE.py[:FUNCTION]: a Python file whose FUNCTION (default "
         "get_custom_dataset) takes (dataset_config, tokenizer, split) and returns rows of input_ids and labels; "
-        "called with split 'train' and, for validation, 'validation'."))
+        "called with the train split and, for validation, the test split. For an image-and-text model it is handed "
+        "the model's processor instead, and the file's get_data_collator(processor), when it has one, batches its "
+        "rows (images and text) as llama-cookbook's vision datasets do."))
+    custom_dataset_train_split: str = field(default="train", metadata=_help(
+        "llama-cookbook's --custom_dataset.train_split: the split name the dataset file's function is called with "
+        "for training."))
+    custom_dataset_test_split: str = field(default="validation", metadata=_help(
+        "llama-cookbook's --custom_dataset.test_split: the split name it is called with for validation (its vision "
+        "recipe passes test)."))
     batching_strategy: Literal["packing", "padding"] = field(default="packing", metadata=_help(
         "packing: several examples a row of context_length tokens (see --packed_examples); padding: one example "
         "a row, padded to the longest in the batch."))

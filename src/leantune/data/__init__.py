@@ -10,7 +10,7 @@ from leantune.config import DataConfig
 from leantune.config.data import parse_column_map
 from leantune.data.batching import make_dataloader
 from leantune.data.cache import cache_dir, cache_key, cached_examples, tokenizer_fingerprint
-from leantune.data.custom_file import TRAIN_SPLIT, VALIDATION_SPLIT, custom_file_examples
+from leantune.data.custom_file import custom_file_examples
 from leantune.data.packing import Fitting, NothingToLearn, make_rows
 from leantune.data.sources import Source, locate, read_source, rename_columns
 from leantune.data.synthetic import ASSET_PATH
@@ -35,16 +35,18 @@ def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, 
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = True,
-                   log: Optional[Callable[[str], None]] = None) -> tuple[list, list]:
+                   log: Optional[Callable[[str], None]] = None, processor=None) -> tuple[list, list]:
     """Tokenized (train, validation) examples for ``cfg.dataset`` (``log``: told when they come from the cache).
 
-    A cookbook dataset file gives both splits itself: its ``validation`` split is asked for only with
-    ``validation`` (the run validates) and a ``--val_fraction`` above 0, whose value it does not use."""
+    A cookbook dataset file gives both splits itself: its test split is asked for only with ``validation`` (the
+    run validates) and a ``--val_fraction`` above 0, whose value it does not use. It is handed ``processor`` (an
+    image-and-text model's) when there is one, else the tokenizer."""
     if cfg.custom_dataset_file:
-        file = cfg.custom_dataset_file
-        train = custom_file_examples(file, tokenizer, TRAIN_SPLIT)
+        file, splits = cfg.custom_dataset_file, custom_splits(cfg)
+        handed = processor if processor is not None else tokenizer
+        train = custom_file_examples(file, handed, splits[0], splits)
         wanted = validation and cfg.val_fraction > 0
-        return train, custom_file_examples(file, tokenizer, VALIDATION_SPLIT) if wanted else []
+        return train, custom_file_examples(file, handed, splits[1], splits) if wanted else []
     source = records_source(cfg)
     encode = functools.partial(_encode, cfg, tokenizer, source)
     if not cfg.dataset_cache:
@@ -58,6 +60,11 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = Tru
         log(f"data cache: {len(examples)} tokenized examples of {source.name} read back ({cache_dir()}; "
             "--no_dataset_cache tokenizes again)")
     return split_records(examples, cfg.val_fraction, seed)
+
+
+def custom_splits(cfg: DataConfig) -> tuple[str, str]:
+    """The (train, test) split names a cookbook dataset file's function is called with."""
+    return cfg.custom_dataset_train_split, cfg.custom_dataset_test_split
 
 
 def records_source(cfg: DataConfig) -> Source:

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
 from leantune.models.sink_attention import NAME as SINKS
-from leantune.models.structure import text_config
+from leantune.models.structure import is_image_text, text_config
 from leantune.models.varlen_attention import NAME as VARLEN
 from leantune.precision import AMPERE, cuda_capability
 
@@ -38,10 +38,14 @@ CHOICES = (AUTO, *_SUPPORT, SINKS)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:
-    """The transformers class ``AutoModelForCausalLM`` builds for ``config`` (``ModelLoadError`` if none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """The transformers class ``AutoModelForCausalLM`` builds for ``config`` (``AutoModelForImageTextToText`` for an
+    image-and-text model; ``ModelLoadError`` if none)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     try:
+        if is_image_text(config):
+            return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         raise ModelLoadError(f"{type(config).__name__} (model_type {config.model_type!r}) is not a causal language "
@@ -68,7 +72,8 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
             return SINKS
         if "sdpa" not in usable:
             return "eager"
-        return "sdpa" if compiled or whole_context_not_attended(config) else VARLEN
+        # an image-and-text model's batches go through its base with their attention mask: no spans for varlen
+        return "sdpa" if compiled or whole_context_not_attended(config) or is_image_text(config) else VARLEN
     if requested == VARLEN and compiled:
         raise ConfigError(f"--attn_implementation {VARLEN}: not with --compile yet (each batch's spans would recompile "
                           "the layers); use sdpa, or drop --compile")

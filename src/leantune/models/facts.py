@@ -16,12 +16,12 @@ import functools
 import math
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from leantune.config import ConfigError, ModelConfig, PeftSettings
 from leantune.loss import LogitTransform
 from leantune.models.attention import AUTO, resolve_attention, traceable_attention
-from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
+from leantune.models.loading import ModelLoadError, check_lora_targets, model_class, resolve_model_path
 from leantune.models.moe import expert_count
 from leantune.models.presets import model_config
 from leantune.models.structure import decoder_layers, text_config
@@ -71,7 +71,7 @@ def model_from_config(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in
     attention = traceable_attention(config, attention) if cpu_stand_in else attention
     config = copy.deepcopy(config)
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention)
     model.config.use_cache = False
     return model
 

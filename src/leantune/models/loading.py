@@ -18,7 +18,7 @@ import torch
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
-from leantune.models.structure import decoder_of, text_config
+from leantune.models.structure import decoder_of, is_image_text, text_config
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
 
@@ -99,11 +99,23 @@ def load_tokenizer(cfg: ModelConfig):
         raise ModelLoadError(f"cannot load the tokenizer from {source!r}: {err}") from None
     if cfg.model_name == DEFAULT_MODEL_NAME and not tokenizer.chat_template:  # built before it had one
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return with_pad_token(tokenizer)
+
+
+def with_pad_token(tokenizer):
+    """``tokenizer`` with a pad token: EOS when it has none. Llama tokenizers ship without one; padded positions
+    are masked out of the loss, so reusing EOS for them changes nothing that is learned."""
     if tokenizer.pad_token_id is None:
-        # Llama tokenizers ship without a pad token; padded positions are masked out of the loss,
-        # so reusing EOS for them changes nothing that is learned.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_class(config):
+    """The transformers auto class that builds ``config``'s model: the image-and-text one for a model with a vision
+    tower (Llama 3.2 Vision's causal-LM class would drop it), else the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
@@ -116,7 +128,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     ``config``: the model's config as the run changed it (``--rope_scaling_factor``), else its own.
     ``experts``: a context the load runs in (``experts_quantized_as_loaded``: 4-bit experts as they load).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     source = resolve_model_path(cfg.model_name)
@@ -125,9 +137,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     if config is not None:
         placement["config"] = config
     try:
+        auto_class = model_class(config if config is not None else AutoConfig.from_pretrained(source))
         with experts():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention,
-                                                         **placement)
+            model = auto_class.from_pretrained(source, dtype=dtype, attn_implementation=attention, **placement)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load a causal LM from {source!r}: {err}. Pass a local directory saved with "

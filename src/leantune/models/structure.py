@@ -16,6 +16,25 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def is_image_text(config) -> bool:
+    """Whether ``config`` is an image-and-text model's (a vision config beside its text one, a class transformers
+    loads for image-text-to-text)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(config, "vision_config", None) is not None
+            and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def image_text_base(model: torch.nn.Module):
+    """An image-and-text model's base (``model.model``: it takes the ids and the images and gives the hidden states
+    the head reads); None for a text model, or a class whose forward embeds the images itself (Llama 4)."""
+    hf_model = unwrap_model(model)
+    if not is_image_text(getattr(hf_model, "config", None)):
+        return None
+    base = getattr(hf_model, "model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not hf_model else None
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face ``PreTrainedModel`` inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)

@@ -211,13 +211,16 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
 
 
 def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None) -> Optional[tuple[int, int]]:
+                   traces: Optional[StepTraces] = None, images: bool = False) -> Optional[tuple[int, int]]:
     """What the allocator should count at the step's peak, and what it should reserve, from the plan;
     only on a GPU, which can measure both.
 
     Under FSDP, one rank's (the run's ``traces`` make every plan a rank's share), which is what each
-    rank measures.
+    rank measures. ``images``: the batches hold images, which the planner does not count yet: no plan, said.
     """
+    if images:
+        log("plan: none for batches of images yet (the planner counts text rows only): no predicted peak, no MFU")
+        return None
     if device.type != "cuda":
         return None
     plan = memory.plan

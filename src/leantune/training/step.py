@@ -9,6 +9,7 @@ measured is what trains.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.labels import count_targets, targets_tensor
 from leantune.loss import causal_lm_loss_sum
 from leantune.models.moe import load_balancing_loss, router_loss_of
-from leantune.models.structure import decoder_of, unwrap_model
+from leantune.models.structure import decoder_of, image_text_base, unwrap_model
 from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS, Segments, segments_of
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
@@ -62,9 +63,19 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, position_ids
 
 
 def decoder_output(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                   segments: Optional[Segments] = None, router_logits: bool = False):
+                   segments: Optional[Segments] = None, router_logits: bool = False, images: Optional[dict] = None):
     """The decoder's output (``forward_hidden``'s), its hidden states as ``input_ids``' rows; with
-    ``router_logits`` a mixture of experts' decoder also returns every layer's router logits."""
+    ``router_logits`` a mixture of experts' decoder also returns every layer's router logits.
+
+    ``images``: a batch's image inputs (``pixel_values`` and what its processor made with them, the attention
+    mask among them): an image-and-text model's base runs on them and the ids, vision encoder and all, as the
+    class's own forward runs it before its head."""
+    if images:
+        base = image_text_base(model)
+        if base is None:
+            raise ValueError(f"a batch with image inputs ({', '.join(sorted(images))}) for "
+                             f"{type(unwrap_model(model)).__name__}, which takes no images")
+        return base(input_ids=input_ids, use_cache=False, **images)
     decoder = decoder_of(model)
     attention = getattr(getattr(decoder, "config", None), "_attn_implementation", None)  # a stand-in has none
     extra = {"output_router_logits": True} if router_logits else {}
@@ -78,6 +89,12 @@ def decoder_output(model: torch.nn.Module, input_ids: torch.Tensor, position_ids
     output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
     output.last_hidden_state = output.last_hidden_state.reshape(*rows, output.last_hidden_state.shape[-1])
     return output
+
+
+def base_takes_labels(base: Optional[torch.nn.Module]) -> bool:
+    """Whether an image-and-text model's base names ``labels`` among its inputs (Gemma 3's does): its class hands
+    them on, and so does leantune's step."""
+    return base is not None and "labels" in inspect.signature(base.forward).parameters
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -102,8 +119,12 @@ class CausalLMLoss(torch.nn.Module):
         self.router_loss_sum: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                segments: Optional[Segments] = None, real_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        output = decoder_output(self.model, input_ids, position_ids, segments, router_logits=bool(self.router_loss))
+                segments: Optional[Segments] = None, real_tokens: Optional[torch.Tensor] = None,
+                images: Optional[dict] = None) -> torch.Tensor:
+        if images and base_takes_labels(image_text_base(self.model)):  # as the class's forward hands them (Gemma 3)
+            images = {**images, "labels": labels}
+        output = decoder_output(self.model, input_ids, position_ids, segments, router_logits=bool(self.router_loss),
+                                images=images)
         loss = self.loss_fn(output.last_hidden_state, unwrap_model(self.model).get_output_embeddings(), labels)
         if self.router_loss is None:
             return loss
@@ -117,7 +138,7 @@ def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labe
                       precision: Precision, scaler: Optional[torch.amp.GradScaler] = None, normaliser: float = 1,
                       after_forward: Optional[Callable[[], None]] = None,
                       position_ids: Optional[torch.Tensor] = None, segments: Optional[Segments] = None,
-                      real_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      real_tokens: Optional[torch.Tensor] = None, images: Optional[dict] = None) -> torch.Tensor:
     """The training step's forward and backward of one batch; returns its summed loss, detached.
 
     Under the precision's autocast, ``loss_model`` (a ``CausalLMLoss``) gives the summed loss; it
@@ -125,10 +146,10 @@ def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labe
     is called once the loss exists and before backward, when what is alive is exactly what
     backward will need: the benchmark and the example read their activation meter there.
     ``position_ids``: the rows' own, when examples are packed apart (``segments``: their spans);
-    ``real_tokens``: the attention mask, for a router's loss.
+    ``real_tokens``: the attention mask, for a router's loss; ``images``: the batch's image inputs.
     """
     with precision.autocast():
-        loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens)  # its activations are referenced by the graph alone
+        loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens, images)  # its activations are referenced by the graph alone
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -151,18 +172,37 @@ def routed(loss_model: torch.nn.Module) -> bool:
     return getattr(loss_model, "router_loss", None) is not None
 
 
+# A batch's keys that are not image inputs: the rows' text, targets and bookkeeping.
+TEXT_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids", "segments", "sources"})
+
+
+def image_inputs(batch: dict, device: torch.device) -> Optional[dict]:
+    """A batch's image inputs on ``device`` (what its processor made beside the ids: ``pixel_values``, Llama 3.2
+    Vision's aspect ratios and cross-attention mask, Qwen2-VL's grid, Gemma 3's token types), with its attention
+    mask; None for a text batch."""
+    extra = {key: value for key, value in batch.items() if key not in TEXT_KEYS and isinstance(value, torch.Tensor)}
+    if not extra:
+        return None
+    if "attention_mask" in batch:
+        extra["attention_mask"] = batch["attention_mask"]
+    return {key: value.to(device, non_blocking=True) for key, value in extra.items()}
+
+
 def model_inputs(batch: dict, device: torch.device, real_tokens: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Segments], Optional[torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Segments],
+                            Optional[torch.Tensor], Optional[dict]]:
     """A batch's ``input_ids``, ``labels`` and ``position_ids`` (None unless packed apart) on ``device``, the
     rows' spans (``batch["segments"]``, else read from the host's position ids, so a GPU is not waited for),
-    and with ``real_tokens`` (a router's loss counts them) its attention mask on ``device``, else None."""
+    with ``real_tokens`` (a router's loss counts them) its attention mask on ``device``, else None, and its
+    image inputs (``image_inputs``; None for text)."""
     positions = batch.get("position_ids")
     segments = batch.get("segments")
     if segments is None and positions is not None:
         segments = segments_of(positions, *batch["input_ids"].shape)
     mask = batch["attention_mask"].to(device, non_blocking=True) if real_tokens else None
     return (batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True),
-            None if positions is None else positions.to(device, non_blocking=True), segments, mask)
+            None if positions is None else positions.to(device, non_blocking=True), segments, mask,
+            image_inputs(batch, device))
 
 
 def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
@@ -284,9 +324,11 @@ class TrainStep:
 
     def forward_backward(self, batch: dict, normaliser: float) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
-        input_ids, labels, positions, segments, real = model_inputs(batch, self.device, routed(self.loss_model))
+        input_ids, labels, positions, segments, real, images = model_inputs(batch, self.device,
+                                                                            routed(self.loss_model))
         return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
-                                 normaliser=normaliser, position_ids=positions, segments=segments, real_tokens=real)
+                                 normaliser=normaliser, position_ids=positions, segments=segments, real_tokens=real,
+                                 images=images)
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
         """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.
