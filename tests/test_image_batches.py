@@ -5,6 +5,7 @@ refused by name. Tiny random models of each family (``leantune.models.tiny_visio
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -279,3 +280,75 @@ def test_checkpointing_reaches_llama_vision_encoder_layers_and_leaves_the_gradie
     assert plain.total_layers == checkpointed.checkpointed_layers == 5
     assert plain_grads.keys() == grads.keys()
     assert all(torch.equal(plain_grads[name], grads[name]) for name in grads)
+
+
+def _lora_places(path, *flags, images=True) -> tuple[list[str], str]:
+    from leantune.builders.model import build_model
+    from leantune.precision import choose_precision
+
+    data = ["--dataset", "custom_dataset", "--custom_dataset.file", DATASET] if images else []
+    cfg = parse_run_config(["--model_name", str(path), "--use_peft", *data, *flags])
+    lines = []
+    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lines.append)
+    places = [name.removeprefix("base_model.model.").removesuffix(".lora_A") for name, _ in model.named_modules()
+              if name.endswith(".lora_A")]
+    return places, next(line for line in lines if line.startswith("lora:"))
+
+
+@pytest.mark.parametrize("flags, images, where, said", [
+    ([], True, {"model.vision_model.transformer.layers.0", "model.vision_model.transformer.layers.1",
+                "model.vision_model.global_transformer.layers.0", "model.language_model.layers.0",
+                "model.language_model.layers.1"},
+     "on the language model, vision encoder, projector, cross-attention (--lora_parts auto: the batches hold "
+     "images)"),
+    ([], False, {"model.language_model.layers.0", "model.language_model.layers.1"},
+     "on the language model, cross-attention (--lora_parts auto: text rows never run the vision side)"),
+    (["--lora_parts", "cross_attention,vision_encoder"], True,
+     {"model.vision_model.transformer.layers.0", "model.vision_model.transformer.layers.1",
+      "model.vision_model.global_transformer.layers.0", "model.language_model.layers.1"},
+     "on the vision encoder, cross-attention (--lora_parts cross_attention vision_encoder)"),
+    (["--lora_parts", "projector", "--lora_target_modules", "all-linear"], True, {"model.multi_modal_projector"},
+     "on the projector (--lora_parts projector)"),
+])
+def test_lora_goes_on_the_parts_asked_for_and_the_log_names_them(tiny, flags, images, where, said):
+    places, line = _lora_places(tiny("mllama"), *flags, images=images)
+    assert {place.rsplit(".", 2)[0] if "layers" in place else place for place in places} == where
+    assert line.endswith(said)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use_peft", "--lora_parts", "vision"], "--lora_parts: vision is not a part; choose from auto, all"),
+    (["--lora_parts", "projector"], "--lora_parts: chooses where LoRA goes: needs --use_peft"),
+    (["--use_peft", "--lora_parts", "all", "projector"], "--lora_parts: auto and all stand alone"),
+])
+def test_a_bad_lora_parts_value_is_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(flags)
+
+
+def test_qlora_quantizes_the_language_model_and_keeps_the_vision_side_in_16_bits(tiny, tmp_path):
+    summary, lines = _finetune(tiny("llava"), tmp_path / "out", "--use_peft", "--quantization", "4bit",
+                               "--max_train_step", "2", "--batch_size_training", "2")
+    line = next(line for line in lines if line.startswith("quantization:"))
+    assert line.startswith("quantization: 14 Linear layers in 4bit") and line.endswith(
+        "the LM head, model.vision_tower, model.multi_modal_projector and embeddings unquantized")
+    assert summary["epochs"][0]["steps"] == 2
+
+
+def test_gemma3s_base_is_handed_the_labels_as_its_class_hands_them(tiny, monkeypatch):
+    from transformers.models.gemma3 import modeling_gemma3
+
+    seen = []
+    forward = modeling_gemma3.Gemma3Model.forward
+
+    @functools.wraps(forward)  # its signature kept: leantune reads it
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("labels"))
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(modeling_gemma3.Gemma3Model, "forward", spy)
+    path = tiny("gemma3")
+    model, batch = _model(path), _batch("gemma3", path)
+    images = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+    model(**batch)
+    CausalLMLoss(model, loss_function(model, 16, sharded=False))(batch["input_ids"], batch["labels"], images=images)
+    assert len(seen) == 2 and seen[0] is batch["labels"] and seen[1] is batch["labels"]

@@ -59,4 +59,4 @@ def test_lora_stays_off_the_vision_tower_and_the_log_says_so(gemma3_image_text, 
     wrapped = [name for name, _ in model.named_modules() if name.endswith(".lora_A")]
     assert wrapped and all(".language_model." in name for name in wrapped)
     line = next(line for line in lines if line.startswith("lora:"))
-    assert line.endswith("; none in model.vision_tower, model.multi_modal_projector (text rows never run them)")
+    assert line.endswith("; on the language model (--lora_parts auto: text rows never run the vision side)")

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from leantune.builders.loaders import RunData
+from leantune.builders.loaders import RunData, image_batches
 from leantune.builders.model import build_model, describe_loss
 from leantune.builders.monitor import build_monitor
 from leantune.builders.sharding import device_peak_bytes, shard, shard_first_checkpoint, start_distributed
@@ -45,7 +45,7 @@ from leantune.planning.flops import count_token_flops
 from leantune.planning.measured_choice import choose_by_timing, keep_saved_choice
 from leantune.planning.per_rank import RankShare, sharding_shapes
 from leantune.precision import Precision, choose_device, choose_precision
-from leantune.preflight import clear_previous_run, image_batches, preflight
+from leantune.preflight import clear_previous_run, preflight
 from leantune.report.flops import TokenFlops, device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.checkpoint_files import unpickler_warning

@@ -18,7 +18,7 @@ from leantune.builders.own_loss import check_own_loss
 from leantune.config import ConfigError, DataConfig, OutputConfig, PeftSettings, RunConfig
 from leantune.models.attention import traceable_attention
 from leantune.models.compiling import check_can_compile
-from leantune.data.custom_file import defines_collator
+from leantune.builders.loaders import image_batches
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.image_text import check_image_text_class
 from leantune.models.structure import is_image_text
@@ -60,18 +60,9 @@ NOT_WITH_IMAGES = (
      "does not count images yet; name the mode, the batch and the optimizer"),
     (lambda cfg: cfg.training.tiled_mlp not in ("auto", "off"), "--tiled_mlp: not for image-and-text runs yet"),
     (lambda cfg: cfg.distributed.enable_fsdp, "--enable_fsdp: image-and-text runs train on one device for now"),
-    (lambda cfg: cfg.quant.enabled, "--quantization: a 4-bit or 8-bit base for image-and-text runs is not built "
-                                    "yet (its vision tower must stay in 16 bits); train a bfloat16 base"),
     (lambda cfg: cfg.memory.offload_embedding or cfg.memory.offload_experts,
      "--offload_embedding / --offload_experts: not for image-and-text runs yet"),
 )
-
-
-def image_batches(data: DataConfig, config) -> bool:
-    """Whether the run's batches hold images: an image-and-text model (``config``) and a dataset file with a
-    collator."""
-    file = data.custom_dataset_file
-    return bool(file) and is_image_text(config) and defines_collator(file)
 
 
 def check_image_text_run(peft: PeftSettings, data: DataConfig, facts: ModelFacts, refusals: list[str]) -> None:

@@ -9,9 +9,17 @@ from __future__ import annotations
 from leantune.config import DataConfig, TrainingConfig
 from leantune.data import DatasetError, NothingToLearn, build_datasets, custom_splits, make_dataloader, make_rows
 from leantune.data.collated import CollatedBatches, make_collated_loader
-from leantune.data.custom_file import custom_file_rows, data_collator
+from leantune.data.custom_file import custom_file_rows, data_collator, defines_collator
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.formats import format_entry
+from leantune.models.structure import is_image_text
+
+
+def image_batches(data: DataConfig, model_config) -> bool:
+    """Whether the run's batches hold images: an image-and-text model (``model_config``) and a dataset file with a
+    collator."""
+    file = data.custom_dataset_file
+    return bool(file) and is_image_text(model_config) and defines_collator(file)
 
 
 class RunData:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from leantune.builders.loaders import image_batches
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
 from leantune.config import RunConfig
@@ -29,7 +30,8 @@ from leantune.models.quantized import (describe_quantization, prepare_quantized_
 from leantune.models.quantized_experts import (describe_quantized_experts, expert_shapes_for_peft,
                                                experts_quantized_as_loaded, offload_experts, quantize_experts)
 from leantune.models.skeleton import quantized_skeleton
-from leantune.models.image_text import checkpointable_vision_layers, describe_parts, freeze_language_model
+from leantune.models.image_text import (checkpointable_vision_layers, describe_parts, freeze_language_model,
+                                        lora_kept_off)
 from leantune.models.structure import decoder_layers, image_text_base, unwrap_model
 from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
@@ -76,8 +78,9 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     PEFT wrapper with LoRA) and what inspection of its layers finds.
     """
     if cfg.peft.use_peft:
+        kept_off = lora_kept_off(model, cfg.peft.lora_parts, image_batches(cfg.data, model.config))
         with expert_shapes_for_peft(model):  # experts quantized as they loaded: peft reads their 3-D shapes
-            model = attach_lora(model, cfg.peft)
+            model = attach_lora(model, cfg.peft, kept_off)
     elif cfg.peft.freeze_LLM_only:
         freeze_language_model(model)
     if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
@@ -125,7 +128,7 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     elif shard_first:
-        skeleton = quantized_skeleton(facts.config, precision.weight_dtype, run_bnb_config(cfg.quant, precision))
+        skeleton = quantized_skeleton(facts.config, precision.weight_dtype, run_bnb_config(cfg.quant, precision, facts.config))
         model, report = prepare_model(skeleton, cfg, precision, place=lambda _model: None)
     else:
         # under FSDP a quantized base is quantized in host memory too, and fully_shard moves its shards
@@ -134,7 +137,7 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         experts = (contextlib.nullcontext if cfg.distributed.enable_fsdp
                    else functools.partial(experts_quantized_as_loaded, cfg.quant))
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
-                            run_bnb_config(cfg.quant, precision), loads_on,
+                            run_bnb_config(cfg.quant, precision, facts.config), loads_on,
                             config=facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits else None,
                             experts=experts)
         model, report = prepare_model(loaded, cfg, precision)

@@ -131,6 +131,10 @@ class TrainingConfig:
                  "tiled_mlp", f"must be off, auto or a positive number of tokens per tile (got {self.tiled_mlp!r})")
 
 
+# An image-and-text model's parts LoRA may go on (--lora_parts), beside auto and all.
+LORA_PARTS = ("auto", "all", "language_model", "cross_attention", "vision_encoder", "projector")
+
+
 @dataclass
 class PeftSettings:
     use_peft: bool = field(default=False, metadata=_help("Train a LoRA adapter instead of all weights."))
@@ -146,6 +150,11 @@ class PeftSettings:
         "(gate_up_proj, down_proj), and all-linear takes them, not its routers (--lora_router)."))
     lora_router: bool = field(default=False, metadata=_help(
         "A mixture of experts: LoRA on its routers too (left frozen by default, as Unsloth does)."))
+    lora_parts: list[str] = field(default_factory=lambda: ["auto"], metadata=_help(
+        "An image-and-text model: the parts LoRA may go on, space- or comma-separated: language_model, "
+        "cross_attention (Llama 3.2 Vision's fusion layers, inside the language model), vision_encoder, projector, "
+        "or all. auto: every part when the batches hold images (llama-cookbook's LoRA), the language model alone "
+        "for text rows, which never run the vision side."))
     freeze_LLM_only: bool = field(default=False, metadata=_help(
         "llama-cookbook's flag for an image-and-text model, without --use_peft: its language model frozen (the "
         "head too) but for its cross-attention layers (Llama 3.2 Vision's fusion); the vision encoder and projector "
@@ -162,6 +171,12 @@ class PeftSettings:
         _require(not self.from_peft_checkpoint or self.use_peft, "from_peft_checkpoint", "needs --use_peft")
         _require(not self.lora_router or self.use_peft, "lora_router",
                  "puts LoRA on the routers and needs --use_peft (without it every weight trains, the routers too)")
+        self.lora_parts = [m for item in self.lora_parts for m in item.split(",") if m]
+        unknown = [part for part in self.lora_parts if part not in LORA_PARTS]
+        _require(not unknown, "lora_parts", f"{' '.join(unknown)} is not a part; choose from {', '.join(LORA_PARTS)}")
+        _require(len(self.lora_parts) == 1 or not {"auto", "all"} & set(self.lora_parts), "lora_parts",
+                 "auto and all stand alone; give one of them, or name the parts")
+        _require(self.lora_parts == ["auto"] or self.use_peft, "lora_parts", "chooses where LoRA goes: needs --use_peft")
         _require(not (self.freeze_LLM_only and self.use_peft), "freeze_LLM_only",
                  "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it "
                  "there); drop one")

@@ -21,10 +21,10 @@ from transformers import AutoConfig, PretrainedConfig
 from leantune.config import ConfigError, ModelConfig, PeftSettings
 from leantune.loss import LogitTransform
 from leantune.models.attention import AUTO, resolve_attention, traceable_attention
-from leantune.models.loading import ModelLoadError, check_lora_targets, model_class, resolve_model_path
+from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.moe import expert_count
 from leantune.models.presets import model_config
-from leantune.models.structure import decoder_layers, text_config
+from leantune.models.structure import decoder_layers, model_class, text_config
 
 # Config fields a model's forward applies to the LM head's output: (field, True if it divides).
 # Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Falcon-H1's

@@ -47,6 +47,36 @@ def parts(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     return {role: modules for role, modules in found.items() if modules}
 
 
+# --lora_parts' names -> the roles ``parts`` finds
+PART_ROLES = {"language_model": "language model", "cross_attention": "cross-attention",
+              "vision_encoder": "vision encoder", "projector": "projector"}
+
+
+def lora_kept_off(model: torch.nn.Module, chosen: list[str], images: bool) -> tuple[list[str], str]:
+    """Where LoRA may not go in an image-and-text model: the names of its modules outside the ``chosen`` parts
+    (``--lora_parts``; auto: every part for batches of images, the language model alone for text rows), and the
+    parts it may go on, said for the log. Nothing is kept off a text model."""
+    if image_text_base(model) is None:
+        return [], ""
+    resolved = (["all"] if images else ["language_model"]) if chosen == ["auto"] else chosen
+    wanted = set(PART_ROLES.values()) if resolved == ["all"] else {PART_ROLES[name] for name in resolved}
+    if "language model" in wanted:
+        wanted.add("cross-attention")
+    found, names = parts(model), {id(module): name for name, module in model.named_modules()}
+    off = [names[id(module)] for role in ("vision encoder", "projector") if role not in wanted
+           for module in found.get(role, [])]
+    if "language model" not in wanted:  # its head and pieces, but for the cross-attention layers if wanted
+        decoder, head = found["language model"]
+        keep = {id(layer) for layer in found.get("cross-attention", [])} if "cross-attention" in wanted else set()
+        layers = getattr(decoder, "layers", None)
+        pieces = [child for child in decoder.children() if child is not layers] + list(layers or [])
+        off += [names[id(head)]] + [names[id(piece)] for piece in pieces if id(piece) not in keep]
+    how = f"--lora_parts {' '.join(chosen)}"
+    if chosen == ["auto"]:
+        how += ": the batches hold images" if images else ": text rows never run the vision side"
+    return off, f"{', '.join(role for role in found if role in wanted)} ({how})"
+
+
 def cross_attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     """Llama 3.2 Vision's cross-attention layers (by its config's ``cross_attention_layers`` indices), else none."""
     indices = getattr(getattr(decoder, "config", None), CROSS_ATTENTION, None) or []

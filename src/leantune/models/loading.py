@@ -18,7 +18,7 @@ import torch
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
-from leantune.models.structure import decoder_of, is_image_text, text_config
+from leantune.models.structure import model_class
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
 
@@ -110,14 +110,6 @@ def with_pad_token(tokenizer):
     return tokenizer
 
 
-def model_class(config):
-    """The transformers auto class that builds ``config``'s model: the image-and-text one for a model with a vision
-    tower (Llama 3.2 Vision's causal-LM class would drop it), else the causal LM's."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
-
-
 def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
                device: Optional[torch.device] = None, config=None, experts=contextlib.nullcontext):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
@@ -148,8 +140,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     return model
 
 
-def attach_lora(model, cfg: PeftSettings):
-    """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``."""
+def attach_lora(model, cfg: PeftSettings, kept_off: tuple[list[str], str] = ([], "")):
+    """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``. ``kept_off``: the
+    modules LoRA may not go in and the parts it may, said (an image-and-text model's, ``lora_kept_off``)."""
     if bitsandbytes_installed():  # peft imports it: first here, without its warning about a hub kernel
         import_bitsandbytes()
     from peft import PeftModel
@@ -163,32 +156,19 @@ def attach_lora(model, cfg: PeftSettings):
             if not (path / "adapter_config.json").is_file():
                 raise ModelLoadError(f"--from_peft_checkpoint {path}: no adapter_config.json there")
             return PeftModel.from_pretrained(model, str(path), is_trainable=True)
-        return _new_lora(model, cfg)
+        return _new_lora(model, cfg, kept_off)
 
 
-def _new_lora(model, cfg: PeftSettings):
+def _new_lora(model, cfg: PeftSettings, kept_off: tuple[list[str], str]):
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(model, cfg)
     modules = ALL_LINEAR if targets.modules == (ALL_LINEAR,) else list(targets.modules)
-    beside = outside_the_language_model(model)
+    off, model._leantune_lora_parts = kept_off  # the log's line reads where LoRA may go
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=modules,
                       target_parameters=list(targets.parameters) or None, bias="none", task_type="CAUSAL_LM",
-                      exclude_modules=rf"^({'|'.join(map(re.escape, beside))})\..*" if beside else None)
+                      exclude_modules=rf"^({'|'.join(map(re.escape, off))})(\..*)?$" if off else None)
     return get_peft_model(model, lora)
-
-
-def outside_the_language_model(model: torch.nn.Module) -> list[str]:
-    """An image-and-text model's parts beside its language model (Gemma 3's ``model.vision_tower`` and
-    ``model.multi_modal_projector``), by name: leantune trains such a model on text rows, which never run them, so
-    LoRA stays off them. Empty for a text model."""
-    config = getattr(model, "config", None)
-    if config is None or text_config(config) is config:
-        return []
-    decoder, head = decoder_of(model), model.get_output_embeddings()
-    outer = next(name for name, module in model.named_modules() if module is decoder).rpartition(".")[0]
-    return [f"{outer}.{name}" if outer else name for name, child in model.get_submodule(outer).named_children()
-            if child is not decoder and child is not head and next(child.parameters(), None) is not None]
 
 
 def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
@@ -244,9 +224,9 @@ def describe_lora(model: torch.nn.Module) -> Optional[str]:
     if parameters:
         line += f" and parameters {', '.join(parameters)} (each expert its own low-rank pair)"
     line += f": {wrapped} places, {trainable:,} trainable parameters"
-    beside = outside_the_language_model(model.get_base_model()) if config.exclude_modules else []
-    if beside:  # an image-and-text model trained on text rows
-        line += f"; none in {', '.join(beside)} (text rows never run them)"
+    allowed = getattr(model.get_base_model(), "_leantune_lora_parts", "")
+    if allowed:  # an image-and-text model: the parts it may go on
+        line += f"; on the {allowed}"
     if routers:  # a wrapped router sits as its LoRA layer's base_layer
         wrapped_router = any(name.endswith(".base_layer") for name in routers)
         line += f"; routers {'with LoRA (--lora_router)' if wrapped_router else 'frozen (--lora_router trains them)'}"

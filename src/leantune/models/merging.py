@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from leantune.models.structure import model_class
 from leantune.models.safetensors_stream import (SAFETENSORS_DTYPES, read_header, read_tensor, tensor_entries,
                                                write_streamed)
 
@@ -152,22 +153,25 @@ def _output_dtype(stored: torch.dtype, wanted: Optional[torch.dtype]) -> torch.d
 
 def merge_whole_model(base_dir: Path, run_dir: Path, out: Path, base_config: dict, dtype: Optional[torch.dtype],
                       log: Callable[[str], None] = print) -> str:
-    """An adapter with LoRA on a mixture of experts' fused expert tensors (peft's ``target_parameters``), folded by
-    peft's ``merge_and_unload`` into the base loaded whole in float32, then saved in ``dtype`` (the base's without
-    one) with ``save_pretrained``. A checkpoint stores such experts one tensor per expert (Qwen3-MoE, Mixtral) or
-    fused (gpt-oss), and transformers fuses them as it loads: the tensor-at-a-time merge, which reads the stored
-    names, cannot place a fused tensor's delta; this path holds the whole float32 model in host memory instead.
-    Returns what it merged, for the closing line."""
+    """An adapter the tensor-at-a-time merge cannot place, folded by peft's ``merge_and_unload`` into the base
+    loaded whole in float32, then saved in ``dtype`` (the base's without one) with ``save_pretrained``; this path
+    holds the whole float32 model in host memory. Two such adapters: LoRA on a mixture of experts' fused expert
+    tensors (peft's ``target_parameters``: a checkpoint stores such experts one tensor per expert, Qwen3-MoE and
+    Mixtral, or fused, gpt-oss, and transformers fuses them as it loads), and an image-and-text model's (its
+    checkpoint names its weights as the class's first release did, ``language_model.model.layers``, and
+    transformers renames them as it loads and back as it saves). Returns what it merged, for the closing line."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     stored = base_config.get("dtype") or base_config.get("torch_dtype")  # transformers 5's key, or the older one
     base_dtype = getattr(torch, stored, None) if isinstance(stored, str) else None
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = model_class(AutoConfig.from_pretrained(base_dir)).from_pretrained(base_dir, dtype=torch.float32)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    log(f"the adapter puts LoRA on fused expert tensors: merging the whole model in float32 ({size / 2**20:,.1f} MiB "
-        "of host memory) with peft's merge_and_unload")
+    why = "is an image-and-text model's" if base_config.get("vision_config") else "puts LoRA on fused expert tensors"
+    log(f"the adapter {why}: merging the whole model in float32 ({size / 2**20:,.1f} MiB of host memory) with peft's "
+        "merge_and_unload")
     model = PeftModel.from_pretrained(model, str(run_dir)).merge_and_unload()
     wanted = dtype or (base_dtype if isinstance(base_dtype, torch.dtype) else torch.float32)
     model.to(wanted).save_pretrained(out)
-    return f"the adapter's LoRA (attention and experts), in {str(wanted).removeprefix('torch.')}"
+    what = "the adapter's LoRA" + (" (attention and experts)" if not base_config.get("vision_config") else "")
+    return f"{what}, in {str(wanted).removeprefix('torch.')}"

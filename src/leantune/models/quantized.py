@@ -11,12 +11,13 @@ and their quantization state are what bitsandbytes makes, not a formula.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.tracker import carried_tensors
+from leantune.models.structure import is_image_text, model_class, outside_the_language_model
 from leantune.optional import import_bitsandbytes, installed
 from leantune.precision import Precision
 
@@ -58,24 +59,37 @@ def compute_dtype(quant: QuantizationConfig, precision: Precision) -> torch.dtyp
     return dtype
 
 
-def bnb_config(quant: QuantizationConfig, compute: torch.dtype):
-    """transformers' ``BitsAndBytesConfig`` for ``quant``, dequantizing to ``compute`` (4bit)."""
+def bnb_config(quant: QuantizationConfig, compute: torch.dtype, kept: Sequence[str] = ()):
+    """transformers' ``BitsAndBytesConfig`` for ``quant``, dequantizing to ``compute`` (4bit); ``kept``: modules
+    left unquantized (transformers' own choice, the LM head, when empty)."""
     from transformers import BitsAndBytesConfig
 
+    skip = {"llm_int8_skip_modules": list(kept)} if kept else {}
     if quant.quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
                               bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=quant.use_double_quant,
-                              bnb_4bit_quant_storage=getattr(torch, quant.quant_storage))
+                              bnb_4bit_quant_storage=getattr(torch, quant.quant_storage), **skip)
 
 
-def run_bnb_config(quant: QuantizationConfig, precision: Precision):
-    """The ``BitsAndBytesConfig`` a run loads its base with, or None for an unquantized base."""
+def run_bnb_config(quant: QuantizationConfig, precision: Precision, model_config=None):
+    """The ``BitsAndBytesConfig`` a run loads its base (of ``model_config``) with, or None for an unquantized
+    base."""
     if not quant.enabled:
         return None
     require_bitsandbytes(f"--quantization {quant.quantization}", "or drop --quantization")
     import_bitsandbytes()
-    return bnb_config(quant, compute_dtype(quant, precision))
+    return bnb_config(quant, compute_dtype(quant, precision), kept_unquantized(model_config))
+
+
+def kept_unquantized(model_config) -> tuple[str, ...]:
+    """What stays in 16 bits beside the LM head: an image-and-text model's vision side (its base's parts beside the
+    language model, found on a model built on the meta device), as QLoRA recipes keep it; none for a text model."""
+    if model_config is None or not is_image_text(model_config):
+        return ()
+    with torch.device("meta"):
+        shape = model_class(model_config).from_config(model_config)
+    return (*outside_the_language_model(shape), "lm_head")
 
 
 def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.dtype) -> torch.nn.Module:
@@ -197,6 +211,7 @@ def describe_quantization(quant: QuantizationConfig, model: torch.nn.Module) -> 
     else:
         how = "LLM.int8"
     held = base_weight_bytes(model)
+    kept = outside_the_language_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
     return (f"quantization: {len(layers)} Linear layers in {quant.quantization} ({how}): "
             f"{held['quantized_bytes'] / 2**20:,.1f} MiB, {held['quantized_bytes'] / held['bf16_bytes']:.3f} of "
-            "their bfloat16 bytes; the LM head and embeddings unquantized")
+            f"their bfloat16 bytes; the LM head{', ' + ', '.join(kept) if kept else ''} and embeddings unquantized")

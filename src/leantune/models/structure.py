@@ -61,3 +61,24 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     if decoder is base and isinstance(inner, torch.nn.Module) and inner is not base:
         return inner
     return decoder
+
+
+def model_class(config):
+    """The transformers auto class that builds ``config``'s model: the image-and-text one for a model with a vision
+    tower (Llama 3.2 Vision's causal-LM class would drop it), else the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
+
+
+def outside_the_language_model(model: torch.nn.Module) -> list[str]:
+    """An image-and-text model's parts beside its language model (Gemma 3's ``model.vision_tower`` and
+    ``model.multi_modal_projector``), by name: leantune trains such a model on text rows, which never run them, so
+    LoRA stays off them. Empty for a text model."""
+    config = getattr(model, "config", None)
+    if config is None or text_config(config) is config:
+        return []
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    outer = next(name for name, module in model.named_modules() if module is decoder).rpartition(".")[0]
+    return [f"{outer}.{name}" if outer else name for name, child in model.get_submodule(outer).named_children()
+            if child is not decoder and child is not head and next(child.parameters(), None) is not None]

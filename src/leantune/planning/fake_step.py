@@ -207,7 +207,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
         model, place = meta_model(config, precision.weight_dtype), fake_placer(fakes)
     else:
         model, place = real_model(config, precision.weight_dtype), None
-    quantized = run_bnb_config(run_cfg.quant, on_target)
+    quantized = run_bnb_config(run_cfg.quant, on_target, config)
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
     model, report = prepare_model(model, run_cfg, precision, place=place)

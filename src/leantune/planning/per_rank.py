@@ -29,9 +29,11 @@ from typing import Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from leantune.builders.loaders import image_batches
 from leantune.config import CheckpointingConfig, ConfigError, DistributedConfig, RunConfig
 from leantune.memory.tracker import carried_tensors
 from leantune.models.facts import meta_model
+from leantune.models.image_text import lora_kept_off
 from leantune.models.loading import attach_lora
 from leantune.models.quantized import quantize_linear_layers, run_bnb_config
 from leantune.models.structure import decoder_layers
@@ -105,11 +107,12 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
     # building the stand-in draws from the CPU generator (LoRA's initialisation): a run's own draws stay as they were
     with torch.random.fork_rng(devices=[]):
         model = meta_model(config, precision.weight_dtype)
-        quantized = run_bnb_config(cfg.quant, precision)
+        quantized = run_bnb_config(cfg.quant, precision, config)
         if quantized is not None:
             quantize_linear_layers(model, quantized, precision.weight_dtype)
         if cfg.peft.use_peft:
-            model = attach_lora(model, cfg.peft)
+            kept_off = lora_kept_off(model, cfg.peft.lora_parts, image_batches(cfg.data, config))
+            model = attach_lora(model, cfg.peft, kept_off)
         if quantized is not None:  # the packed weights and their state as bitsandbytes makes them, on fake tensors
             fake_placer(FakeTensorMode(allow_non_fake_inputs=True))(model)
     layers = decoder_layers(model)

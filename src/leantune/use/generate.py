@@ -6,6 +6,11 @@ a LoRA run's output directory: its adapter is put on its base (the adapter's own
 (without ``--prompt`` it reads one turn a line from standard input, keeping the conversation);
 without it the prompt is continued as it is. The sampling flags are named as in transformers'
 ``generate``; greedy unless ``--do_sample``.
+
+``--image PATH`` asks an image-and-text model (Llama 3.2 Vision, LLaVA, Qwen2-VL, Gemma 3; a trained run, its
+adapter, or a merged one) about an image: with ``--chat`` the image goes in the first user turn, rendered by the
+processor's chat template; without it the prompt should hold the processor's image token (it is put in front
+when it does not).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Sequence
 import torch
 
 from leantune.models.merging import ADAPTER_CONFIG, DTYPE_CHOICES
+from leantune.models.structure import image_text_base, model_class, unwrap_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base_model", help="a LoRA run's base, where not the one its adapter names")
     p.add_argument("--prompt", help="the text to continue (with --chat: the user's turn)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each turn")
+    p.add_argument("--image", help="an image file for an image-and-text model (PNG, JPEG, ...)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     # unset, the model's own generation_config.json decides
@@ -39,9 +46,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(model_name: str, base_model: str | None, dtype: torch.dtype, device: torch.device):
-    """The model (a LoRA run's base with its adapter on it) and the tokenizer, ready to generate."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load(model_name: str, base_model: str | None, dtype: torch.dtype, device: torch.device, images: bool = False):
+    """The model (a LoRA run's base with its adapter on it) and the tokenizer (``images``: the processor), ready to
+    generate."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     path = Path(model_name)
     # not a hub id (one "owner/name"), or its first part is a local folder: a path, missing; no hub retries for it
@@ -53,17 +61,28 @@ def load(model_name: str, base_model: str | None, dtype: torch.dtype, device: to
         from peft import PeftModel
 
         base = base_model or json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), str(path))
+        auto_class = model_class(AutoConfig.from_pretrained(base))
+        model = PeftModel.from_pretrained(auto_class.from_pretrained(base, dtype=dtype), str(path))
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(model_name)
+        model = model_class(AutoConfig.from_pretrained(model_name)).from_pretrained(model_name, dtype=dtype)
+    if images and image_text_base(model) is None:
+        raise ValueError(f"--image: {model_name} is a language model alone ({type(unwrap_model(model)).__name__}); "
+                         "drop --image, or give an image-and-text model")
+    reader = AutoProcessor if images else AutoTokenizer
+    return model.to(device).eval(), reader.from_pretrained(model_name)
 
 
-def generate(model, tokenizer, text: str, args: argparse.Namespace, out) -> str:
-    """Stream the continuation of ``text`` to ``out``; returns it."""
+def generate(model, tokenizer, text: str, args: argparse.Namespace, out, image=None) -> str:
+    """Stream the continuation of ``text`` (about ``image``: ``tokenizer`` is then the processor) to ``out``;
+    returns it."""
     from transformers import TextStreamer
 
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
+    if image is None:
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
+    else:
+        inputs = tokenizer(images=[[image]], text=[text], return_tensors="pt", add_special_tokens=not args.chat)
+        inputs = inputs.to(model.device, dtype=model.dtype)  # floating inputs (the pixels) in the model's dtype
+        tokenizer = tokenizer.tokenizer
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     streamer.on_finalized_text = lambda piece, stream_end=False: print(piece, end="" if not stream_end else "\n",
                                                                        file=out, flush=True)
@@ -85,9 +104,14 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = DTYPE_CHOICES[args.dtype] if args.dtype else (
         torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32)
-    model, tokenizer = load(args.model_name, args.base_model, dtype, device)
+    model, tokenizer = load(args.model_name, args.base_model, dtype, device, images=args.image is not None)
+    image = read_image(args.image) if args.image else None
     if not args.chat:
-        generate(model, tokenizer, args.prompt, args, out)
+        prompt = args.prompt
+        marker = getattr(tokenizer, "image_token", None) if image is not None else None
+        if marker and marker not in prompt:
+            prompt = marker + prompt
+        generate(model, tokenizer, prompt, args, out, image)
         return
     if tokenizer.chat_template is None:  # checked once the tokenizer is read (a run's may differ from its base's)
         raise ValueError(f"--chat: {args.model_name}'s tokenizer has no chat template; drop --chat to continue "
@@ -97,9 +121,25 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
     for turn in turns:
         if not turn:
             break
-        messages.append({"role": "user", "content": turn})
+        if image is not None:  # the image in the first turn, as parts the processor's template renders
+            content = [{"type": "image"}] * (not messages) + [{"type": "text", "text": turn}]
+            messages.append({"role": "user", "content": content})
+        else:
+            messages.append({"role": "user", "content": turn})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        messages.append({"role": "assistant", "content": generate(model, tokenizer, text, args, out)})
+        answer = generate(model, tokenizer, text, args, out, image)
+        messages.append({"role": "assistant", "content": answer if image is None else [{"type": "text", "text": answer}]})
+
+
+def read_image(path: str):
+    """The image at ``path`` in RGB (``OSError`` naming it when it is missing or not an image)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (FileNotFoundError, UnidentifiedImageError) as err:
+        raise OSError(f"--image {path}: {'no such file' if isinstance(err, FileNotFoundError) else 'not an image'}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

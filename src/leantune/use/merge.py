@@ -25,6 +25,9 @@ from leantune.models.merging import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPE_CHOI
                                      read_adapter_config)
 
 
+PROCESSOR_CONFIG = "processor_config.json"  # what a processor's save_pretrained writes beside its tokenizer
+
+
 def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: Optional[str] = None,
               log: Callable[[str], None] = print) -> Path:
     """Merge ``run_dir``'s adapter into ``base`` (the adapter's own base by default), writing ``out_dir``."""
@@ -41,7 +44,8 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     if facts.get("model_type") and facts["model_type"] != base_config.get("model_type"):
         raise MergeRefused(f"the adapter was trained on a {facts['model_type']} model, {base_dir} is a "
                            f"{base_config.get('model_type')}; give its base with --model_name")
-    whole = bool(config.get("target_parameters"))  # LoRA on fused expert tensors: merged as a whole model
+    # LoRA on fused expert tensors, or an image-and-text model (its stored names are not its own): merged whole
+    whole = bool(config.get("target_parameters")) or bool(base_config.get("vision_config"))
     if not whole:
         lora = load_adapter(run_dir)[1]
         shards = base_shards(base_dir)
@@ -68,8 +72,9 @@ def merge_run(run_dir: Path, out_dir: Path, base: Optional[str] = None, dtype: O
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"merged {merged} into {base_dir}'s weights; wrote {out_dir} (loads with "
-        "AutoModelForCausalLM.from_pretrained; try it: leantune generate --model_name " f"{out_dir})")
+    loads_with = "AutoModelForImageTextToText" if base_config.get("vision_config") else "AutoModelForCausalLM"
+    log(f"merged {merged} into {base_dir}'s weights; wrote {out_dir} (loads with {loads_with}.from_pretrained; try "
+        f"it: leantune generate --model_name {out_dir})")
     return out_dir
 
 
@@ -128,11 +133,15 @@ def _write_companions(base_dir: Path, run_dir: Path, out: Path, base_config: dic
 
 def _write_tokenizer(base_dir: Path, run_dir: Path, out: Path) -> None:
     """The run's tokenizer where it saved one (its tokenizer_config.json, which save_pretrained writes with every
-    tokenizer), otherwise the base's."""
-    from transformers import AutoTokenizer
+    tokenizer), otherwise the base's; an image-and-text model's processor with it (the run's, else the base's)."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     has_tokenizer = (run_dir / "tokenizer_config.json").is_file()
     AutoTokenizer.from_pretrained(run_dir if has_tokenizer else base_dir).save_pretrained(out)
+    for source in (run_dir, base_dir):
+        if (source / PROCESSOR_CONFIG).is_file():
+            AutoProcessor.from_pretrained(source).save_pretrained(out)
+            return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
