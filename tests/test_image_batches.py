@@ -211,7 +211,7 @@ def test_freeze_llm_only_on_a_text_model_is_refused(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--batching_strategy", "packing"], "--batching_strategy packing: examples/image_colors_dataset.py"),
     (["--auto_batch_size", "--memory_budget_gb", "4"], "the planner does not count images yet"),
-    (["--quantization", "4bit", "--use_peft"], "--quantization: a 4-bit or 8-bit base for image-and-text runs"),
+    (["--enable_fsdp"], "--enable_fsdp: image-and-text runs train on one device for now"),
 ])
 def test_what_is_not_built_for_images_yet_is_refused_by_name(tiny, tmp_path, extra, message):
     with pytest.raises((ConfigError, DatasetError), match=message):

@@ -37,7 +37,6 @@ from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
 from leantune.models.image_text import load_processor
 from leantune.models.loading import ModelLoadError, load_tokenizer
-from leantune.models.structure import is_image_text
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_peak
 from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
@@ -179,9 +178,9 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     """
     cfg, (path, saved) = memory.cfg, resume
     tokenizer = load_tokenizer(cfg.model)
-    # an image-and-text model's dataset file is handed its processor, as llama-cookbook hands a vision dataset
-    processor = (load_processor(cfg.model.model_name) if cfg.data.custom_dataset_file and is_image_text(facts.config)
-                 else None)
+    # an image-and-text model's batches are made with its processor (a dataset file is handed it, as llama-cookbook
+    # hands a vision dataset; chat records are rendered by its chat template)
+    processor = load_processor(cfg.model.model_name) if image_batches(cfg.data, facts.config) else None
     data = RunData(cfg.data, cfg.training, tokenizer, log, dist, processor=processor)
     loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main

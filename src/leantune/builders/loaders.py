@@ -6,20 +6,60 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from leantune.config import DataConfig, TrainingConfig
-from leantune.data import DatasetError, NothingToLearn, build_datasets, custom_splits, make_dataloader, make_rows
+from leantune.config.data import parse_column_map
+from leantune.data import (DatasetError, NothingToLearn, build_datasets, custom_splits, make_dataloader, make_rows,
+                           records_source, split_records)
+from leantune.data.image_chat import ImageChatCollator, image_chat_rows
+from leantune.data.sources import read_source, rename_columns
+from leantune.formats.chat import read_template
 from leantune.data.collated import CollatedBatches, make_collated_loader
 from leantune.data.custom_file import custom_file_rows, data_collator, defines_collator
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.formats import format_entry
 from leantune.models.structure import is_image_text
 
+CHAT = "chat_dataset"
+
 
 def image_batches(data: DataConfig, model_config) -> bool:
-    """Whether the run's batches hold images: an image-and-text model (``model_config``) and a dataset file with a
-    collator."""
+    """Whether the run's batches are made with an image-and-text model's (``model_config``) processor: chat records
+    (which may hold images), or a dataset file with a collator."""
+    if not is_image_text(model_config):
+        return False
     file = data.custom_dataset_file
-    return bool(file) and is_image_text(model_config) and defines_collator(file)
+    return defines_collator(file) if file else data.dataset == CHAT
+
+
+def _collator(data: DataConfig, processor):
+    """What batches the rows with ``processor`` (an image-and-text model's): a dataset file's collator, the image
+    chat collator for chat records; None for token rows."""
+    if processor is None:
+        return None
+    if data.custom_dataset_file:
+        return data_collator(data.custom_dataset_file, processor)
+    if data.dataset == CHAT:
+        return ImageChatCollator(processor, data.assistant_turns == "last", read_template(data.chat_template))
+    return None
+
+
+def _image_rows(data: DataConfig, processor, tc: TrainingConfig) -> tuple[list, list]:
+    """(train, validation) rows for a collator: a dataset file's own splits, or chat records split by
+    ``--val_fraction`` (their images checked)."""
+    if data.custom_dataset_file:
+        train, test = custom_splits(data)
+        rows = custom_file_rows(data.custom_dataset_file, processor, train, (train, test))
+        wanted = tc.run_validation and data.val_fraction > 0
+        return rows, custom_file_rows(data.custom_dataset_file, processor, test, (train, test)) if wanted else []
+    source = records_source(data)
+    records = rename_columns(read_source(source), parse_column_map(data.column_map), source.name)
+    if not data.data_path and format_entry(data.dataset).from_bundled is not None:
+        records = [format_entry(data.dataset).from_bundled(record) for record in records]
+    base = Path(source.location) if Path(source.location).is_dir() else Path(source.location).parent
+    rows = image_chat_rows(records, source.name, base)
+    return split_records(rows, data.val_fraction, tc.seed)
 
 
 class RunData:
@@ -34,28 +74,26 @@ class RunData:
                  processor=None):
         self.data, self.pad_id, self.log, self.dist = data, tokenizer.pad_token_id, log, dist
         self._rows: dict[str, list] = {}
-        file = data.custom_dataset_file
-        collator = data_collator(file, processor) if file and processor is not None else None
+        collator = _collator(data, processor)
         self.collate = None if collator is None else CollatedBatches(collator, data.context_length, self.pad_id)
         if self.collate is None:
             self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed, validation=tc.run_validation,
                                                                     log=log, processor=processor)
             return
         if data.batching_strategy == "packing":
-            raise DatasetError(f"--batching_strategy packing: {file}'s rows are batched by its get_data_collator, "
-                               "images and all, and cannot be packed; pass --batching_strategy padding (as "
+            raise DatasetError(f"--batching_strategy packing: {data_source(data)}'s rows are batched with their images "
+                               "by the processor and cannot be packed; pass --batching_strategy padding (as "
                                "llama-cookbook's vision recipe does)")
-        train, test = custom_splits(data)
-        self.train_examples = custom_file_rows(file, processor, train, (train, test))
-        wanted = tc.run_validation and data.val_fraction > 0
-        self.val_examples = custom_file_rows(file, processor, test, (train, test)) if wanted else []
+        self.train_examples, self.val_examples = _image_rows(data, processor, tc)
         for split, rows in (("train", self.train_examples), ("validation", self.val_examples)):
             if rows:
                 self.collate([self._named(split, 0, rows[0])])  # the contract checked before any weight loads
             elif split == "train":
-                raise DatasetError(f"{file}: its {train} split has no rows")
+                raise DatasetError(f"{data_source(data)}: its training split has no rows")
 
     def _named(self, split: str, index: int, row) -> tuple[str, object]:
+        if isinstance(row, dict) and "_source" in row:  # a record of a data file: its line
+            return row["_source"], row
         name = self.data.custom_dataset_file.rpartition("/")[2].partition(":")[0]
         return f"{name} {split} row {index}", row
 
@@ -91,9 +129,11 @@ class RunData:
             sources = [self._named(split, index, row)[0] for index, row in enumerate(rows)]
             made.append(make_collated_loader(rows, sources, self.collate, batch_size=batch, shuffle=shuffle,
                                              **common) if rows else None)
-        self.log(f"data: {self.data.custom_dataset_file}: {len(self.train_examples)} train / "
-                 f"{len(self.val_examples)} validation rows, {len(made[0])} batches of {tc.batch_size_training} "
-                 "per epoch, each made by the file's get_data_collator with the model's processor (padding)")
+        how = ("the file's get_data_collator" if self.data.custom_dataset_file else
+               "the processor's chat template, the loss on the assistant's turns,")
+        self.log(f"data: {data_source(self.data)}: {len(self.train_examples)} train / {len(self.val_examples)} "
+                 f"validation rows, {len(made[0])} batches of {tc.batch_size_training} per epoch, each made by {how} "
+                 "with the model's processor (padding)")
         return made[0], made[1] if tc.run_validation else None
 
     def rows(self, split: str) -> list:

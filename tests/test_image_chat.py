@@ -1,0 +1,126 @@
+"""Chat records with images (``--dataset chat_dataset`` on an image-and-text model): image parts by path or from
+an ``images`` column, rendered by the processor's chat template, the loss on the assistant's tokens alone, and a
+missing or unreadable image said naming its record before any weight loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from leantune.cli_args import parse_run_config
+from leantune.data.image_chat import ImageChatCollator, image_chat_rows
+from leantune.formats.records import DatasetError
+from leantune.models.tiny_vision import build_tiny_image_text
+
+
+def _record(kind: str, image: str, answer: str) -> dict:
+    question = [{"type": "text", "text": "What color?"}]
+    if kind == "path":
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": image}, *question]},
+                             {"role": "assistant", "content": answer}]}
+    if kind == "column":
+        return {"images": [image], "messages": [{"role": "user", "content": [{"type": "image"}, *question]},
+                                                {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
+    return {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("image_chat")
+    (folder / "img").mkdir()
+    records = []
+    for index in range(12):
+        answer = ("red", "blue", "green")[index % 3]
+        Image.new("RGB", (28, 20), answer).save(folder / "img" / f"{index}.png")
+        records.append(_record(("path", "column", "text")[index % 3], f"img/{index}.png", answer))
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder, records
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    built = {}
+
+    def make(family):
+        if family not in built:
+            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(family))
+        return built[family]
+    return make
+
+
+@pytest.mark.parametrize("family", ["mllama", "llava", "gemma3"])
+def test_the_labels_are_the_assistants_tokens_alone(tiny, data, family):
+    from transformers import AutoProcessor
+
+    folder, records = data
+    processor = AutoProcessor.from_pretrained(tiny(family))
+    rows = image_chat_rows([dict(r, _line=i + 1) for i, r in enumerate(records[:3])], "train.jsonl", folder)
+    assert [len(row["images"]) for row in rows] == [1, 1, 0]
+    batch = ImageChatCollator(processor)(rows)
+    eos = processor.tokenizer.eos_token
+    for row, answer in enumerate(("red", "blue", "green")):
+        labels = batch["labels"][row]
+        assert processor.tokenizer.decode(labels[labels != -100]) == answer + eos
+        kept = labels != -100
+        assert (batch["input_ids"][row][kept] == labels[kept]).all()
+    assert "pixel_values" in batch
+
+
+def test_chat_records_with_images_train_through_leantune_finetune(tiny, data, tmp_path):
+    from leantune.finetuning import run
+
+    folder, _ = data
+    lines = []
+    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+                          str(folder / "train.jsonl"), "--batching_strategy", "padding", "--output_dir",
+                          str(tmp_path / "out"), "--max_train_step", "2", "--batch_size_training", "4",
+                          "--context_length", "64", "--num_workers_dataloader", "0", "--val_fraction", "0.25"]),
+        log=lines.append)
+    assert any(line.startswith(f"data: {folder / 'train.jsonl'}: 9 train / 3 validation rows, 3 batches of 4 per "
+                               "epoch, each made by the processor's chat template") for line in lines)
+    assert sum(line.startswith("epoch 1 step") for line in lines) == 2
+
+
+def _deep(path):
+    Image.fromarray(np.full((8, 8), 4000, dtype=np.uint16)).save(path)
+
+
+@pytest.mark.parametrize("record, prepare, message", [
+    (_record("path", "img/none.png", "red"), None, "train.jsonl:1: image {folder}/img/none.png: no such file"),
+    (_record("path", "bad.png", "red"), lambda f: (f / "bad.png").write_text("not a png"),
+     "train.jsonl:1: image {folder}/bad.png: not a readable image"),
+    (_record("path", "deep.png", "red"), lambda f: _deep(f / "deep.png"),
+     "train.jsonl:1: image {folder}/deep.png is I;16 \\(more than 8 bits a pixel\\)"),
+    ({**_record("column", "a.png", "red"), "images": ["a.png", "a.png"]}, None,
+     "train.jsonl:1: 1 image\\(s\\) of its 'images' column have no image part to go in"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]}, None,
+     "train.jsonl:1: turn 0: an image part names no image"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]}, None,
+     "train.jsonl:1: turn 0: a content part must be"),
+])
+def test_a_bad_image_record_is_said_naming_it_before_any_weight_loads(tiny, tmp_path, record, prepare, message):
+    from leantune.finetuning import run
+
+    if prepare is not None:
+        prepare(tmp_path)
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "train.jsonl").write_text(json.dumps(record) + "\n")
+    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+             str(tmp_path / "train.jsonl"), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
+             "--context_length", "64", "--val_fraction", "0"]
+    with pytest.raises(DatasetError, match=message.format(folder=tmp_path)):
+        run(parse_run_config(flags), log=lambda line: None)
+
+
+def test_packing_image_chat_records_is_refused(tiny, data, tmp_path):
+    from leantune.finetuning import run
+
+    folder, _ = data
+    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+             str(folder / "train.jsonl"), "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
+    with pytest.raises(DatasetError, match="--batching_strategy packing: .*train.jsonl's rows are batched with their "
+                                           "images by the processor and cannot be packed"):
+        run(parse_run_config(flags), log=lambda line: None)
