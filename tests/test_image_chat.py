@@ -115,6 +115,14 @@ def test_a_bad_image_record_is_said_naming_it_before_any_weight_loads(tiny, tmp_
         run(parse_run_config(flags), log=lambda line: None)
 
 
+def test_every_image_is_checked_as_the_records_are_read(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    records = [dict(_record("path", "a.png", "red"), _line=line) for line in (1, 2, 3)]
+    records.append(dict(_record("path", "gone.png", "red"), _line=4))
+    with pytest.raises(DatasetError, match=f"train.jsonl:4: image {tmp_path}/gone.png: no such file"):
+        image_chat_rows(records, "train.jsonl", tmp_path)
+
+
 def test_packing_image_chat_records_is_refused(tiny, data, tmp_path):
     from leantune.finetuning import run
 

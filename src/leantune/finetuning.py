@@ -106,11 +106,9 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
         log(compile_decoder_layers(model))
     step = build_train_step(cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
     log(describe_optimizer(cfg.training, step.optimizer))
-    images = image_batches(cfg.data, facts.config)
-    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces, images) or (None, None)
+    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces) or (None, None)
     # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
-    peak_tflops = None if images else dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops),
-                                                     what="peak TFLOP/s")
+    peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
     parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
                           scheduler=build_scheduler(cfg.training, step.optimizer),
                           state_store=TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log),

@@ -22,7 +22,6 @@ from leantune.builders.loaders import image_batches
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.image_text import check_image_text_class
 from leantune.models.structure import is_image_text
-from leantune.planning.choose import needs_plan
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
 from leantune.optimizers import AUTO, optimizer_entry
 from leantune.optional import installed
@@ -55,13 +54,9 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
 
 # What an image-and-text run (batches of the dataset file's collator) cannot take yet, and why.
 NOT_WITH_IMAGES = (
-    (lambda cfg: needs_plan(cfg.checkpointing, cfg.memory, cfg.training),
-     "--activation_checkpointing_mode auto, --auto_batch_size and --optimizer auto plan the step, and the planner "
-     "does not count images yet; name the mode, the batch and the optimizer"),
     (lambda cfg: cfg.training.tiled_mlp not in ("auto", "off"), "--tiled_mlp: not for image-and-text runs yet"),
     (lambda cfg: cfg.distributed.enable_fsdp, "--enable_fsdp: image-and-text runs train on one device for now"),
-    (lambda cfg: cfg.memory.offload_embedding or cfg.memory.offload_experts,
-     "--offload_embedding / --offload_experts: not for image-and-text runs yet"),
+    (lambda cfg: cfg.memory.offload_experts, "--offload_experts: not for image-and-text runs yet"),
 )
 
 

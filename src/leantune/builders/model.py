@@ -99,7 +99,9 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
-    if tokens and image_text_base(model) is None:  # an image-and-text model's vision layers are not tiled  # inside the layers, so every checkpointing mode wraps the layer around it
+    # inside the layers, so every checkpointing mode wraps the layer around it; an image-and-text model's
+    # vision layers are not tiled (nor is it, yet)
+    if tokens and image_text_base(model) is None:
         tile_mlps(model, tokens)
     if image_text_base(model) is not None:
         checkpointable_vision_layers(model)  # Llama 3.2 Vision's encoder layers, checkpointed as the decoder's
@@ -128,7 +130,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         on_meta_device = meta_model(facts.config, precision.weight_dtype, cpu_stand_in=False)  # it will train
         model, report = prepare_model(on_meta_device, cfg, precision, place=lambda _model: None)
     elif shard_first:
-        skeleton = quantized_skeleton(facts.config, precision.weight_dtype, run_bnb_config(cfg.quant, precision, facts.config))
+        quantized = run_bnb_config(cfg.quant, precision, facts.config, cfg.peft.freeze_LLM_only)
+        skeleton = quantized_skeleton(facts.config, precision.weight_dtype, quantized)
         model, report = prepare_model(skeleton, cfg, precision, place=lambda _model: None)
     else:
         # under FSDP a quantized base is quantized in host memory too, and fully_shard moves its shards
@@ -136,8 +139,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         # one GPU: 4-bit experts quantized as they load (under FSDP they stay in 16 bits)
         experts = (contextlib.nullcontext if cfg.distributed.enable_fsdp
                    else functools.partial(experts_quantized_as_loaded, cfg.quant))
-        loaded = load_model(cfg.model, precision.weight_dtype, facts.attention,
-                            run_bnb_config(cfg.quant, precision, facts.config), loads_on,
+        quantized = run_bnb_config(cfg.quant, precision, facts.config, cfg.peft.freeze_LLM_only)
+        loaded = load_model(cfg.model, precision.weight_dtype, facts.attention, quantized, loads_on,
                             config=facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits else None,
                             experts=experts)
         model, report = prepare_model(loaded, cfg, precision)

@@ -343,7 +343,8 @@ class RunConfig:
         self._check_optimizer_flags()
         dc = self.distributed
         offload_conflicts(self.memory, self.peft.use_peft, self.quant.quantization, dc.enable_fsdp)
-        quantization_conflicts(self.quant, self.peft.use_peft, dc.enable_fsdp, dc.low_cpu_fsdp)
+        quantization_conflicts(self.quant, self.peft.use_peft, dc.enable_fsdp, dc.low_cpu_fsdp,
+                               self.peft.freeze_LLM_only)
         mode = self.checkpointing.activation_checkpointing_mode
         if self.training.compile and mode not in (None, AUTO) and not policy_class(mode).compiles:
             raise ConfigError(f"--compile: not with --activation_checkpointing_mode {mode} (its hooks act while the "

@@ -49,14 +49,17 @@ class QuantizationConfig:
         return self.quantization is not None
 
 
-def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsdp: bool, low_cpu_fsdp: bool) -> None:
-    """Refuse, naming both flags, what a quantized base cannot train with."""
+def quantization_conflicts(quant: QuantizationConfig, use_peft: bool, enable_fsdp: bool, low_cpu_fsdp: bool,
+                           frozen_language_model: bool = False) -> None:
+    """Refuse, naming both flags, what a quantized base cannot train with (``frozen_language_model``:
+    ``--freeze_LLM_only``, whose frozen language model may be quantized)."""
     if not quant.enabled:
         return
     flag = f"--quantization {quant.quantization}"
-    if not use_peft:
+    if not (use_peft or frozen_language_model):
         raise ConfigError(f"{flag}: quantized base weights cannot be trained (full fine-tuning); add --use_peft "
-                          "to train LoRA adapters on the quantized base (QLoRA)")
+                          "to train LoRA adapters on the quantized base (QLoRA), or for an image-and-text model "
+                          "--freeze_LLM_only (its frozen language model quantized, the vision side trained)")
     if not enable_fsdp:
         return
     if quant.quantization == "8bit":

@@ -16,10 +16,8 @@ import functools
 
 import torch
 from leantune.models.loading import ModelLoadError, resolve_model_path, with_pad_token
-from leantune.models.structure import decoder_of, image_text_base, is_image_text, unwrap_model
-
-# What a family's language model calls the layers that attend to the image (Llama 3.2 Vision's fusion).
-CROSS_ATTENTION = "cross_attention_layers"
+from leantune.models.structure import (cross_attention_layers, decoder_of, image_text_base, is_image_text,
+                                       unwrap_model)
 
 
 def check_image_text_class(model: torch.nn.Module) -> None:
@@ -75,13 +73,6 @@ def lora_kept_off(model: torch.nn.Module, chosen: list[str], images: bool) -> tu
     if chosen == ["auto"]:
         how += ": the batches hold images" if images else ": text rows never run the vision side"
     return off, f"{', '.join(role for role in found if role in wanted)} ({how})"
-
-
-def cross_attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
-    """Llama 3.2 Vision's cross-attention layers (by its config's ``cross_attention_layers`` indices), else none."""
-    indices = getattr(getattr(decoder, "config", None), CROSS_ATTENTION, None) or []
-    layers = getattr(decoder, "layers", [])
-    return [layers[i] for i in indices if i < len(layers)]
 
 
 def freeze_language_model(model: torch.nn.Module) -> None:

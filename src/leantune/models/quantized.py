@@ -17,7 +17,8 @@ import torch
 
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.tracker import carried_tensors
-from leantune.models.structure import is_image_text, model_class, outside_the_language_model
+from leantune.models.structure import (cross_attention_layers, decoder_of, is_image_text, model_class,
+                                       outside_the_language_model)
 from leantune.optional import import_bitsandbytes, installed
 from leantune.precision import Precision
 
@@ -72,24 +73,28 @@ def bnb_config(quant: QuantizationConfig, compute: torch.dtype, kept: Sequence[s
                               bnb_4bit_quant_storage=getattr(torch, quant.quant_storage), **skip)
 
 
-def run_bnb_config(quant: QuantizationConfig, precision: Precision, model_config=None):
+def run_bnb_config(quant: QuantizationConfig, precision: Precision, model_config=None, fusion_trains: bool = False):
     """The ``BitsAndBytesConfig`` a run loads its base (of ``model_config``) with, or None for an unquantized
-    base."""
+    base; ``fusion_trains``: ``--freeze_LLM_only``, whose cross-attention layers train and so stay whole."""
     if not quant.enabled:
         return None
     require_bitsandbytes(f"--quantization {quant.quantization}", "or drop --quantization")
     import_bitsandbytes()
-    return bnb_config(quant, compute_dtype(quant, precision), kept_unquantized(model_config))
+    return bnb_config(quant, compute_dtype(quant, precision), kept_unquantized(model_config, fusion_trains))
 
 
-def kept_unquantized(model_config) -> tuple[str, ...]:
+def kept_unquantized(model_config, fusion_trains: bool = False) -> tuple[str, ...]:
     """What stays in 16 bits beside the LM head: an image-and-text model's vision side (its base's parts beside the
-    language model, found on a model built on the meta device), as QLoRA recipes keep it; none for a text model."""
+    language model, found on a model built on the meta device), as QLoRA recipes keep it, and with
+    ``fusion_trains`` its cross-attention layers; none for a text model."""
     if model_config is None or not is_image_text(model_config):
         return ()
     with torch.device("meta"):
         shape = model_class(model_config).from_config(model_config)
-    return (*outside_the_language_model(shape), "lm_head")
+    decoder = decoder_of(shape)
+    names = {id(module): name for name, module in shape.named_modules()}
+    fusion = [names[id(layer)] for layer in cross_attention_layers(decoder)] if fusion_trains else []
+    return (*outside_the_language_model(shape), *fusion, "lm_head")
 
 
 def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.dtype) -> torch.nn.Module:

@@ -82,3 +82,10 @@ def outside_the_language_model(model: torch.nn.Module) -> list[str]:
     outer = next(name for name, module in model.named_modules() if module is decoder).rpartition(".")[0]
     return [f"{outer}.{name}" if outer else name for name, child in model.get_submodule(outer).named_children()
             if child is not decoder and child is not head and next(child.parameters(), None) is not None]
+
+
+def cross_attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """Llama 3.2 Vision's cross-attention layers (by its config's ``cross_attention_layers`` indices), else none."""
+    indices = getattr(getattr(decoder, "config", None), "cross_attention_layers", None) or []
+    layers = getattr(decoder, "layers", [])
+    return [layers[i] for i in indices if i < len(layers)]

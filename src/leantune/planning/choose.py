@@ -211,16 +211,13 @@ def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
 
 
 def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None, images: bool = False) -> Optional[tuple[int, int]]:
+                   traces: Optional[StepTraces] = None) -> Optional[tuple[int, int]]:
     """What the allocator should count at the step's peak, and what it should reserve, from the plan;
     only on a GPU, which can measure both.
 
     Under FSDP, one rank's (the run's ``traces`` make every plan a rank's share), which is what each
-    rank measures. ``images``: the batches hold images, which the planner does not count yet: no plan, said.
+    rank measures.
     """
-    if images:
-        log("plan: none for batches of images yet (the planner counts text rows only): no predicted peak, no MFU")
-        return None
     if device.type != "cuda":
         return None
     plan = memory.plan
@@ -230,6 +227,7 @@ def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
         return None
     predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
     reserved = predicted + plan.fragmentation_bytes  # the workspace is the allocator's too; context and NCCL are not
+    image = f"; with {plan.images}" if plan.images else ""  # an image-and-text model's rows
     log(f"plan: predicted peak {format_bytes(predicted)} allocated per step, {format_bytes(reserved)} reserved "
-        f"({format_bytes(plan.peak_bytes)} with the context), compared with step 2's measured peaks")
+        f"({format_bytes(plan.peak_bytes)} with the context{image}), compared with step 2's measured peaks")
     return predicted, reserved

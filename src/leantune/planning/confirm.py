@@ -16,12 +16,13 @@ from leantune.builders.step import loss_model_for
 from leantune.config import ConfigError, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
+from leantune.models.image_inputs import planned_image, with_planned_images
 from leantune.models.structure import unwrap_model
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import batch_candidates, format_bytes, plan_modes, run_mode, with_batch
 from leantune.precision import Precision
-from leantune.training.step import loss_and_backward
+from leantune.training.step import image_inputs, loss_and_backward
 
 
 def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
@@ -45,9 +46,12 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
+                image = planned_image(unwrap_model(model).config)  # an image-and-text model: the planned image
+                rows = rows if image is None else with_planned_images(rows, unwrap_model(model).config, image)
                 with (StepPeakMeter(device, model) if measured else contextlib.nullcontext()) as meter:
-                    loss_and_backward(loss_model, rows["input_ids"], rows["labels"], precision,
-                                      position_ids=rows.get("position_ids"), segments=rows.get("segments"))
+                    loss_and_backward(loss_model, rows["input_ids"].to(device), rows["labels"].to(device), precision,
+                                      position_ids=rows.get("position_ids"), segments=rows.get("segments"),
+                                      images=image_inputs(rows, device))
                 return meter.budget_bytes_used if measured else 0
         finally:
             for hook in hooks:

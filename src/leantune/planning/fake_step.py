@@ -37,12 +37,13 @@ from leantune.loss import sampled_chunks
 from leantune.memory.allocator_model import AllocatorPair, expandable_segments_on
 from leantune.memory.tracker import ON_HOST
 from leantune.models.facts import attention_of, meta_model, model_from_config
+from leantune.models.image_inputs import PlannedImage, planned_image, with_planned_images
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
 from leantune.models.structure import decoder_layers, decoder_of, unwrap_model
 from leantune.optimizers import pinned_size
 from leantune.planning.flop_tracker import FlopCountingTracker
 from leantune.precision import Precision, choose_precision
-from leantune.training.step import TrainStep
+from leantune.training.step import TEXT_KEYS, TrainStep
 
 CPU = torch.device("cpu")
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -207,7 +208,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
         model, place = meta_model(config, precision.weight_dtype), fake_placer(fakes)
     else:
         model, place = real_model(config, precision.weight_dtype), None
-    quantized = run_bnb_config(run_cfg.quant, on_target, config)
+    quantized = run_bnb_config(run_cfg.quant, on_target, config, run_cfg.peft.freeze_LLM_only)
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
     model, report = prepare_model(model, run_cfg, precision, place=place)
@@ -218,7 +219,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     tc = run_cfg.training
-    window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes)
+    image = planned_image(config)
+    window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes, config, image)
               for _ in range(min(tc.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
     return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
@@ -343,17 +345,25 @@ def _by_stage(moments: dict) -> dict:
     return stages
 
 
-def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTensorMode] = None) -> dict:
+def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTensorMode] = None, config=None,
+                image: Optional[PlannedImage] = None) -> dict:
     """A batch of full rows (packing; also padding's longest batch), every position a target, with the position
-    ids (and so the attention mask or the spans) of examples packed apart when the run packs them so.
+    ids (and so the attention mask or the spans) of examples packed apart when the run packs them so; an
+    image-and-text model's rows each start with the ``image`` its plan assumes (``models.image_inputs``).
 
-    For a fake step (``fakes``) the tokens and positions the model reads are fake, so whatever is made from
-    them (an S x S mask) is never allocated; the labels and the padding mask, which the step counts on the
-    host, stay real (a few bytes a token); ``varlen``'s spans come with the batch.
+    For a fake step (``fakes``) the tokens and positions the model reads are fake, so whatever is made from them
+    (an S x S mask) is never allocated; the labels and the padding mask, which the step counts on the host, stay
+    real (a few bytes a token); ``varlen``'s spans come with the batch.
     """
     batch = full_rows_batch(rows, data.context_length, vocab, data.packs_apart)
+    if image is not None:
+        batch = with_planned_images(batch, config, image)
     if fakes is not None:
-        if "position_ids" in batch:
-            batch["position_ids"] = fakes.from_tensor(batch["position_ids"])
-        batch["input_ids"] = fakes.from_tensor(batch["input_ids"])
+        # an image-and-text model checks its image tokens against its image features (a count read from the ids):
+        # its ids, and what else tells tokens apart, stay real; its pixels are fake
+        keys = [key for key in batch if key not in TEXT_KEYS and batch[key].is_floating_point()] if image else [
+            "position_ids", "input_ids"]
+        for key in keys:
+            if isinstance(batch.get(key), torch.Tensor):
+                batch[key] = fakes.from_tensor(batch[key])
     return batch

@@ -107,7 +107,7 @@ def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: in
     # building the stand-in draws from the CPU generator (LoRA's initialisation): a run's own draws stay as they were
     with torch.random.fork_rng(devices=[]):
         model = meta_model(config, precision.weight_dtype)
-        quantized = run_bnb_config(cfg.quant, precision, config)
+        quantized = run_bnb_config(cfg.quant, precision, config, cfg.peft.freeze_LLM_only)
         if quantized is not None:
             quantize_linear_layers(model, quantized, precision.weight_dtype)
         if cfg.peft.use_peft:

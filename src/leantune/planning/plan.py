@@ -21,6 +21,7 @@ from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunC
 from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES
 from leantune.models.facts import check_context_length, text_config
+from leantune.models.image_inputs import planned_image
 from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
 
 GIB = 2**30
@@ -94,6 +95,7 @@ class ModePlan:
     pinned_host_bytes: int = 0  # the pinned part of host_bytes
     offload_pool_bytes: int = 0  # offload's pinned pool at its fullest (in host_bytes and pinned_host_bytes)
     stage_breakdowns: dict = dataclasses.field(default_factory=dict, repr=False)  # per stage of the step, at its peak
+    images: str = ""  # an image-and-text model: the image each row is planned with (``models.image_inputs``)
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -247,6 +249,9 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
         pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
     plans = {mode: share(plan_from_trace(mode, trace, *batch_and_context, target, expandable))
              for mode, trace in found.items()}
+    image = planned_image(config)
+    for plan in plans.values():
+        plan.images = image.description if image is not None else ""
     if pinned:  # beside any optimizer state on the host
         plans[OFFLOAD].host_bytes += pinned
         plans[OFFLOAD].pinned_host_bytes += pinned

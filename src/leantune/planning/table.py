@@ -9,6 +9,7 @@ import torch
 from leantune.checkpointing.modes import NONE
 from leantune.config import RunConfig
 from leantune.models.facts import text_config
+from leantune.models.image_inputs import planned_image
 from leantune.planning.fake_step import assumes_bf16, target_precision
 from leantune.planning.max_context import describe_levers
 from leantune.planning.plan import EXTRA_SOURCES, GIB, MIB, ModePlan, run_mode
@@ -62,10 +63,12 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
         kind += f", {' and '.join(kept)} in host memory"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
     text = text_config(config)  # a composite (image and text) config: its language model's
+    image = planned_image(config)
+    images = f"; {image.description} (its tokens within the context)" if image is not None else ""
     return (f"plan: {cfg.model.model_name} ({text.num_hidden_layers} layers, hidden {text.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"
             f"{f', {cfg.training.gradient_accumulation_steps} batches per step' if cfg.training.gradient_accumulation_steps > 1 else ''}"
-            f", for {'a GPU' if target.type == 'cuda' else 'the CPU'} ({precision})")
+            f", for {'a GPU' if target.type == 'cuda' else 'the CPU'} ({precision}){images}")
 
 
 COMPILE_NOTE = ("note: --compile: planned as the eager step (compiled graphs are not traced on fake tensors). "

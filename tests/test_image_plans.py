@@ -1,0 +1,119 @@
+"""Plans of image-and-text runs: each row planned with one image at its processor's default size, the plan equal to
+the same step measured on real tensors (tiny Llama 3.2 Vision, LLaVA, Gemma 3, Qwen2-VL), the image said, auto
+batch and the frozen 4-bit language model under --freeze_LLM_only, and the published shapes by hub id."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leantune.cli_args import parse_run_config
+from leantune.models.tiny_vision import build_tiny_image_text
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    built = {}
+
+    def make(family):
+        if family not in built:
+            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(family))
+        return built[family]
+    return make
+
+
+@pytest.mark.parametrize("family, flags", [("mllama", ["--use_peft"]), ("llava", ["--freeze_LLM_only"]),
+                                           ("gemma3", ["--use_peft"]), ("qwen2_vl", [])])
+def test_the_plan_equals_the_measured_step_with_its_images(tiny, family, flags):
+    from leantune.models.facts import run_model_facts
+    from leantune.planning.fake_step import trace_step
+
+    cfg = parse_run_config(["--model_name", str(tiny(family)), "--context_length", "300", "--batch_size_training",
+                            "2", "--enable_activation_checkpointing", *flags])
+    config = run_model_facts(cfg.model).config
+    predicted, measured = trace_step(cfg, config, CPU, "full"), trace_step(cfg, config, CPU, "full", fake=False)
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
+    again = trace_step(cfg, config, CPU, "full")
+    assert again.peak_bytes == predicted.peak_bytes  # traced once more, the same: nothing random in it
+
+
+def test_the_planned_batch_holds_the_processors_image_inputs(tiny):
+    """The planned Llava row is what its processor makes of one image of the vision tower's size."""
+    from transformers import AutoProcessor
+    from PIL import Image
+
+    from leantune.data.packing import full_rows_batch
+    from leantune.models.facts import run_model_facts
+    from leantune.models.image_inputs import planned_image, with_planned_images
+
+    path = tiny("llava")
+    config = run_model_facts(parse_run_config(["--model_name", str(path)]).model).config
+    image = planned_image(config)
+    planned = with_planned_images(full_rows_batch(1, 32, config.text_config.vocab_size, False), config, image)
+    made = AutoProcessor.from_pretrained(path)(images=[[Image.new("RGB", (28, 28))]], text=["<image>x"],
+                                               return_tensors="pt")
+    assert planned["pixel_values"].shape == made["pixel_values"].shape
+    assert int((planned["input_ids"] == config.image_token_id).sum()) == int((made["input_ids"] ==
+                                                                             config.image_token_id).sum())
+    assert image.description == "one 28x28 image a row, 4 image tokens"
+
+
+def test_auto_batch_size_and_the_plan_line_on_an_image_run(tiny, tmp_path):
+    from leantune.finetuning import run
+
+    lines = []
+    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+                          "examples/image_colors_dataset.py", "--batching_strategy", "padding", "--output_dir",
+                          str(tmp_path / "out"), "--context_length", "64", "--num_workers_dataloader", "0",
+                          "--auto_batch_size", "--memory_budget_gb", "1", "--max_train_step", "1"]), log=lines.append)
+    assert any(line.startswith("batch size: auto chose ") for line in lines)
+    assert any(line.startswith("batch size: confirmed ") and "with one real step" for line in lines)
+    assert any(line.startswith("epoch 1 step 1/1") for line in lines)
+
+
+def test_freeze_llm_only_on_a_4bit_language_model_keeps_the_fusion_layers_whole_and_trains(tiny, tmp_path):
+    from leantune.builders.model import build_model
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(tiny("mllama")), "--freeze_LLM_only", "--quantization", "4bit"])
+    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda line: None)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()
+             if name.endswith(("q_proj", "gate_proj"))}
+    assert {kind for name, kind in kinds.items() if ".language_model.layers.0." in name} == {"Linear4bit"}
+    assert {kind for name, kind in kinds.items() if ".language_model.layers.1." in name} == {"Linear"}  # the fusion
+    assert {kind for name, kind in kinds.items() if "vision_model" in name} == {"Linear"}
+    assert all(p.requires_grad for p in model.model.language_model.layers[1].parameters())
+
+
+def test_the_offloaded_embedding_leaves_an_image_runs_losses_unchanged(tiny, tmp_path):
+    from leantune.finetuning import run
+
+    losses = []
+    for extra in ([], ["--offload_embedding"]):
+        out = tmp_path / f"out{len(extra)}"
+        run(parse_run_config(["--model_name", str(tiny("mllama")), "--dataset", "custom_dataset",
+                              "--custom_dataset.file", "examples/image_colors_dataset.py", "--batching_strategy",
+                              "padding", "--output_dir", str(out), "--use_peft", "--max_train_step", "2",
+                              "--context_length", "64", "--num_workers_dataloader", "0", "--save_metrics", *extra]),
+            log=lambda line: None)
+        losses.append([step["loss"] for step in json.loads((out / "metrics.json").read_text())["train_steps"]])
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("hub_id, billions", [("meta-llama/Llama-3.2-11B-Vision-Instruct", 10.670),
+                                              ("meta-llama/Llama-3.2-90B-Vision", 88.593),
+                                              ("Qwen/Qwen2.5-VL-7B-Instruct", 8.292),
+                                              ("google/gemma-3-12b-it", 12.187)])
+def test_the_published_shapes_plan_offline_by_hub_id(hub_id, billions):
+    from leantune.models.facts import meta_model
+    from leantune.models.image_inputs import planned_image
+    from leantune.models.presets import model_config
+
+    config = model_config(hub_id)
+    count = sum(p.numel() for p in meta_model(config, torch.bfloat16).parameters())
+    assert count / 1e9 == pytest.approx(billions, abs=0.001)
+    assert planned_image(config) is not None
