@@ -55,7 +55,6 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
 # What an image-and-text run (batches of the dataset file's collator) cannot take yet, and why.
 NOT_WITH_IMAGES = (
     (lambda cfg: cfg.training.tiled_mlp not in ("auto", "off"), "--tiled_mlp: not for image-and-text runs yet"),
-    (lambda cfg: cfg.distributed.enable_fsdp, "--enable_fsdp: image-and-text runs train on one device for now"),
     (lambda cfg: cfg.memory.offload_experts, "--offload_experts: not for image-and-text runs yet"),
 )
 

@@ -342,7 +342,8 @@ class RunConfig:
             raise ConfigError("--use_fp16: conflicts with --model_dtype bfloat16; pick one half-precision type")
         self._check_optimizer_flags()
         dc = self.distributed
-        offload_conflicts(self.memory, self.peft.use_peft, self.quant.quantization, dc.enable_fsdp)
+        offload_conflicts(self.memory, self.peft.use_peft or self.peft.freeze_LLM_only, self.quant.quantization,
+                          dc.enable_fsdp)
         quantization_conflicts(self.quant, self.peft.use_peft, dc.enable_fsdp, dc.low_cpu_fsdp,
                                self.peft.freeze_LLM_only)
         mode = self.checkpointing.activation_checkpointing_mode

@@ -56,8 +56,8 @@ class MemoryConfig:
 def offload_conflicts(memory: MemoryConfig, use_peft: bool, quantization: Optional[str], enable_fsdp: bool) -> None:
     """What keeping weights in host memory needs from the other sections."""
     if memory.offload_embedding:
-        _require(use_peft, "offload_embedding", "keeps a frozen embedding on the host and needs --use_peft (full "
-                 "fine-tuning trains the embedding)")
+        _require(use_peft, "offload_embedding", "keeps a frozen embedding on the host and needs --use_peft or "
+                 "--freeze_LLM_only (full fine-tuning trains the embedding)")
         _require(not enable_fsdp, "offload_embedding", "not with --enable_fsdp (each rank holds a shard of the "
                  "embedding); drop one")
     if memory.offload_experts:
