@@ -10,7 +10,7 @@ Gemma 3: 896 x 896, 256 tokens), its tokens within the 2,048.
 
 - QLoRA: LoRA r8 on q_proj and v_proj of every part (``--lora_parts auto`` with images), the language model in
   4-bit NF4, the vision side in bfloat16; the leanest row adds ``--offload_embedding`` (the frozen input embedding in
-  host memory).
+  host memory; not for Gemma 3, whose embedding is tied to its head).
 - Llama 3.2 Vision's encoder and fusion fully fine-tuned with the decoder frozen (llama-cookbook's
   ``--freeze_LLM_only``), bfloat16 weights (``--model_dtype bfloat16``), the decoder in 16 bits or in 4 bits, each
   optimizer rung that keeps the step on the GPU or its state on the host: 8-bit AdamW stepped in backward, 4-bit
@@ -47,7 +47,7 @@ ROWS = [  # (what, hub id, flag sets tried (the leanest counts), target GiB or N
     ("encoder + fusion, decoder frozen in 4 bits", LLAMA_11B,
      [[*FROZEN, "--quantization", "4bit", *rung] for rung in RUNGS], 14.0, "-"),
     ("QLoRA", "Qwen/Qwen2.5-VL-7B-Instruct", [QLORA, [*QLORA, "--offload_embedding"]], 8.0, "Unsloth: a 16 GB T4 (Qwen2-VL)"),
-    ("QLoRA", "google/gemma-3-12b-it", [QLORA, [*QLORA, "--offload_embedding"]], None, "-"),
+    ("QLoRA", "google/gemma-3-12b-it", [QLORA], None, "-"),  # its embedding is tied to its head: on the GPU
     ("QLoRA", "meta-llama/Llama-3.2-90B-Vision-Instruct", [[*QLORA, "--offload_embedding"]], None, "-"),
 ]
 PARTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes", "temporary_bytes",

@@ -35,7 +35,7 @@ LONG_PROMPT = json.dumps({"prompt": "word " * 300, "completion": "ok"})
 # id: (flags, {file name: content (str, or bytes)}, exit code, text in the error)
 CASES = {
     "unknown flag": (["--batch_size", "4"], {}, 2, "unknown flag --batch_size; did you mean --batch_size_training?"),
-    "cookbook-only flag": (["--freeze_layers", "true"], {}, 2, "--freeze_layers is a llama-cookbook flag"),
+    "cookbook-only flag": (["--use_fast_kernels", "true"], {}, 2, "--use_fast_kernels is a llama-cookbook flag"),
     "quantized full fine-tuning": (["--quantization", "4bit"], {}, 2,
                                    "--quantization 4bit: quantized base weights cannot be trained (full fine-tuning); "
                                    "add --use_peft"),

@@ -373,3 +373,22 @@ def test_two_ranks_give_the_losses_of_one_process_on_an_image_run(tiny, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=1e-4)
+
+
+def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(tiny, tmp_path):
+    from leantune.builders.model import build_model
+    from leantune.precision import choose_precision
+    from leantune.preflight import preflight
+
+    cfg = parse_run_config(["--model_name", str(tiny("llava")), "--freeze_layers", "--num_freeze_layers", "1"])
+    lines = []
+    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lines.append)
+    layers = model.model.language_model.layers
+    assert not any(p.requires_grad for p in layers[0].parameters())
+    assert all(p.requires_grad for p in layers[1].parameters()) and model.lm_head.weight.requires_grad
+    assert ("frozen: the first 1 of 2 decoder layers (--freeze_layers --num_freeze_layers 1); the rest of the model "
+            "trains") in lines
+    too_many = parse_run_config(["--model_name", str(tiny("llava")), "--freeze_layers", "--num_freeze_layers", "3",
+                                 "--output_dir", str(tmp_path / "o"), "--context_length", "64"])
+    with pytest.raises(ConfigError, match="--num_freeze_layers 3: LlavaForConditionalGeneration has 2 decoder layers"):
+        preflight(too_many, log=lambda line: None)

@@ -25,8 +25,6 @@ from leantune.optimizers import ENTRIES as OPTIMIZERS
 # beats "unknown flag", and silently accepting them would make a run mean something else.
 COOKBOOK_ONLY_FLAGS = {
     "use_fast_kernels": "leantune uses PyTorch SDPA attention by default",
-    "freeze_layers": "layer freezing is not supported; use --use_peft for parameter-efficient training",
-    "num_freeze_layers": "layer freezing is not supported",
     "one_gpu": "leantune trains on one device unless torchrun starts several processes with --enable_fsdp",
     "use_profiler": "the profiler hook is not supported yet",
     "flop_counter": "leantune counts every step's FLOPs itself: MFU and HFU per step on a GPU it knows, or with "

@@ -21,7 +21,7 @@ from leantune.models.compiling import check_can_compile
 from leantune.builders.loaders import image_batches
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.image_text import check_image_text_class
-from leantune.models.structure import is_image_text
+from leantune.models.structure import is_image_text, text_config
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
 from leantune.optimizers import AUTO, optimizer_entry
 from leantune.optional import installed
@@ -151,4 +151,8 @@ def check_model_shape(cfg: RunConfig, device_type: str = "cpu") -> ModelFacts:
         facts.check_lora_targets(cfg.peft)
     if cfg.checkpointing.enable_activation_checkpointing:
         facts.check_checkpointable()
+    layers = text_config(facts.config).num_hidden_layers
+    if cfg.peft.freeze_layers and cfg.peft.num_freeze_layers > layers:
+        raise ConfigError(f"--num_freeze_layers {cfg.peft.num_freeze_layers}: {facts.architecture} has {layers} decoder "
+                          f"layers; freeze at most {layers}")
     return facts

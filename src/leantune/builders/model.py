@@ -32,7 +32,7 @@ from leantune.models.quantized_experts import (describe_quantized_experts, exper
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.image_text import (checkpointable_vision_layers, describe_parts, freeze_language_model,
                                         lora_kept_off)
-from leantune.models.structure import decoder_layers, image_text_base, unwrap_model
+from leantune.models.structure import decoder_layers, decoder_of, freeze_first_layers, image_text_base, unwrap_model
 from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 
@@ -83,6 +83,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
             model = attach_lora(model, cfg.peft, kept_off)
     elif cfg.peft.freeze_LLM_only:
         freeze_language_model(model)
+    elif cfg.peft.freeze_layers:
+        freeze_first_layers(model, cfg.peft.num_freeze_layers)
     if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
         quantize_experts(model, cfg.quant)  # after LoRA: peft reads the tensors' shapes
     use_leantune_experts(model)  # a mixture of experts: frozen experts get no gradient, LoRA's path apart
@@ -154,6 +156,10 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         log(lora_line)
     if image_text_base(model) is not None:
         log(describe_parts(model))
+    if cfg.peft.freeze_layers:
+        count = len(decoder_of(model).layers)
+        log(f"frozen: the first {cfg.peft.num_freeze_layers} of {count} decoder layers (--freeze_layers "
+            f"--num_freeze_layers {cfg.peft.num_freeze_layers}); the rest of the model trains")
     experts_line = describe_quantized_experts(model)
     if experts_line is not None:
         log(experts_line)

@@ -155,6 +155,11 @@ class PeftSettings:
         "cross_attention (Llama 3.2 Vision's fusion layers, inside the language model), vision_encoder, projector, "
         "or all. auto: every part when the batches hold images (llama-cookbook's LoRA), the language model alone "
         "for text rows, which never run the vision side."))
+    freeze_layers: bool = field(default=False, metadata=_help(
+        "llama-cookbook's flag, without --use_peft: the first --num_freeze_layers decoder layers frozen, the rest "
+        "of the model trained."))
+    num_freeze_layers: int = field(default=1, metadata=_help(
+        "With --freeze_layers: how many decoder layers, from the first, are frozen."))
     freeze_LLM_only: bool = field(default=False, metadata=_help(
         "llama-cookbook's flag for an image-and-text model, without --use_peft: its language model frozen (the "
         "head too) but for its cross-attention layers (Llama 3.2 Vision's fusion); the vision encoder and projector "
@@ -177,6 +182,12 @@ class PeftSettings:
         _require(len(self.lora_parts) == 1 or not {"auto", "all"} & set(self.lora_parts), "lora_parts",
                  "auto and all stand alone; give one of them, or name the parts")
         _require(self.lora_parts == ["auto"] or self.use_peft, "lora_parts", "chooses where LoRA goes: needs --use_peft")
+        _require(self.num_freeze_layers >= 1, "num_freeze_layers", f"must be at least 1 (got {self.num_freeze_layers})")
+        _require(not (self.freeze_layers and self.use_peft), "freeze_layers",
+                 "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it there); "
+                 "drop one")
+        _require(not (self.freeze_layers and self.freeze_LLM_only), "freeze_layers",
+                 "conflicts with --freeze_LLM_only (each chooses what trains); drop one")
         _require(not (self.freeze_LLM_only and self.use_peft), "freeze_LLM_only",
                  "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it "
                  "there); drop one")

@@ -89,3 +89,14 @@ def cross_attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     indices = getattr(getattr(decoder, "config", None), "cross_attention_layers", None) or []
     layers = getattr(decoder, "layers", [])
     return [layers[i] for i in indices if i < len(layers)]
+
+
+def freeze_first_layers(model: torch.nn.Module, count: int) -> None:
+    """llama-cookbook's ``--freeze_layers``: the decoder's first ``count`` layers frozen (``ValueError`` when it has
+    fewer)."""
+    layers = getattr(decoder_of(model), "layers", None)
+    if layers is None or count > len(layers):
+        raise ValueError(f"--num_freeze_layers {count}: the decoder has {len(layers) if layers is not None else 0} "
+                         "layers")
+    for layer in list(layers)[:count]:
+        layer.requires_grad_(False)
