@@ -68,8 +68,8 @@ def accuracy(model_dir: Path, rows: list[dict], colors: list[str], conversation)
 
 
 def _answer_log_likelihood(model, processor, prompt: str, image, answer: str) -> float:
-    asked = processor(images=[[image]], text=[prompt], return_tensors="pt")
-    full = processor(images=[[image]], text=[prompt + answer], return_tensors="pt")
+    asked = processor(images=[[image]], text=[prompt], return_tensors="pt", add_special_tokens=False)
+    full = processor(images=[[image]], text=[prompt + answer], return_tensors="pt", add_special_tokens=False)
     start = asked["input_ids"].shape[1]
     logits = model(**full).logits[0, start - 1:-1].float()
     targets = full["input_ids"][0, start:]

@@ -81,10 +81,12 @@ class ColorsCollator:
         texts = [self.processor.apply_chat_template(conversation(row)) for row in samples]
         prompts = [self.processor.apply_chat_template(conversation(row, with_answer=False), add_generation_prompt=True)
                    for row in samples]
-        batch = self.processor(images=images, text=texts, padding=True, return_tensors="pt")
+        # the chat template renders the special tokens itself: the processor adds none again
+        batch = self.processor(images=images, text=texts, padding=True, return_tensors="pt", add_special_tokens=False)
         labels = batch["input_ids"].clone()
         for row, (prompt, image) in enumerate(zip(prompts, images)):
-            prompt_tokens = len(self.processor(images=[image], text=[prompt], return_tensors="pt")["input_ids"][0])
+            prompt_tokens = len(self.processor(images=[image], text=[prompt], return_tensors="pt",
+                                               add_special_tokens=False)["input_ids"][0])
             labels[row, :prompt_tokens] = -100
         labels[batch["attention_mask"] == 0] = -100
         batch["labels"] = labels

@@ -109,7 +109,7 @@ def test_the_self_check_runs_with_a_pixel_batch(tiny, family):
     from leantune.models.facts import run_model_facts
 
     cfg = parse_run_config(["--model_name", str(tiny(family))])
-    check = check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False)
+    check = check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False, images=True)
     assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-5
 
 
@@ -124,7 +124,7 @@ def test_the_self_check_refuses_a_class_that_changes_the_pixels_on_their_way(tin
                         lambda self, pixel_values=None, **kw: forward(self, pixel_values=pixel_values * 2, **kw))
     cfg = parse_run_config(["--model_name", str(tiny("llava"))])
     with pytest.raises(OwnLossMismatch, match="not pixel_values as given"):
-        check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False)
+        check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False, images=True)
 
 
 def test_a_class_that_embeds_the_images_itself_is_refused_before_loading():
@@ -167,7 +167,6 @@ def test_a_cookbook_vision_dataset_file_trains_through_its_collator_and_the_proc
                                "validation rows, 90 batches of 4 per epoch, each made by the file's "
                                "get_data_collator") for line in lines)
     assert "parts: language model" in next(line for line in lines if line.startswith("parts:"))
-    assert any("plan: none for batches of images yet" in line for line in lines)
     steps = json.loads((tmp_path / "out" / "metrics.json").read_text())["train_steps"]
     assert len(steps) == 3 and all(step["target_tokens"] > 0 and step["loss"] > 0 for step in steps)
     saved = {p.name for p in (tmp_path / "out").iterdir()}
@@ -392,3 +391,100 @@ def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(t
                                  "--output_dir", str(tmp_path / "o"), "--context_length", "64"])
     with pytest.raises(ConfigError, match="--num_freeze_layers 3: LlavaForConditionalGeneration has 2 decoder layers"):
         preflight(too_many, log=lambda line: None)
+
+
+def test_training_the_vision_side_alone_on_text_rows_is_refused(tiny, tmp_path):
+    from leantune.preflight import preflight
+
+    for flags, said in ((["--freeze_LLM_only"], "--freeze_LLM_only"),
+                        (["--use_peft", "--lora_parts", "vision_encoder"], "--lora_parts vision_encoder")):
+        cfg = parse_run_config(["--model_name", str(tiny("llava")), "--output_dir", str(tmp_path / "o"),
+                                "--context_length", "64", *flags])
+        with pytest.raises(ConfigError, match=f"{said}: only the vision side trains, and the run's rows hold no image"):
+            preflight(cfg, log=lambda line: None)
+
+
+def _collator_file(tmp_path, body: str):
+    file = tmp_path / "colors.py"
+    file.write_text("import sys\nsys.path.insert(0, 'examples')\nimport torch\n"
+                    "from image_colors_dataset import rows, ColorsCollator\n\n"
+                    "def get_custom_dataset(c, processor, split):\n    return rows(split)[:8]\n\n"
+                    f"def get_data_collator(processor):\n{body}\n")
+    return file
+
+
+def test_image_inputs_that_are_not_tensors_are_refused(tiny, tmp_path):
+    from leantune.finetuning import run
+
+    file = _collator_file(tmp_path, "    made = ColorsCollator(processor)\n"
+                                    "    def listed(rows):\n        batch = made(rows)\n"
+                                    "        batch['pixel_values'] = batch['pixel_values'].tolist()\n"
+                                    "        return batch\n    return listed")
+    flags = ["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file", str(file),
+             "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
+    with pytest.raises(DatasetError, match="the collator returned pixel_values as list, not a tensor"):
+        run(parse_run_config(flags), log=lambda line: None)
+
+
+def test_a_collators_labels_on_image_tokens_are_masked(tiny, tmp_path):
+    from transformers import AutoProcessor
+
+    from leantune.builders.loaders import _image_token_ids
+    from leantune.data.collated import CollatedBatches
+
+    processor = AutoProcessor.from_pretrained(tiny("llava"))
+    sys_path = __import__("sys").path
+    sys_path.insert(0, "examples")
+    try:
+        from image_colors_dataset import ColorsCollator, rows
+    finally:
+        sys_path.remove("examples")
+    made = ColorsCollator(processor)
+
+    def everything(batch_rows):  # labels on every token, image placeholders included
+        batch = made(batch_rows)
+        batch["labels"] = batch["input_ids"].clone()
+        return batch
+    batch = CollatedBatches(everything, 64, "", _image_token_ids(processor))([("r0", rows("train")[0])])
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert (batch["input_ids"] == image).sum() == 4
+    assert ((batch["labels"] == -100) == (batch["input_ids"] == image)).all()
+
+
+def test_an_error_in_a_dataloader_worker_is_said_in_one_line(tiny, tmp_path, capsys):
+    from leantune.finetuning import main
+
+    file = _collator_file(tmp_path, "    made = ColorsCollator(processor)\n    seen = []\n"
+                                    "    def failing(rows):\n        seen.append(1)\n"
+                                    "        if len(seen) > 2:\n            raise ValueError('cannot read the image')\n"
+                                    "        return made(rows)\n    return failing")
+    code = main(["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+                 str(file), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
+                 "--context_length", "64", "--num_workers_dataloader", "1", "--batch_size_training", "2",
+                 "--run_validation", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert "the dataset file's collator failed: ValueError: cannot read the image" in err[0]
+    assert err[0].startswith("leantune: error: colors.py train row ")
+
+
+def test_freeze_llm_only_keeps_the_frozen_base_in_bfloat16_and_trains_in_float32(tiny):
+    from leantune.builders.model import prepare_model
+    from leantune.precision import choose_precision
+
+    cfg = parse_run_config(["--model_name", str(tiny("mllama")), "--freeze_LLM_only"])
+    on_gpu = choose_precision(cfg, torch.device("cuda"), bf16_supported=True)
+    assert on_gpu.weight_dtype is torch.bfloat16 and on_gpu.note.endswith("(the trained parts in float32)")
+    model = _model(tiny("mllama")).to(torch.bfloat16)
+    model, _ = prepare_model(model, cfg, choose_precision(cfg, torch.device("cpu")))
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
+def test_varlen_attention_is_refused_for_an_image_and_text_model(tiny):
+    from leantune.models.facts import run_model_facts
+
+    cfg = parse_run_config(["--model_name", str(tiny("llava")), "--attn_implementation", "varlen"])
+    with pytest.raises(ConfigError, match="--attn_implementation varlen: LlavaForConditionalGeneration is an "
+                                          "image-and-text model"):
+        run_model_facts(cfg.model)

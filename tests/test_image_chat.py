@@ -98,7 +98,8 @@ def _deep(path):
      "train.jsonl:1: 1 image\\(s\\) of its 'images' column have no image part to go in"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]}, None,
      "train.jsonl:1: turn 0: an image part names no image"),
-    ({"messages": [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}]}, None,
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "video"}]},
+                   {"role": "assistant", "content": "x"}]}, None,
      "train.jsonl:1: turn 0: a content part must be"),
 ])
 def test_a_bad_image_record_is_said_naming_it_before_any_weight_loads(tiny, tmp_path, record, prepare, message):
@@ -131,4 +132,28 @@ def test_packing_image_chat_records_is_refused(tiny, data, tmp_path):
              str(folder / "train.jsonl"), "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
     with pytest.raises(DatasetError, match="--batching_strategy packing: .*train.jsonl's rows are batched with their "
                                            "images by the processor and cannot be packed"):
+        run(parse_run_config(flags), log=lambda line: None)
+
+
+def test_text_only_chat_records_on_an_image_and_text_model_train_as_text_rows(tiny, tmp_path):
+    from leantune.finetuning import run
+
+    records = [_record("text", "", "hi") for _ in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = []
+    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+                          str(tmp_path / "train.jsonl"), "--output_dir", str(tmp_path / "out"), "--max_train_step",
+                          "1", "--context_length", "64", "--val_fraction", "0"]), log=lines.append)
+    assert any(line.startswith("data: chat_dataset from") and "(packing, examples apart)" in line for line in lines)
+
+
+def test_a_record_without_an_image_is_refused_when_only_the_vision_side_trains(tiny, data, tmp_path):
+    from leantune.finetuning import run
+
+    folder, _ = data
+    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+             str(folder / "train.jsonl"), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
+             "--context_length", "64", "--freeze_LLM_only"]
+    with pytest.raises(DatasetError, match="train.jsonl:3: holds no image, and every row must \\(only the vision "
+                                           "side trains"):
         run(parse_run_config(flags), log=lambda line: None)

@@ -117,3 +117,36 @@ def test_the_published_shapes_plan_offline_by_hub_id(hub_id, billions):
     count = sum(p.numel() for p in meta_model(config, torch.bfloat16).parameters())
     assert count / 1e9 == pytest.approx(billions, abs=0.001)
     assert planned_image(config) is not None
+
+
+def test_a_run_on_text_rows_is_planned_without_an_image(tiny, tmp_path):
+    from leantune.builders.loaders import plans_images
+    from leantune.models.facts import run_model_facts
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    text = parse_run_config(["--model_name", str(tiny("gemma3")), "--dataset", "custom_dataset", "--data_path",
+                             str(tmp_path / "d.jsonl")])
+    bare = parse_run_config(["--model_name", str(tiny("gemma3"))])  # `leantune plan` by name: one image a row
+    config = run_model_facts(text.model).config
+    assert not plans_images(text.data, config) and plans_images(bare.data, config)
+
+
+@pytest.mark.parametrize("family, marker", [("mllama", "<|image|>"), ("gemma3", "<start_of_image>")])
+def test_the_planned_inputs_match_the_processors(tiny, family, marker):
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from leantune.data.packing import full_rows_batch
+    from leantune.models.facts import run_model_facts
+    from leantune.models.image_inputs import planned_image, with_planned_images
+
+    path = tiny(family)
+    config = run_model_facts(parse_run_config(["--model_name", str(path)]).model).config
+    planned = with_planned_images(full_rows_batch(1, 32, 64, False), config, planned_image(config))
+    made = AutoProcessor.from_pretrained(path)(images=[[Image.new("RGB", (28, 28))]], text=[marker + "x"],
+                                               return_tensors="pt")
+    for key, value in made.items():
+        if key not in ("input_ids", "attention_mask"):
+            assert planned[key].shape[0] == value.shape[0] and planned[key].shape[2:] == value.shape[2:], key
+    image_id = config.image_token_index
+    assert int((planned["input_ids"] == image_id).sum()) == int((made["input_ids"] == image_id).sum())

@@ -60,11 +60,8 @@ def test_merge_equals_peft_merge_and_unload_and_generation_reads_the_image(lora_
     for model in (str(run), str(merged_dir)):  # the adapter run, and its merge
         answer = _generate("--model_name", model, "--image", str(image_path), "--chat", "--prompt", "What color?")
         assert answer.strip()
-    blank = tmp_path / "white.png"
-    Image.new("RGB", (28, 28), "white").save(blank)
-    with_red = _generate("--model_name", str(merged_dir), "--image", str(image_path), "--prompt", "color", "--chat")
-    assert with_red == _generate("--model_name", str(merged_dir), "--image", str(image_path), "--prompt", "color",
-                                 "--chat")  # greedy: the same image, the same answer
+    white = Image.new("RGB", (28, 28), "white")
+    assert (_logits(merged, processor, white) - _logits(merged, processor, image)).abs().max() > 1e-4  # it sees them
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -37,6 +37,7 @@ from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
 from leantune.models.image_text import load_processor
 from leantune.models.loading import ModelLoadError, load_tokenizer
+from leantune.models.structure import is_image_text
 from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_peak
 from leantune.planning.confirm import confirm_the_batch
 from leantune.planning.fake_step import StepTraces
@@ -178,8 +179,10 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     tokenizer = load_tokenizer(cfg.model)
     # an image-and-text model's batches are made with its processor (a dataset file is handed it, as llama-cookbook
     # hands a vision dataset; chat records are rendered by its chat template)
-    processor = load_processor(cfg.model.model_name) if image_batches(cfg.data, facts.config) else None
-    data = RunData(cfg.data, cfg.training, tokenizer, log, dist, processor=processor)
+    handed = image_batches(cfg.data, facts.config) or (is_image_text(facts.config) and cfg.data.custom_dataset_file)
+    processor = load_processor(cfg.model.model_name) if handed else None
+    data = RunData(cfg.data, cfg.training, tokenizer, log, dist, processor=processor,
+                   images_needed=_images_needed(cfg.peft.trains_vision_only, dist.sharded))
     loaders = data.loaders(cfg.training)
     on_meta = dist.sharded and cfg.distributed.low_cpu_fsdp and not dist.is_main
     checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype,
@@ -196,6 +199,14 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
         loaders = data.loaders(confirmed.cfg.training)
     # an image-and-text run saves its processor (the tokenizer within it) with the model, for generation with images
     return confirmed, model, processor if processor is not None else tokenizer, loaders, checkpoint
+
+
+def _images_needed(vision_only: bool, sharded: bool) -> str:
+    """Why every row of an image run must hold an image, if it must: only the vision side trains, or under FSDP
+    a rank whose batch has none would skip the vision tower's collectives."""
+    if vision_only:
+        return "only the vision side trains: a batch without one trains nothing"
+    return "under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives" if sharded else ""
 
 
 def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optional[float], log=print,
@@ -285,10 +296,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"leantune: {err}", file=sys.stderr)
         return err.exit_code
     except USER_ERRORS as err:
-        print(f"leantune: error: {err}", file=sys.stderr)
-        tell_the_launcher(f"leantune: error: {err}")
+        print(f"leantune: error: {said(err)}", file=sys.stderr)
+        tell_the_launcher(f"leantune: error: {said(err)}")
         return exit_code(err)
     return 0
+
+
+def said(err: BaseException) -> str:
+    """The error's own message: one raised in a DataLoader worker comes back wrapped in the worker's traceback,
+    whose last line is it (``module.DatasetError: message``)."""
+    text = str(err)
+    if "Original Traceback" not in text:
+        return text
+    last = text.strip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last and last.split(": ", 1)[0].endswith("Error") else last
 
 
 if __name__ == "__main__":

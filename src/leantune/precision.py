@@ -120,8 +120,12 @@ def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optio
     else:
         # bf16 keeps fp32's range, so a frozen base can live in it; an fp16 base would run the
         # embeddings, residual adds and norms in fp16 outside autocast, where Llama overflows.
-        weights = torch.bfloat16 if cfg.peft.use_peft and compute is torch.bfloat16 else torch.float32
+        # so may --freeze_LLM_only's frozen language model (its trained parts are made float32 once frozen)
+        frozen_base = cfg.peft.use_peft or cfg.peft.freeze_LLM_only
+        weights = torch.bfloat16 if frozen_base and compute is torch.bfloat16 else torch.float32
     if weights is torch.float16 and not cfg.peft.use_peft:
         raise ConfigError("--model_dtype float16 with full fine-tuning: float16 weights that train cannot be "
                           "loss-scaled (GradScaler refuses float16 gradients); use --model_dtype auto with --use_fp16")
-    return Precision(device, weights, compute, scaling, f"{note}, {str(weights).removeprefix('torch.')} weights")
+    trained = " (the trained parts in float32)" if cfg.peft.freeze_LLM_only and explicit is None and \
+        weights is torch.bfloat16 else ""
+    return Precision(device, weights, compute, scaling, f"{note}, {str(weights).removeprefix('torch.')} weights{trained}")

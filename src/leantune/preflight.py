@@ -48,7 +48,8 @@ def preflight(cfg: RunConfig, device_type: str = "cpu", log: Callable[[str], Non
     if stand_in != facts.attention:
         log(f"attention: {facts.attention}; the planner and the loss check build {stand_in} in its place "
             "(it has no CPU kernel; both keep O(sequence) per head for backward)")
-    log(check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp).summary_line())
+    images = image_batches(cfg.data, facts.config)  # an image-and-text model's base runs them, checked so
+    log(check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp, images=images).summary_line())
     return resume, facts
 
 
@@ -70,7 +71,13 @@ def check_image_text_run(peft: PeftSettings, data: DataConfig, facts: ModelFacts
     if not image_text:
         return
     check_image_text_class(facts.shape)
-    if image_batches(data, facts.config) and refusals:
+    images = image_batches(data, facts.config)
+    if peft.trains_vision_only and not images:
+        flag = "--freeze_LLM_only" if peft.freeze_LLM_only else f"--lora_parts {' '.join(peft.lora_parts)}"
+        raise ConfigError(f"{flag}: only the vision side trains, and the run's rows hold no image (text rows never "
+                          "run it); give image rows (a dataset file with get_data_collator, or chat records with "
+                          "images), or train the language model")
+    if images and refusals:
         raise ConfigError(refusals[0])
 
 

@@ -6,14 +6,15 @@ are when ``--auto_batch_size`` backs off to a smaller batch after its real-step 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from leantune.config import DataConfig, TrainingConfig
 from leantune.config.data import parse_column_map
 from leantune.data import (DatasetError, NothingToLearn, build_datasets, custom_splits, make_dataloader, make_rows,
                            records_source, split_records)
-from leantune.data.image_chat import ImageChatCollator, image_chat_rows
-from leantune.data.sources import read_source, rename_columns
+from leantune.data.image_chat import ImageChatCollator, holds_images, image_chat_rows
+from leantune.data.sources import locate, read_source, rename_columns
 from leantune.formats.chat import read_template
 from leantune.data.collated import CollatedBatches, make_collated_loader
 from leantune.data.custom_file import custom_file_rows, data_collator, defines_collator
@@ -25,12 +26,28 @@ CHAT = "chat_dataset"
 
 
 def image_batches(data: DataConfig, model_config) -> bool:
-    """Whether the run's batches are made with an image-and-text model's (``model_config``) processor: chat records
-    (which may hold images), or a dataset file with a collator."""
+    """Whether the run's batches hold images: an image-and-text model (``model_config``) and a dataset file with a
+    collator, or chat records of which some hold an image (text-only ones train as text rows)."""
     if not is_image_text(model_config):
         return False
     file = data.custom_dataset_file
-    return defines_collator(file) if file else data.dataset == CHAT
+    if file:
+        return defines_collator(file)
+    return data.dataset == CHAT and bool(data.data_path) and _chat_records_hold_images(data.data_path, data.column_map)
+
+
+def plans_images(data: DataConfig, model_config) -> bool:
+    """Whether a plan puts an image in each row: the run's batches hold images, or an image-and-text model's run
+    names no data (``leantune plan`` by hub id, the bundled records), whose rows a plan cannot know are text."""
+    if image_batches(data, model_config):
+        return True
+    return is_image_text(model_config) and not (data.data_path or data.custom_dataset_file)
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_records_hold_images(data_path: str, column_map) -> bool:
+    source = locate(data_path)
+    return holds_images(rename_columns(read_source(source), parse_column_map(column_map), source.name))
 
 
 def _collator(data: DataConfig, processor):
@@ -45,9 +62,21 @@ def _collator(data: DataConfig, processor):
     return None
 
 
-def _image_rows(data: DataConfig, processor, tc: TrainingConfig) -> tuple[list, list]:
+def _image_token_ids(processor) -> list[int]:
+    """The ids the processor puts where an image goes (they carry no label)."""
+    if processor is None:
+        return []
+    tokenizer = processor.tokenizer
+    names = [getattr(processor, name, None) for name in ("image_token", "boi_token", "video_token")]
+    names += [getattr(tokenizer, name, None) for name in ("image_token", "boi_token", "eoi_token")]
+    names += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    ids = {tokenizer.convert_tokens_to_ids(name) for name in names if isinstance(name, str)}
+    return sorted(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0)
+
+
+def _image_rows(data: DataConfig, processor, tc: TrainingConfig, images_needed: str = "") -> tuple[list, list]:
     """(train, validation) rows for a collator: a dataset file's own splits, or chat records split by
-    ``--val_fraction`` (their images checked)."""
+    ``--val_fraction`` (their images checked; with ``images_needed``, the reason, each record must hold one)."""
     if data.custom_dataset_file:
         train, test = custom_splits(data)
         rows = custom_file_rows(data.custom_dataset_file, processor, train, (train, test))
@@ -59,6 +88,9 @@ def _image_rows(data: DataConfig, processor, tc: TrainingConfig) -> tuple[list, 
         records = [format_entry(data.dataset).from_bundled(record) for record in records]
     base = Path(source.location) if Path(source.location).is_dir() else Path(source.location).parent
     rows = image_chat_rows(records, source.name, base)
+    bare = next((row["_source"] for row in rows if not row["images"]), None)
+    if images_needed and bare is not None:
+        raise DatasetError(f"{bare}: holds no image, and every row must ({images_needed})")
     return split_records(rows, data.val_fraction, tc.seed)
 
 
@@ -71,11 +103,12 @@ class RunData:
     its first batch made here so that a broken one is said before any weight loads."""
 
     def __init__(self, data: DataConfig, tc: TrainingConfig, tokenizer, log=print, dist: DistContext = SINGLE_PROCESS,
-                 processor=None):
+                 processor=None, images_needed: str = ""):
         self.data, self.pad_id, self.log, self.dist = data, tokenizer.pad_token_id, log, dist
         self._rows: dict[str, list] = {}
         collator = _collator(data, processor)
-        self.collate = None if collator is None else CollatedBatches(collator, data.context_length, self.pad_id)
+        self.collate = None if collator is None else CollatedBatches(collator, data.context_length, images_needed,
+                                                                     _image_token_ids(processor))
         if self.collate is None:
             self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed, validation=tc.run_validation,
                                                                     log=log, processor=processor)
@@ -84,7 +117,7 @@ class RunData:
             raise DatasetError(f"--batching_strategy packing: {data_source(data)}'s rows are batched with their images "
                                "by the processor and cannot be packed; pass --batching_strategy padding (as "
                                "llama-cookbook's vision recipe does)")
-        self.train_examples, self.val_examples = _image_rows(data, processor, tc)
+        self.train_examples, self.val_examples = _image_rows(data, processor, tc, images_needed)
         for split, rows in (("train", self.train_examples), ("validation", self.val_examples)):
             if rows:
                 self.collate([self._named(split, 0, rows[0])])  # the contract checked before any weight loads

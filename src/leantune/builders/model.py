@@ -16,7 +16,7 @@ import torch
 from leantune.builders.loaders import image_batches
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
-from leantune.config import RunConfig
+from leantune.config import PeftSettings, RunConfig
 from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
 from leantune.models.attention import describe_attention
 from leantune.models.experts import use_leantune_experts
@@ -31,7 +31,7 @@ from leantune.models.quantized_experts import (describe_quantized_experts, exper
                                                experts_quantized_as_loaded, offload_experts, quantize_experts)
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.image_text import (checkpointable_vision_layers, describe_parts, freeze_language_model,
-                                        lora_kept_off)
+                                        lora_kept_off, trained_in_float32)
 from leantune.models.structure import decoder_layers, decoder_of, freeze_first_layers, image_text_base, unwrap_model
 from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
@@ -83,6 +83,8 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
             model = attach_lora(model, cfg.peft, kept_off)
     elif cfg.peft.freeze_LLM_only:
         freeze_language_model(model)
+        if cfg.model.model_dtype == "auto":  # a bfloat16 frozen base; what trains keeps float32 weights
+            trained_in_float32(model)
     elif cfg.peft.freeze_layers:
         freeze_first_layers(model, cfg.peft.num_freeze_layers)
     if not cfg.distributed.enable_fsdp:  # FSDP2 shards parameters by rows: packed experts would split their blocks
@@ -101,9 +103,9 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     prepare_quantized_for_training(model)
     hidden = text_config(unwrap_model(model).config).hidden_size
     tokens = tile_tokens(cfg.training.tiled_mlp, cfg.data.context_length, hidden)
-    # inside the layers, so every checkpointing mode wraps the layer around it; an image-and-text model's
-    # vision layers are not tiled (nor is it, yet)
-    if tokens and image_text_base(model) is None:
+    # inside the layers, so every checkpointing mode wraps the layer around it; not yet under image batches (an
+    # image-and-text model's text rows are tiled: its vision layers never run on them)
+    if tokens and not image_batches(cfg.data, unwrap_model(model).config):
         tile_mlps(model, tokens)
     if image_text_base(model) is not None:
         checkpointable_vision_layers(model)  # Llama 3.2 Vision's encoder layers, checkpointed as the decoder's
@@ -151,15 +153,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
         f"{str(precision.weight_dtype).removeprefix('torch.')} weights, "
         f"{describe_attention(unwrap_model(model).config._attn_implementation)}) "
         f"{_where(cfg.distributed.enable_fsdp, shard_first)}{precision.device}")
-    lora_line = describe_lora(model)
-    if lora_line is not None:
-        log(lora_line)
-    if image_text_base(model) is not None:
-        log(describe_parts(model))
-    if cfg.peft.freeze_layers:
-        count = len(decoder_of(model).layers)
-        log(f"frozen: the first {cfg.peft.num_freeze_layers} of {count} decoder layers (--freeze_layers "
-            f"--num_freeze_layers {cfg.peft.num_freeze_layers}); the rest of the model trains")
+    for line in _what_trains(model, cfg.peft):
+        log(line)
     experts_line = describe_quantized_experts(model)
     if experts_line is not None:
         log(experts_line)
@@ -179,6 +174,17 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
     if tokens:
         log(_tiling_line(model, tokens, cfg.training.tiled_mlp))
     return model, tokenizer
+
+
+def _what_trains(model: torch.nn.Module, peft: PeftSettings) -> list[str]:
+    """The start-up lines on what trains: LoRA's places, an image-and-text model's parts, frozen layers."""
+    lines = [line for line in (describe_lora(model),) if line is not None]
+    if image_text_base(model) is not None:
+        lines.append(describe_parts(model))
+    if peft.freeze_layers:
+        lines.append(f"frozen: the first {peft.num_freeze_layers} of {len(decoder_of(model).layers)} decoder layers "
+                     f"(--freeze_layers --num_freeze_layers {peft.num_freeze_layers}); the rest of the model trains")
+    return lines
 
 
 def _tiling_line(model: torch.nn.Module, tokens: int, setting: str) -> str:

@@ -34,7 +34,7 @@ from leantune.models.facts import ModelFacts, meta_model, text_config
 from leantune.models.loading import ModelLoadError
 from leantune.models.moe import RouterLoss, expert_count
 from leantune.models.structure import decoder_of, image_text_base
-from leantune.training.step import CausalLMLoss
+from leantune.training.step import CausalLMLoss, base_takes_labels
 
 WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary
 BATCH, SEQ = 2, 16
@@ -67,9 +67,11 @@ class OwnLossCheck:
     gradient_difference: float  # largest |difference| over the largest |gradient|, per tensor
     seconds: float
     router_loss: Optional[RouterLoss] = None  # a mixture of experts' load-balancing term, checked too
+    images: bool = False  # checked with a pixel batch, its base stood in for
 
     def summary_line(self) -> str:
-        return (f"loss check: {self.architecture}'s own loss reproduced, its forward after the decoder run on a "
+        after = "its base, given a pixel batch," if self.images else "the decoder"
+        return (f"loss check: {self.architecture}'s own loss reproduced, its forward after {after} run on a "
                 f"stand-in ({_applied(self.transform, self.router_loss, why=False)}; loss {self.loss_difference:.0e}, gradients "
                 f"{self.gradient_difference:.0e} relative, {self.seconds:.2f} s)")
 
@@ -88,6 +90,7 @@ class StandInDecoder(torch.nn.Module):
         self.unexpected: list[str] = []  # what the class's forward handed it that leantune's path would not
         self.images: dict = {}  # the image inputs the check passes (an image-and-text class must hand them on as they are)
         self.passed_on: dict = {}  # what the class may hand on as it is (its labels: Gemma 3's base takes them)
+        self.takes_labels = False  # whether the base it stands in for names labels among its inputs
         with torch.no_grad():
             self.embed_tokens.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) * spread[:, None])
         # a mixture of experts' routers: each layer's logits a fixed projection of the hidden states
@@ -156,10 +159,11 @@ def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module)
                 setattr(module, child_name, new)
 
 
-def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
-    """The model's own class on the meta device, with a real stand-in decoder and a small random LM head."""
+def stand_in_model(config: PretrainedConfig, generator: torch.Generator, images: bool = False) -> torch.nn.Module:
+    """The model's own class on the meta device, with a real stand-in decoder and a small random LM head;
+    ``images``: an image-and-text model's base stood in for (its image batches run it), not its decoder."""
     try:
-        return _stand_in_model(config, generator)
+        return _stand_in_model(config, generator, images)
     except OwnLossMismatch:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to build means the loss cannot be checked
@@ -168,10 +172,11 @@ def stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torc
                               "it cannot check") from None
 
 
-def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> torch.nn.Module:
+def _stand_in_model(config: PretrainedConfig, generator: torch.Generator, images: bool) -> torch.nn.Module:
     model = meta_model(small_vocabulary(config), torch.float32)
-    # an image-and-text class: its base (vision encoder, projector, language model) is what leantune's step runs
-    decoder, head = image_text_base(model) or decoder_of(model), model.get_output_embeddings()
+    # image batches: the base (vision encoder, projector, language model) is what leantune's step runs
+    base = image_text_base(model) if images else None
+    decoder, head = base or decoder_of(model), model.get_output_embeddings()
     if decoder is model or head is None:
         raise OwnLossMismatch(f"{type(model).__name__}: transformers finds no separate decoder and LM head in it "
                               "(get_decoder() returns the model itself, or get_output_embeddings() nothing), so "
@@ -182,6 +187,7 @@ def _stand_in_model(config: PretrainedConfig, generator: torch.Generator) -> tor
         if small_head.bias is not None:
             small_head.bias.copy_(torch.randn(VOCAB, generator=generator))
     stand_in = StandInDecoder(generator, expert_count(text_config(config)))
+    stand_in.takes_labels = base_takes_labels(base)  # its class hands them on, and so does leantune's step
     for name, value in vars(decoder).items():  # its plain numbers (Falcon-H1's lm_head_multiplier) stay readable
         if not name.startswith("_") and isinstance(value, (bool, int, float)) and not hasattr(stand_in, name):
             setattr(stand_in, name, value)
@@ -219,22 +225,23 @@ def _relative(ours: list[torch.Tensor], own: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30) for a, b in zip(ours, own))
 
 
-def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool) -> OwnLossCheck:
+def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool, images: bool = False) -> OwnLossCheck:
     """Compare the run's loss (its chunking, and the sharded path under FSDP) with the model's own on a
-    stand-in; ``OwnLossMismatch`` when they differ."""
+    stand-in; ``OwnLossMismatch`` when they differ. ``images``: the run's batches hold images (an image-and-text
+    model's base runs them), checked with a pixel batch; else the decoder alone, as text rows run it."""
     started = time.perf_counter()
     # Its own generator for its values, and the CPU state restored after the modules' own initialisation
     # (and any dropout) drew from it: the run's random numbers, CPU and GPU, stay as they were.
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
-        return _compare(tc, sharded, stand_in_model(facts.config, generator), generator, started)
+        return _compare(tc, sharded, stand_in_model(facts.config, generator, images), generator, started, images)
 
 
 def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generator: torch.Generator,
-             started: float) -> OwnLossCheck:
+             started: float, images: bool = False) -> OwnLossCheck:
     ids, labels, mask = _batch(generator, routed=bool(getattr(text_config(model.config), "output_router_logits", False)))
-    stand_in = image_text_base(model) or decoder_of(model)
-    architecture, images = type(model).__name__, _image_inputs(stand_in, model, generator, labels)
+    stand_in = image_text_base(model) if images else decoder_of(model)
+    architecture, images = type(model).__name__, _image_inputs(stand_in, generator, labels) if images else {}
     try:
         loss = loss_function(model, tc.loss_chunk_size, sharded=sharded)
         ours_model = CausalLMLoss(model, loss)
@@ -262,17 +269,14 @@ def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generato
             f"applies ({_applied(transform, ours_model.router_loss)}). leantune refuses rather than train on another "
             "loss; please report the architecture")
     return OwnLossCheck(architecture, transform, own, loss_difference, gradient_difference,
-                        time.perf_counter() - started, ours_model.router_loss)
+                        time.perf_counter() - started, ours_model.router_loss, bool(images))
 
 
-def _image_inputs(stand_in: StandInDecoder, model: torch.nn.Module, generator: torch.Generator,
-                  labels: torch.Tensor) -> dict:
+def _image_inputs(stand_in: StandInDecoder, generator: torch.Generator, labels: torch.Tensor) -> dict:
     """An image-and-text class's check runs with a pixel batch, which its forward must hand its base as it is
-    (leantune's step hands the batch's own to the base); none for a text model."""
-    if image_text_base(model) is None:
-        return {}
+    (leantune's step hands the batch's own to the base), and its labels where its base takes them."""
     stand_in.images = {"pixel_values": torch.randn(BATCH, 3, 4, 4, generator=generator)}
-    stand_in.passed_on = {"labels": labels}  # leantune's step hands them on too when the base takes them
+    stand_in.passed_on = {"labels": labels} if stand_in.takes_labels else {}
     return stand_in.images
 
 

@@ -23,8 +23,10 @@ from leantune.labels import IGNORE_INDEX
 class CollatedBatches:
     """The DataLoader's ``collate_fn``: ``(source, row)`` pairs through the file's collator, checked."""
 
-    def __init__(self, collator: Callable, context_length: int, pad_id: int):
-        self.collator, self.context_length, self.pad_id = collator, context_length, pad_id
+    def __init__(self, collator: Callable, context_length: int, images_needed: str = "",
+                 image_token_ids: Sequence[int] = ()):
+        self.collator, self.context_length, self.images_needed = collator, context_length, images_needed
+        self.image_token_ids = torch.tensor(sorted(image_token_ids), dtype=torch.long)
 
     def __call__(self, items: list[tuple[str, object]]) -> dict:
         sources = [source for source, _ in items]
@@ -36,6 +38,10 @@ class CollatedBatches:
         batch = _checked(made, where, self.context_length)
         if "attention_mask" not in batch:
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        # an image's placeholder tokens are the processor's, not text to learn (the cookbook's collators mask them)
+        batch["labels"] = batch["labels"].masked_fill(torch.isin(batch["labels"], self.image_token_ids), IGNORE_INDEX)
+        if self.images_needed and not any(value.is_floating_point() for value in batch.values()):
+            raise DatasetError(f"{where}: a batch without an image, and every batch needs one ({self.images_needed})")
         return {**batch, "sources": [[source] for source in sources]}
 
 
@@ -54,6 +60,10 @@ def _checked(made, where: str, context_length: int) -> dict:
         if key in batch:
             value = batch[key]
             batch[key] = (value if isinstance(value, torch.Tensor) else torch.as_tensor(value)).long()
+    loose = sorted(key for key, value in batch.items() if not isinstance(value, torch.Tensor))
+    if loose:  # the step hands the model tensors alone: an image input left a list would be dropped, silently
+        raise DatasetError(f"{where}: the collator returned {', '.join(loose)} as "
+                           f"{type(batch[loose[0]]).__name__}, not a tensor; return tensors (return_tensors='pt')")
     ids, labels = batch["input_ids"], batch["labels"]
     if ids.dim() != 2 or labels.shape != ids.shape:
         raise DatasetError(f"{where}: the collator's input_ids are {tuple(ids.shape)} and its labels "

@@ -29,6 +29,13 @@ from leantune.labels import IGNORE_INDEX
 DEEP_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
+def holds_images(records: list[dict]) -> bool:
+    """Whether any record holds an image: an image part in a turn, or an ``images`` column entry."""
+    return any(record.get("images") or any(isinstance(turn, dict) and isinstance(turn.get("content"), list) and any(
+        isinstance(part, dict) and part.get("type") == "image" for part in turn["content"])
+        for turn in record.get("messages") or []) for record in records)
+
+
 def image_chat_rows(records: list[dict], source: str, base: Path) -> list[dict]:
     """Each record as ``{"messages", "images", "_source"}``: its turns with image parts bare (in order), and its
     images (paths resolved against ``base``, or the column's own), each checked."""
@@ -119,8 +126,9 @@ class ImageChatCollator:
     def __call__(self, rows: list[dict]) -> dict:
         images = [[open_image(image, row["_source"]) for image in row["images"]] for row in rows]
         texts = [self._render(row["messages"], len(row["messages"]), False, row["_source"]) for row in rows]
+        # the template renders the special tokens (BOS) itself, as generation reads it: none added again
         batch = dict(self.processor(images=images if any(images) else None, text=texts, padding=True,
-                                    return_tensors="pt"))
+                                    return_tensors="pt", add_special_tokens=False))
         labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
         for index, (row, pictures) in enumerate(zip(rows, images)):
             for start, end in self._answers(row, pictures):
@@ -152,5 +160,6 @@ class ImageChatCollator:
             raise DatasetError(f"{where}: the chat template refused this conversation: {err}") from None
 
     def _ids(self, text: str, pictures: list) -> list[int]:
-        made = self.processor(images=[pictures] if pictures else None, text=[text], return_tensors="pt")
+        made = self.processor(images=[pictures] if pictures else None, text=[text], return_tensors="pt",
+                              add_special_tokens=False)
         return made["input_ids"][0].tolist()

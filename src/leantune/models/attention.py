@@ -74,6 +74,9 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
             return "eager"
         # an image-and-text model's batches go through its base with their attention mask: no spans for varlen
         return "sdpa" if compiled or whole_context_not_attended(config) or is_image_text(config) else VARLEN
+    if requested == VARLEN and is_image_text(config):
+        raise ConfigError(f"--attn_implementation {VARLEN}: {name} is an image-and-text model, whose vision encoder "
+                          "attends both ways (varlen attends causally) and whose batches carry no spans; use sdpa")
     if requested == VARLEN and compiled:
         raise ConfigError(f"--attn_implementation {VARLEN}: not with --compile yet (each batch's spans would recompile "
                           "the layers); use sdpa, or drop --compile")

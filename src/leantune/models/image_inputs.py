@@ -58,7 +58,8 @@ def with_planned_images(batch: dict, config, image: PlannedImage) -> dict:
     ids = batch["input_ids"].clone()
     rows, context = ids.shape
     if image.tokens >= context:
-        raise ValueError(f"an image takes {image.tokens} tokens, the whole context of {context}")
+        raise ConfigError(f"--context_length {context}: a plan puts one image in each row ({image.description}), "
+                          f"which takes {image.tokens} tokens; give a longer context")
     first = torch.tensor(image.first_tokens(), dtype=ids.dtype)
     special = min(_image_token_ids(config))
     ids = ids % special  # the random text holds no image token of its own

@@ -85,6 +85,13 @@ def freeze_language_model(model: torch.nn.Module) -> None:
         layer.requires_grad_(True)
 
 
+def trained_in_float32(model: torch.nn.Module) -> None:
+    """The weights that train made float32 (the frozen ones stay in the dtype they loaded in: bfloat16 on a GPU)."""
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
 def describe_parts(model: torch.nn.Module) -> str:
     """The start-up line on an image-and-text model's parts: each trainable or frozen, with its parameter count
     (cross-attention layers are counted inside the language model and once more on their own)."""

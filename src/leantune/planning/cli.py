@@ -15,6 +15,7 @@ import torch
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, ModelConfig, RunConfig
+from leantune.builders.loaders import plans_images
 from leantune.builders.own_loss import check_own_loss
 from leantune.builders.sharding import check_offload_device
 from leantune.models.facts import plan_model_facts
@@ -99,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = plan_target(cfg.model)
         facts = plan_model_facts(cfg.model, target.type, compiled=cfg.training.compile)
         # a model leantune would refuse to train is not planned either
-        check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp)
+        check_own_loss(cfg.training, facts, sharded=cfg.distributed.enable_fsdp,
+                       images=plans_images(cfg.data, facts.config))
         config = facts.config
         budget = budget_bytes(cfg.memory, target)
         if needs_optimizer_choice(cfg.training):

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from leantune.builders.loaders import plans_images
 from leantune.builders.step import loss_model_for
 from leantune.config import ConfigError, RunConfig
 from leantune.data.packing import full_rows_batch
@@ -46,8 +47,9 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
-                image = planned_image(unwrap_model(model).config)  # an image-and-text model: the planned image
-                rows = rows if image is None else with_planned_images(rows, unwrap_model(model).config, image)
+                config = unwrap_model(model).config  # an image-and-text model's rows: the planned image in each
+                image = planned_image(config) if plans_images(cfg.data, config) else None
+                rows = rows if image is None else with_planned_images(rows, config, image)
                 with (StepPeakMeter(device, model) if measured else contextlib.nullcontext()) as meter:
                     loss_and_backward(loss_model, rows["input_ids"].to(device), rows["labels"].to(device), precision,
                                       position_ids=rows.get("position_ids"), segments=rows.get("segments"),

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from leantune.builders.loaders import plans_images
 from leantune.builders.model import prepare_model
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing.modes import MODES, NONE, policy_from_config
@@ -219,7 +220,7 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     tc = run_cfg.training
-    image = planned_image(config)
+    image = planned_image(config) if plans_images(run_cfg.data, config) else None
     window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes, config, image)
               for _ in range(min(tc.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)

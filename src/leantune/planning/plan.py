@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from leantune.builders.loaders import plans_images
 from leantune.checkpointing.modes import AUTO, NONE, planned_modes, recompute_rank
 from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned_bytes
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
@@ -249,7 +250,7 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
         pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
     plans = {mode: share(plan_from_trace(mode, trace, *batch_and_context, target, expandable))
              for mode, trace in found.items()}
-    image = planned_image(config)
+    image = planned_image(config) if plans_images(cfg.data, config) else None
     for plan in plans.values():
         plan.images = image.description if image is not None else ""
     if pinned:  # beside any optimizer state on the host

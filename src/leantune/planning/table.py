@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from leantune.builders.loaders import plans_images
 from leantune.checkpointing.modes import NONE
 from leantune.config import RunConfig
 from leantune.models.facts import text_config
@@ -63,7 +64,7 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
         kind += f", {' and '.join(kept)} in host memory"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
     text = text_config(config)  # a composite (image and text) config: its language model's
-    image = planned_image(config)
+    image = planned_image(config) if plans_images(cfg.data, config) else None
     images = f"; {image.description} (its tokens within the context)" if image is not None else ""
     return (f"plan: {cfg.model.model_name} ({text.num_hidden_layers} layers, hidden {text.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"

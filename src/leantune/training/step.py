@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.labels import count_targets, targets_tensor
 from leantune.loss import causal_lm_loss_sum
@@ -28,6 +29,10 @@ from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
 from leantune.training.lines import describe_sources
 from leantune.training.stopping import NonFiniteStep
+
+
+class NothingTrains(DatasetError):
+    """A batch whose loss reaches no weight that trains: backward would have nothing to do."""
 
 
 @dataclass
@@ -150,6 +155,8 @@ def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labe
     """
     with precision.autocast():
         loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens, images)  # its activations are referenced by the graph alone
+    if not loss_sum.requires_grad:  # only the vision side trains and the batch has no image, say
+        raise NothingTrains("its loss reaches no weight that trains")
     if after_forward is not None:
         after_forward()
     loss = loss_sum / normaliser
@@ -326,9 +333,15 @@ class TrainStep:
         """Forward and backward of one batch; returns its summed (not averaged) loss, detached."""
         input_ids, labels, positions, segments, real, images = model_inputs(batch, self.device,
                                                                             routed(self.loss_model))
-        return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
-                                 normaliser=normaliser, position_ids=positions, segments=segments, real_tokens=real,
-                                 images=images)
+        try:
+            return loss_and_backward(self.loss_model, input_ids, labels, self.precision, scaler=self.scaler,
+                                     normaliser=normaliser, position_ids=positions, segments=segments,
+                                     real_tokens=real, images=images)
+        except NothingTrains as err:
+            sources = [source for row in batch.get("sources", []) for source in row]
+            raise NothingTrains(f"a batch of {describe_sources(sources)}: {err} (its rows hold no image, and only "
+                                "the vision side trains: --freeze_LLM_only or --lora_parts without the language "
+                                "model); give every row an image") from None
 
     def gradient_norm(self) -> Optional[torch.Tensor]:
         """The gradient norm (clipped to the threshold with --gradient_clipping), on the device.
