@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from leantune.cli_args import parse_run_config
@@ -157,3 +158,89 @@ def test_a_record_without_an_image_is_refused_when_only_the_vision_side_trains(t
     with pytest.raises(DatasetError, match="train.jsonl:3: holds no image, and every row must \\(only the vision "
                                            "side trains"):
         run(parse_run_config(flags), log=lambda line: None)
+
+
+def _two_turns(first: str, second: str) -> dict:
+    return {"messages": [
+        {"role": "system", "content": "Look closely."},
+        {"role": "user", "content": [{"type": "image", "path": "img/0.png"}, {"type": "text", "text": "What color?"}]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": second}]}], "images": ["img/1.png"], "_line": 7}
+
+
+@pytest.mark.parametrize("last_only, answers", [(False, ["red", "blue"]), (True, ["blue"])])
+def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny, data, last_only, answers):
+    from transformers import AutoProcessor
+
+    folder, _ = data
+    processor = AutoProcessor.from_pretrained(tiny("mllama"))
+    rows = image_chat_rows([_two_turns("red", "blue")], "chat.jsonl", folder)
+    assert [image.name for image in rows[0]["images"]] == ["0.png", "1.png"]
+    batch = ImageChatCollator(processor, last_only=last_only)(rows)
+    eos, labels, ids = processor.tokenizer.eos_token, batch["labels"][0], batch["input_ids"][0]
+    spans, start = [], None
+    for index, label in enumerate(labels.tolist() + [-100]):
+        if label != -100 and start is None:
+            start = index
+        elif label == -100 and start is not None:
+            spans.append(processor.tokenizer.decode(ids[start:index]))
+            start = None
+    assert spans == [answer + eos for answer in answers]
+    assert batch["pixel_values"].shape[1] == 2  # both images, in the row's order
+
+
+def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny, tmp_path):
+    import io
+
+    from transformers import AutoProcessor
+
+    red, blue = Image.new("RGB", (28, 28), "red"), io.BytesIO()
+    Image.new("RGB", (28, 28), "blue").save(blue, format="PNG")
+    records = [{**_record("column", "", "red"), "images": [red], "_line": 1},
+               {**_record("column", "", "blue"), "images": [{"bytes": blue.getvalue(), "path": None}], "_line": 2}]
+    rows = image_chat_rows(records, "hub", tmp_path)
+    batch = ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")))(rows)
+    assert batch["pixel_values"].shape[0] == 2
+    assert not torch.equal(batch["pixel_values"][0], batch["pixel_values"][1])
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": ["hi", {"role": "assistant", "content": "x"}], "images": []}, "turn 0 needs a 'role' and a 'content'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text"}]},
+                   {"role": "assistant", "content": "x"}]}, "turn 0: a text part needs a string 'text'"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "image": "a.png"}]},
+                   {"role": "user", "content": "x"}]}, "turn 0 is 'assistant' where 'user' was due"),
+])
+def test_a_malformed_conversation_is_said_naming_its_record(tmp_path, record, message):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    with pytest.raises(DatasetError, match=f"chat.jsonl:4: {message}"):
+        image_chat_rows([dict(record, _line=4)], "chat.jsonl", tmp_path)
+
+
+def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny, data):
+    from transformers import AutoProcessor
+
+    folder, records = data
+    template = ("{% for m in messages %}### {{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+                "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
+                "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}### assistant: {% endif %}")
+    processor = AutoProcessor.from_pretrained(tiny("llava"))
+    rows = image_chat_rows([dict(records[0], _line=1)], "train.jsonl", folder)
+    batch = ImageChatCollator(processor, template=template)(rows)
+    text = processor.tokenizer.decode(batch["input_ids"][0])
+    assert text.startswith("### user: <image>") and "### assistant: red" in text
+    labels = batch["labels"][0]
+    assert processor.tokenizer.decode(labels[labels != -100]).strip() == "red"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny, data):
+    from transformers import AutoProcessor
+
+    folder, _ = data
+    rewriting = ("{% for m in messages %}{{ m['role'] }}{% if loop.last %}!{% endif %}: {% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+                 "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
+    rows = image_chat_rows([dict(_two_turns("red", "blue"), _line=3)], "chat.jsonl", folder)
+    with pytest.raises(DatasetError, match="chat.jsonl:3: the chat template renders the turns before assistant turn"):
+        ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")), template=rewriting)(rows)

@@ -115,6 +115,16 @@ def open_image(image, where: str):
     return picture.convert("RGB")
 
 
+def _shared(first: list[int], second: list[int]) -> int:
+    """How many tokens the two start with alike."""
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
 class ImageChatCollator:
     """Rows of ``image_chat_rows`` to a padded batch of the processor's, labels on the assistant's turns (the last
     one's alone with ``last_only``); ``template``: ``--chat_template``'s, else the processor's own."""
@@ -146,10 +156,13 @@ class ImageChatCollator:
                         for part in turn["content"])
             before = self._ids(self._render(turns, index, True, where), pictures[:shown])
             through = self._ids(self._render(turns, index + 1, False, where).rstrip(), pictures[:shown])
-            if whole[:len(through)] != through or through[:len(before)] != before:
+            # the token where a prompt ends in a space may merge with the answer's first (" red"): it is the
+            # answer's, as a token holding any of its characters is; so may the answer's last with what follows
+            start, end = _shared(before, through), _shared(through, whole)
+            if start < len(before) - 1 or end < len(through) - 1:
                 raise DatasetError(f"{where}: the chat template renders the turns before assistant turn {index} "
                                    "differently once it follows, so its tokens cannot be told apart exactly")
-            spans.append((len(before), len(through)))
+            spans.append((start, len(through)))
         return spans
 
     def _render(self, turns: list[dict], upto: int, prompt: bool, where: str) -> str:
