@@ -160,22 +160,25 @@ def test_a_record_without_an_image_is_refused_when_only_the_vision_side_trains(t
         run(parse_run_config(flags), log=lambda line: None)
 
 
-def _two_turns(first: str, second: str) -> dict:
-    return {"messages": [
-        {"role": "system", "content": "Look closely."},
-        {"role": "user", "content": [{"type": "image", "path": "img/0.png"}, {"type": "text", "text": "What color?"}]},
-        {"role": "assistant", "content": first},
-        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": second}]}], "images": ["img/1.png"], "_line": 7}
+def _two_turns(first: str, second: str, third: str = "") -> dict:
+    question = [{"type": "image", "path": "img/0.png"}, {"type": "text", "text": "What"},
+                {"type": "text", "text": " color?"}]
+    turns = [{"role": "system", "content": "Look closely."}, {"role": "user", "content": question},
+             {"role": "assistant", "content": first},
+             {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": second}]}]
+    if third:
+        turns += [{"role": "user", "content": "Sure?"}, {"role": "assistant", "content": third}]
+    return {"messages": turns, "images": ["img/1.png"], "_line": 7}
 
 
-@pytest.mark.parametrize("last_only, answers", [(False, ["red", "blue"]), (True, ["blue"])])
+@pytest.mark.parametrize("last_only, answers", [(False, ["red", "blue", "yes"]), (True, ["yes"])])
 def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny, data, last_only, answers):
     from transformers import AutoProcessor
 
     folder, _ = data
     processor = AutoProcessor.from_pretrained(tiny("mllama"))
-    rows = image_chat_rows([_two_turns("red", "blue")], "chat.jsonl", folder)
+    rows = image_chat_rows([_two_turns("red", "blue", "yes")], "chat.jsonl", folder)
     assert [image.name for image in rows[0]["images"]] == ["0.png", "1.png"]
     batch = ImageChatCollator(processor, last_only=last_only)(rows)
     eos, labels, ids = processor.tokenizer.eos_token, batch["labels"][0], batch["input_ids"][0]
@@ -188,6 +191,7 @@ def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny,
             start = None
     assert spans == [answer + eos for answer in answers]
     assert batch["pixel_values"].shape[1] == 2  # both images, in the row's order
+    assert processor.tokenizer.decode(ids).endswith("yes" + eos)  # the whole conversation, no generation prompt
 
 
 def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny, tmp_path):
@@ -206,7 +210,8 @@ def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny, tmp_p
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"messages": ["hi", {"role": "assistant", "content": "x"}], "images": []}, "turn 0 needs a 'role' and a 'content'"),
+    ({"messages": ["hi", {"role": "assistant", "content": "x"}], "images": []},
+     "turn 0 needs a 'role' and a 'content'"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text"}]},
                    {"role": "assistant", "content": "x"}]}, "turn 0: a text part needs a string 'text'"),
     ({"messages": [{"role": "assistant", "content": [{"type": "image", "image": "a.png"}]},
@@ -224,7 +229,8 @@ def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny, dat
     folder, records = data
     template = ("{% for m in messages %}### {{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
-                "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}### assistant: {% endif %}")
+                "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}### assistant: {% endif %}")
     processor = AutoProcessor.from_pretrained(tiny("llava"))
     rows = image_chat_rows([dict(records[0], _line=1)], "train.jsonl", folder)
     batch = ImageChatCollator(processor, template=template)(rows)
@@ -232,6 +238,37 @@ def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny, dat
     assert text.startswith("### user: <image>") and "### assistant: red" in text
     labels = batch["labels"][0]
     assert processor.tokenizer.decode(labels[labels != -100]).strip() == "red"
+
+
+def test_holds_images_finds_image_parts_and_an_images_column():
+    from leantune.data.image_chat import holds_images
+
+    assert holds_images([_record("text", "", "a"), _record("path", "x.png", "b")])
+    assert holds_images([{"images": ["x.png"], "messages": [{"role": "user", "content": "no part"}]}])
+    assert not holds_images([_record("text", "", "a"), {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}]}]}, {"messages": ["not a turn"]}])
+
+
+@pytest.mark.parametrize("image, message", [
+    (7, "an image must be a path, a PIL image or a datasets Image; got int"),
+    ({"bytes": b"not a png", "path": None}, "image its image: not a readable image"),
+])
+def test_an_images_column_entry_that_is_no_image_is_said(tmp_path, image, message):
+    with pytest.raises(DatasetError, match=f"hub:2: {message}"):
+        image_chat_rows([{**_record("column", "", "red"), "images": [image], "_line": 2}], "hub", tmp_path)
+
+
+def test_a_template_that_adds_to_the_last_turn_is_refused(tiny, data):
+    from transformers import AutoProcessor
+
+    folder, _ = data
+    ending = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+              "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
+              "{% endfor %}{% endif %}\n{% endfor %}{% if not add_generation_prompt %}the end, truly{% endif %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    rows = image_chat_rows([dict(_two_turns("red", "blue"), _line=5)], "chat.jsonl", folder)
+    with pytest.raises(DatasetError, match="chat.jsonl:5: the chat template renders the turns before assistant turn 2"):
+        ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")), template=ending)(rows)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tiny, data):
