@@ -97,8 +97,8 @@ def nan_loss_at(monkeypatch, steps: set[int]):
     state = {"trainer": None}
     monkeypatch.setattr(Trainer, "train_step", _remember(Trainer.train_step, state))
 
-    def forward(self, input_ids, labels, position_ids=None, segments=None, real_tokens=None):
-        loss = original(self, input_ids, labels, position_ids, segments)
+    def forward(self, input_ids, labels, position_ids=None, segments=None, real_tokens=None, images=None):
+        loss = original(self, input_ids, labels, position_ids, segments, real_tokens, images)
         trainer = state["trainer"]  # None before training (the loss self-check)
         return loss * float("nan") if trainer is not None and len(trainer.steps) + 1 in steps else loss
 

@@ -291,7 +291,7 @@ def test_a_reply_streams_without_its_prompt_or_special_tokens_and_passes_only_th
 
 def test_a_chat_keeps_the_conversation_until_an_empty_line(tokenizer, monkeypatch):
     model = _ScriptedModel([[40, 50], [60, 70], [80]])
-    monkeypatch.setattr(generate, "load", lambda *args: (model, tokenizer))
+    monkeypatch.setattr(generate, "load", lambda *args, **kwargs: (model, tokenizer))
     out = io.StringIO()
     generate.run(_args("--chat", "--max_new_tokens", "2"), lines=iter(["Hi\n", "And then?\n", "\n", "never read\n"]),
                  out=out)
@@ -309,7 +309,7 @@ def test_a_chat_keeps_the_conversation_until_an_empty_line(tokenizer, monkeypatc
 def test_generate_takes_bfloat16_on_a_gpu_that_has_it_and_the_dtype_asked_for(monkeypatch, capsys):
     loaded = []
 
-    def load(model_name, base_model, dtype, device):
+    def load(model_name, base_model, dtype, device, images=False):
         loaded.append((dtype, device.type))
         raise OSError("")  # stop there: one line naming the error, whatever its text
 
@@ -558,7 +558,7 @@ class _Flushes(io.StringIO):
 
 def test_a_chat_read_from_standard_input_prints_to_standard_output_as_it_streams(tokenizer, monkeypatch):
     model = _ScriptedModel([[40, 50, 60]])
-    monkeypatch.setattr(generate, "load", lambda *args: (model, tokenizer))
+    monkeypatch.setattr(generate, "load", lambda *args, **kwargs: (model, tokenizer))
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n\n"))
     shown = _Flushes()
     monkeypatch.setattr("sys.stdout", shown)

@@ -241,9 +241,9 @@ def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_di
     calls = []
     original = CausalLMLoss.forward
 
-    def recording(self, input_ids, labels, position_ids=None, segments=None, real_tokens=None):
+    def recording(self, input_ids, labels, position_ids=None, segments=None, real_tokens=None, images=None):
         calls.append((torch.is_grad_enabled(), input_ids.shape[1], position_ids is not None))
-        return original(self, input_ids, labels, position_ids, segments, real_tokens)
+        return original(self, input_ids, labels, position_ids, segments, real_tokens, images)
 
     monkeypatch.setattr(CausalLMLoss, "forward", recording)
     assert finetuning.main(["--model_name", str(tiny_model_dir), "--context_length", "64", "--max_train_step", "2",

@@ -14,7 +14,8 @@ import torch
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.memory.tracker import StorageTracker, persistent_bytes
-from leantune.models.presets import HUB_IDS, MOE_PRESETS, PRESETS, ModelShapeError, model_config, preset_name
+from leantune.models.presets import (HUB_IDS, MOE_PRESETS, PRESETS, VISION_PRESETS, ModelShapeError, model_config,
+                                     preset_name)
 from leantune.planning.choose import MemoryPlan, apply_memory_plan
 from leantune.planning.confirm import confirm_batch
 from leantune.planning.fake_step import trace_step
@@ -302,7 +303,7 @@ def test_the_real_confirm_step_leaves_the_run_as_it_was(load_tiny):
 def test_presets_and_hub_ids_resolve_offline():
     assert preset_name("meta-llama/Llama-3.1-8B-Instruct") == "Llama-3.1-8B"
     assert preset_name("llama-3.2-1b") == "Llama-3.2-1B"
-    assert all(preset_name(hub) in PRESETS or preset_name(hub) in MOE_PRESETS for hub in HUB_IDS)
+    assert all(preset_name(hub) in {**PRESETS, **MOE_PRESETS, **VISION_PRESETS} for hub in HUB_IDS)
     moe = model_config("Qwen/Qwen3-30B-A3B")  # a mixture of experts' published shape, its own config class
     assert (type(moe).__name__, moe.num_experts, moe.moe_intermediate_size) == ("Qwen3MoeConfig", 128, 768)
     config = model_config("meta-llama/Llama-3.2-1B")
