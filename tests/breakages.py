@@ -489,10 +489,6 @@ BREAKAGES = [
       "logits per tile)", "src/leantune/models/tiled_mlp.py",
       "    if not isinstance(mlp, torch.nn.Module) or any(is_router(module) for module in mlp.modules()):",
       "    if not isinstance(mlp, torch.nn.Module):", ("tests/test_moe.py", "-k", "tiles_leave or longest_context")),
-    B("composite_window_unread", "an image-and-text config's sliding window is read from the composite (none): varlen "
-      "is chosen and dies at step 1", "src/leantune/models/attention.py",
-      "    config = text_config(config)  # a composite (image and text) config: its language model's fields\n", "",
-      ("tests/test_image_text_models.py",)),
     B("image_text_varlen", "auto attention takes varlen for an image-and-text model, whose batches carry no spans",
       "src/leantune/models/attention.py",
       " or whole_context_not_attended(config) or is_image_text(config) else VARLEN",
