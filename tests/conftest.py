@@ -143,3 +143,16 @@ def family_dir(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory):
+    """``tiny_vision(family)``: leantune's tiny image-and-text model of ``family`` (``models.tiny_vision``), built
+    once a session on first use."""
+    from leantune.models.tiny_vision import build_tiny_image_text
+
+    built = {}
+
+    def make(family: str):
+        if family not in built:
+            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return built[family]
+    return make

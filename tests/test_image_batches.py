@@ -18,21 +18,10 @@ from leantune.config import ConfigError
 from leantune.formats.records import DatasetError
 from leantune.labels import count_targets
 from leantune.models.loading import ModelLoadError
-from leantune.models.tiny_vision import MARKERS, build_tiny_image_text, qwen2_vl_image_processor
+from leantune.models.tiny_vision import MARKERS, qwen2_vl_image_processor
 from leantune.training.step import CausalLMLoss
 
 FAMILIES = ("mllama", "llava", "gemma3", "qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built = {}
-
-    def make(family: str):
-        if family not in built:
-            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(family))
-        return built[family]
-    return make
 
 
 def _image(color: str, size=(30, 24)) -> Image.Image:
@@ -80,9 +69,9 @@ def _grads(model) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_loss_and_every_gradient_equal_the_models_own_with_pixels(tiny, family):
-    path = tiny(family)
-    model, batch = _model(path), _batch(family, tiny(family))
+def test_the_loss_and_every_gradient_equal_the_models_own_with_pixels(tiny_vision, family):
+    path = tiny_vision(family)
+    model, batch = _model(path), _batch(family, tiny_vision(family))
     torch.manual_seed(0)
     images = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
     own = model(**batch).loss
@@ -104,16 +93,16 @@ def test_the_loss_and_every_gradient_equal_the_models_own_with_pixels(tiny, fami
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_self_check_runs_with_a_pixel_batch(tiny, family):
+def test_the_self_check_runs_with_a_pixel_batch(tiny_vision, family):
     from leantune.builders.own_loss import check_own_loss
     from leantune.models.facts import run_model_facts
 
-    cfg = parse_run_config(["--model_name", str(tiny(family))])
+    cfg = parse_run_config(["--model_name", str(tiny_vision(family))])
     check = check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False, images=True)
     assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-5
 
 
-def test_the_self_check_refuses_a_class_that_changes_the_pixels_on_their_way(tiny, monkeypatch):
+def test_the_self_check_refuses_a_class_that_changes_the_pixels_on_their_way(tiny_vision, monkeypatch):
     from transformers import LlavaForConditionalGeneration
 
     from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
@@ -122,7 +111,7 @@ def test_the_self_check_refuses_a_class_that_changes_the_pixels_on_their_way(tin
     forward = LlavaForConditionalGeneration.forward
     monkeypatch.setattr(LlavaForConditionalGeneration, "forward",
                         lambda self, pixel_values=None, **kw: forward(self, pixel_values=pixel_values * 2, **kw))
-    cfg = parse_run_config(["--model_name", str(tiny("llava"))])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("llava"))])
     with pytest.raises(OwnLossMismatch, match="not pixel_values as given"):
         check_own_loss(cfg.training, run_model_facts(cfg.model), sharded=False, images=True)
 
@@ -159,8 +148,8 @@ def _finetune(path, out, *extra, function="get_custom_dataset"):
     return summary, lines
 
 
-def test_a_cookbook_vision_dataset_file_trains_through_its_collator_and_the_processor_is_saved(tiny, tmp_path):
-    summary, lines = _finetune(tiny("mllama"), tmp_path / "out", "--max_train_step", "3", "--batch_size_training",
+def test_a_cookbook_vision_dataset_file_trains_through_its_collator_and_the_processor_is_saved(tiny_vision, tmp_path):
+    summary, lines = _finetune(tiny_vision("mllama"), tmp_path / "out", "--max_train_step", "3", "--batch_size_training",
                                "4", "--custom_dataset.test_split", "test", "--enable_activation_checkpointing",
                                "--save_metrics")
     assert any(line.startswith("data: examples/image_colors_dataset.py:get_custom_dataset: 360 train / 60 "
@@ -173,11 +162,11 @@ def test_a_cookbook_vision_dataset_file_trains_through_its_collator_and_the_proc
     assert {"processor_config.json", "tokenizer.json", "model.safetensors"} <= saved
 
 
-def test_freeze_llm_only_trains_the_vision_encoder_and_the_cross_attention_layers_alone(tiny):
+def test_freeze_llm_only_trains_the_vision_encoder_and_the_cross_attention_layers_alone(tiny_vision):
     from leantune.builders.model import build_model
     from leantune.precision import choose_precision
 
-    cfg = parse_run_config(["--model_name", str(tiny("mllama")), "--freeze_LLM_only"])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("mllama")), "--freeze_LLM_only"])
     lines = []
     model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lines.append)
     trained = {name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
@@ -213,9 +202,9 @@ def test_freeze_llm_only_on_a_text_model_is_refused(tmp_path):
     (["--offload_experts", "1", "--use_peft", "--quantization", "4bit"],
      "--offload_experts: not for image-and-text runs yet"),
 ])
-def test_what_is_not_built_for_images_yet_is_refused_by_name(tiny, tmp_path, extra, message):
+def test_what_is_not_built_for_images_yet_is_refused_by_name(tiny_vision, tmp_path, extra, message):
     with pytest.raises((ConfigError, DatasetError), match=message):
-        _finetune(tiny("llava"), tmp_path / "out", *extra)
+        _finetune(tiny_vision("llava"), tmp_path / "out", *extra)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -228,7 +217,7 @@ def test_what_is_not_built_for_images_yet_is_refused_by_name(tiny, tmp_path, ext
     ("import torch\n    return lambda rows: {'input_ids': torch.ones(1, 9, dtype=torch.long), 'labels': "
      "torch.full((1, 9), -100)}", "every label is -100, so the batch has nothing to learn"),
 ])
-def test_a_broken_collator_is_said_naming_the_rows_before_any_weight_loads(tiny, tmp_path, body, message):
+def test_a_broken_collator_is_said_naming_the_rows_before_any_weight_loads(tiny_vision, tmp_path, body, message):
     file = tmp_path / "colors.py"
     file.write_text(f"from image_colors import rows\n\ndef get_custom_dataset(c, processor, split):\n"
                     f"    return [{{'text': 'x'}}] * 4\n\ndef get_data_collator(processor):\n    {body}\n")
@@ -239,7 +228,7 @@ def test_a_broken_collator_is_said_naming_the_rows_before_any_weight_loads(tiny,
     try:
         from leantune.finetuning import run
 
-        flags = ["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+        flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
                  str(file), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
                  "--context_length", "64"]
         with pytest.raises(DatasetError, match=message):
@@ -261,11 +250,11 @@ def test_it_learns_from_the_images_and_not_from_blank_ones(tmp_path):
     assert result["runs"]["blank"]["accuracy"] <= 0.2, json.dumps(result)
 
 
-def test_checkpointing_reaches_llama_vision_encoder_layers_and_leaves_the_gradients_exactly_equal(tiny):
+def test_checkpointing_reaches_llama_vision_encoder_layers_and_leaves_the_gradients_exactly_equal(tiny_vision):
     from leantune.builders.model import prepare_model
     from leantune.precision import choose_precision
 
-    path = tiny("mllama")
+    path = tiny_vision("mllama")
     batch = _batch("mllama", path)
     images = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
     results = []
@@ -310,8 +299,8 @@ def _lora_places(path, *flags, images=True) -> tuple[list[str], str]:
     (["--lora_parts", "projector", "--lora_target_modules", "all-linear"], True, {"model.multi_modal_projector"},
      "on the projector (--lora_parts projector)"),
 ])
-def test_lora_goes_on_the_parts_asked_for_and_the_log_names_them(tiny, flags, images, where, said):
-    places, line = _lora_places(tiny("mllama"), *flags, images=images)
+def test_lora_goes_on_the_parts_asked_for_and_the_log_names_them(tiny_vision, flags, images, where, said):
+    places, line = _lora_places(tiny_vision("mllama"), *flags, images=images)
     assert {place.rsplit(".", 2)[0] if "layers" in place else place for place in places} == where
     assert line.endswith(said)
 
@@ -326,8 +315,8 @@ def test_a_bad_lora_parts_value_is_refused(flags, message):
         parse_run_config(flags)
 
 
-def test_qlora_quantizes_the_language_model_and_keeps_the_vision_side_in_16_bits(tiny, tmp_path):
-    summary, lines = _finetune(tiny("llava"), tmp_path / "out", "--use_peft", "--quantization", "4bit",
+def test_qlora_quantizes_the_language_model_and_keeps_the_vision_side_in_16_bits(tiny_vision, tmp_path):
+    summary, lines = _finetune(tiny_vision("llava"), tmp_path / "out", "--use_peft", "--quantization", "4bit",
                                "--max_train_step", "2", "--batch_size_training", "2")
     line = next(line for line in lines if line.startswith("quantization:"))
     assert line.startswith("quantization: 14 Linear layers in 4bit") and line.endswith(
@@ -335,7 +324,7 @@ def test_qlora_quantizes_the_language_model_and_keeps_the_vision_side_in_16_bits
     assert summary["epochs"][0]["steps"] == 2
 
 
-def test_gemma3s_base_is_handed_the_labels_as_its_class_hands_them(tiny, monkeypatch):
+def test_gemma3s_base_is_handed_the_labels_as_its_class_hands_them(tiny_vision, monkeypatch):
     from transformers.models.gemma3 import modeling_gemma3
 
     seen = []
@@ -346,7 +335,7 @@ def test_gemma3s_base_is_handed_the_labels_as_its_class_hands_them(tiny, monkeyp
         seen.append(kwargs.get("labels"))
         return forward(self, *args, **kwargs)
     monkeypatch.setattr(modeling_gemma3.Gemma3Model, "forward", spy)
-    path = tiny("gemma3")
+    path = tiny_vision("gemma3")
     model, batch = _model(path), _batch("gemma3", path)
     images = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
     model(**batch)
@@ -355,14 +344,14 @@ def test_gemma3s_base_is_handed_the_labels_as_its_class_hands_them(tiny, monkeyp
 
 
 @pytest.mark.slow
-def test_two_ranks_give_the_losses_of_one_process_on_an_image_run(tiny, tmp_path):
+def test_two_ranks_give_the_losses_of_one_process_on_an_image_run(tiny_vision, tmp_path):
     """FSDP2 over two gloo ranks, tiny Llama 3.2 Vision with LoRA on every part, its images batched by the
     cookbook-contract file: each rank takes its half of every batch."""
     from test_distributed import step_losses, torchrun
 
     from leantune.finetuning import run
 
-    common = ["--model_name", str(tiny("mllama")), "--dataset", "custom_dataset", "--custom_dataset.file", DATASET,
+    common = ["--model_name", str(tiny_vision("mllama")), "--dataset", "custom_dataset", "--custom_dataset.file", DATASET,
               "--batching_strategy", "padding", "--context_length", "64", "--num_workers_dataloader", "0",
               "--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing", "--max_train_step", "3",
               "--save_metrics", "--run_validation", "false"]
@@ -374,12 +363,12 @@ def test_two_ranks_give_the_losses_of_one_process_on_an_image_run(tiny, tmp_path
     assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=1e-4)
 
 
-def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(tiny, tmp_path):
+def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(tiny_vision, tmp_path):
     from leantune.builders.model import build_model
     from leantune.precision import choose_precision
     from leantune.preflight import preflight
 
-    cfg = parse_run_config(["--model_name", str(tiny("llava")), "--freeze_layers", "--num_freeze_layers", "1"])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("llava")), "--freeze_layers", "--num_freeze_layers", "1"])
     lines = []
     model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lines.append)
     layers = model.model.language_model.layers
@@ -387,18 +376,18 @@ def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(t
     assert all(p.requires_grad for p in layers[1].parameters()) and model.lm_head.weight.requires_grad
     assert ("frozen: the first 1 of 2 decoder layers (--freeze_layers --num_freeze_layers 1); the rest of the model "
             "trains") in lines
-    too_many = parse_run_config(["--model_name", str(tiny("llava")), "--freeze_layers", "--num_freeze_layers", "3",
+    too_many = parse_run_config(["--model_name", str(tiny_vision("llava")), "--freeze_layers", "--num_freeze_layers", "3",
                                  "--output_dir", str(tmp_path / "o"), "--context_length", "64"])
     with pytest.raises(ConfigError, match="--num_freeze_layers 3: LlavaForConditionalGeneration has 2 decoder layers"):
         preflight(too_many, log=lambda line: None)
 
 
-def test_training_the_vision_side_alone_on_text_rows_is_refused(tiny, tmp_path):
+def test_training_the_vision_side_alone_on_text_rows_is_refused(tiny_vision, tmp_path):
     from leantune.preflight import preflight
 
     for flags, said in ((["--freeze_LLM_only"], "--freeze_LLM_only"),
                         (["--use_peft", "--lora_parts", "vision_encoder"], "--lora_parts vision_encoder")):
-        cfg = parse_run_config(["--model_name", str(tiny("llava")), "--output_dir", str(tmp_path / "o"),
+        cfg = parse_run_config(["--model_name", str(tiny_vision("llava")), "--output_dir", str(tmp_path / "o"),
                                 "--context_length", "64", *flags])
         with pytest.raises(ConfigError, match=f"{said}: only the vision side trains, and the run's rows hold no image"):
             preflight(cfg, log=lambda line: None)
@@ -413,26 +402,26 @@ def _collator_file(tmp_path, body: str):
     return file
 
 
-def test_image_inputs_that_are_not_tensors_are_refused(tiny, tmp_path):
+def test_image_inputs_that_are_not_tensors_are_refused(tiny_vision, tmp_path):
     from leantune.finetuning import run
 
     file = _collator_file(tmp_path, "    made = ColorsCollator(processor)\n"
                                     "    def listed(rows):\n        batch = made(rows)\n"
                                     "        batch['pixel_values'] = batch['pixel_values'].tolist()\n"
                                     "        return batch\n    return listed")
-    flags = ["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file", str(file),
+    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file", str(file),
              "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
     with pytest.raises(DatasetError, match="the collator returned pixel_values as list, not a tensor"):
         run(parse_run_config(flags), log=lambda line: None)
 
 
-def test_a_collators_labels_on_image_tokens_are_masked(tiny, tmp_path):
+def test_a_collators_labels_on_image_tokens_are_masked(tiny_vision, tmp_path):
     from transformers import AutoProcessor
 
     from leantune.builders.loaders import _image_token_ids
     from leantune.data.collated import CollatedBatches
 
-    processor = AutoProcessor.from_pretrained(tiny("llava"))
+    processor = AutoProcessor.from_pretrained(tiny_vision("llava"))
     sys_path = __import__("sys").path
     sys_path.insert(0, "examples")
     try:
@@ -451,14 +440,14 @@ def test_a_collators_labels_on_image_tokens_are_masked(tiny, tmp_path):
     assert ((batch["labels"] == -100) == (batch["input_ids"] == image)).all()
 
 
-def test_an_error_in_a_dataloader_worker_is_said_in_one_line(tiny, tmp_path, capsys):
+def test_an_error_in_a_dataloader_worker_is_said_in_one_line(tiny_vision, tmp_path, capsys):
     from leantune.finetuning import main
 
     file = _collator_file(tmp_path, "    made = ColorsCollator(processor)\n    seen = []\n"
                                     "    def failing(rows):\n        seen.append(1)\n"
                                     "        if len(seen) > 2:\n            raise ValueError('cannot read the image')\n"
                                     "        return made(rows)\n    return failing")
-    code = main(["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+    code = main(["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
                  str(file), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
                  "--context_length", "64", "--num_workers_dataloader", "1", "--batch_size_training", "2",
                  "--run_validation", "false"])
@@ -468,23 +457,23 @@ def test_an_error_in_a_dataloader_worker_is_said_in_one_line(tiny, tmp_path, cap
     assert err[0].startswith("leantune: error: colors.py train row ")
 
 
-def test_freeze_llm_only_keeps_the_frozen_base_in_bfloat16_and_trains_in_float32(tiny):
+def test_freeze_llm_only_keeps_the_frozen_base_in_bfloat16_and_trains_in_float32(tiny_vision):
     from leantune.builders.model import prepare_model
     from leantune.precision import choose_precision
 
-    cfg = parse_run_config(["--model_name", str(tiny("mllama")), "--freeze_LLM_only"])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("mllama")), "--freeze_LLM_only"])
     on_gpu = choose_precision(cfg, torch.device("cuda"), bf16_supported=True)
     assert on_gpu.weight_dtype is torch.bfloat16 and on_gpu.note.endswith("(the trained parts in float32)")
-    model = _model(tiny("mllama")).to(torch.bfloat16)
+    model = _model(tiny_vision("mllama")).to(torch.bfloat16)
     model, _ = prepare_model(model, cfg, choose_precision(cfg, torch.device("cpu")))
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
 
 
-def test_varlen_attention_is_refused_for_an_image_and_text_model(tiny):
+def test_varlen_attention_is_refused_for_an_image_and_text_model(tiny_vision):
     from leantune.models.facts import run_model_facts
 
-    cfg = parse_run_config(["--model_name", str(tiny("llava")), "--attn_implementation", "varlen"])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("llava")), "--attn_implementation", "varlen"])
     with pytest.raises(ConfigError, match="--attn_implementation varlen: LlavaForConditionalGeneration is an "
                                           "image-and-text model"):
         run_model_facts(cfg.model)

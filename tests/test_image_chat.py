@@ -14,7 +14,6 @@ from PIL import Image
 from leantune.cli_args import parse_run_config
 from leantune.data.image_chat import ImageChatCollator, image_chat_rows
 from leantune.formats.records import DatasetError
-from leantune.models.tiny_vision import build_tiny_image_text
 
 
 def _record(kind: str, image: str, answer: str) -> dict:
@@ -41,23 +40,12 @@ def data(tmp_path_factory):
     return folder, records
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built = {}
-
-    def make(family):
-        if family not in built:
-            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(family))
-        return built[family]
-    return make
-
-
 @pytest.mark.parametrize("family", ["mllama", "llava", "gemma3"])
-def test_the_labels_are_the_assistants_tokens_alone(tiny, data, family):
+def test_the_labels_are_the_assistants_tokens_alone(tiny_vision, data, family):
     from transformers import AutoProcessor
 
     folder, records = data
-    processor = AutoProcessor.from_pretrained(tiny(family))
+    processor = AutoProcessor.from_pretrained(tiny_vision(family))
     rows = image_chat_rows([dict(r, _line=i + 1) for i, r in enumerate(records[:3])], "train.jsonl", folder)
     assert [len(row["images"]) for row in rows] == [1, 1, 0]
     batch = ImageChatCollator(processor)(rows)
@@ -70,12 +58,12 @@ def test_the_labels_are_the_assistants_tokens_alone(tiny, data, family):
     assert "pixel_values" in batch
 
 
-def test_chat_records_with_images_train_through_leantune_finetune(tiny, data, tmp_path):
+def test_chat_records_with_images_train_through_leantune_finetune(tiny_vision, data, tmp_path):
     from leantune.finetuning import run
 
     folder, _ = data
     lines = []
-    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+    run(parse_run_config(["--model_name", str(tiny_vision("llava")), "--dataset", "chat_dataset", "--data_path",
                           str(folder / "train.jsonl"), "--batching_strategy", "padding", "--output_dir",
                           str(tmp_path / "out"), "--max_train_step", "2", "--batch_size_training", "4",
                           "--context_length", "64", "--num_workers_dataloader", "0", "--val_fraction", "0.25"]),
@@ -103,14 +91,14 @@ def _deep(path):
                    {"role": "assistant", "content": "x"}]}, None,
      "train.jsonl:1: turn 0: a content part must be"),
 ])
-def test_a_bad_image_record_is_said_naming_it_before_any_weight_loads(tiny, tmp_path, record, prepare, message):
+def test_a_bad_image_record_is_said_naming_it_before_any_weight_loads(tiny_vision, tmp_path, record, prepare, message):
     from leantune.finetuning import run
 
     if prepare is not None:
         prepare(tmp_path)
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     (tmp_path / "train.jsonl").write_text(json.dumps(record) + "\n")
-    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "chat_dataset", "--data_path",
              str(tmp_path / "train.jsonl"), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
              "--context_length", "64", "--val_fraction", "0"]
     with pytest.raises(DatasetError, match=message.format(folder=tmp_path)):
@@ -125,34 +113,34 @@ def test_every_image_is_checked_as_the_records_are_read(tmp_path):
         image_chat_rows(records, "train.jsonl", tmp_path)
 
 
-def test_packing_image_chat_records_is_refused(tiny, data, tmp_path):
+def test_packing_image_chat_records_is_refused(tiny_vision, data, tmp_path):
     from leantune.finetuning import run
 
     folder, _ = data
-    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "chat_dataset", "--data_path",
              str(folder / "train.jsonl"), "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
     with pytest.raises(DatasetError, match="--batching_strategy packing: .*train.jsonl's rows are batched with their "
                                            "images by the processor and cannot be packed"):
         run(parse_run_config(flags), log=lambda line: None)
 
 
-def test_text_only_chat_records_on_an_image_and_text_model_train_as_text_rows(tiny, tmp_path):
+def test_text_only_chat_records_on_an_image_and_text_model_train_as_text_rows(tiny_vision, tmp_path):
     from leantune.finetuning import run
 
     records = [_record("text", "", "hi") for _ in range(6)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = []
-    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+    run(parse_run_config(["--model_name", str(tiny_vision("llava")), "--dataset", "chat_dataset", "--data_path",
                           str(tmp_path / "train.jsonl"), "--output_dir", str(tmp_path / "out"), "--max_train_step",
                           "1", "--context_length", "64", "--val_fraction", "0"]), log=lines.append)
     assert any(line.startswith("data: chat_dataset from") and "(packing, examples apart)" in line for line in lines)
 
 
-def test_a_record_without_an_image_is_refused_when_only_the_vision_side_trains(tiny, data, tmp_path):
+def test_a_record_without_an_image_is_refused_when_only_the_vision_side_trains(tiny_vision, data, tmp_path):
     from leantune.finetuning import run
 
     folder, _ = data
-    flags = ["--model_name", str(tiny("llava")), "--dataset", "chat_dataset", "--data_path",
+    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "chat_dataset", "--data_path",
              str(folder / "train.jsonl"), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"),
              "--context_length", "64", "--freeze_LLM_only"]
     with pytest.raises(DatasetError, match="train.jsonl:3: holds no image, and every row must \\(only the vision "
@@ -173,11 +161,11 @@ def _two_turns(first: str, second: str, third: str = "") -> dict:
 
 
 @pytest.mark.parametrize("last_only, answers", [(False, ["red", "blue", "yes"]), (True, ["yes"])])
-def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny, data, last_only, answers):
+def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny_vision, data, last_only, answers):
     from transformers import AutoProcessor
 
     folder, _ = data
-    processor = AutoProcessor.from_pretrained(tiny("mllama"))
+    processor = AutoProcessor.from_pretrained(tiny_vision("mllama"))
     rows = image_chat_rows([_two_turns("red", "blue", "yes")], "chat.jsonl", folder)
     assert [image.name for image in rows[0]["images"]] == ["0.png", "1.png"]
     batch = ImageChatCollator(processor, last_only=last_only)(rows)
@@ -194,7 +182,7 @@ def test_each_assistant_turn_of_a_conversation_with_two_images_is_labelled(tiny,
     assert processor.tokenizer.decode(ids).endswith("yes" + eos)  # the whole conversation, no generation prompt
 
 
-def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny, tmp_path):
+def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny_vision, tmp_path):
     import io
 
     from transformers import AutoProcessor
@@ -204,7 +192,7 @@ def test_images_from_a_datasets_column_are_read_as_pictures_or_bytes(tiny, tmp_p
     records = [{**_record("column", "", "red"), "images": [red], "_line": 1},
                {**_record("column", "", "blue"), "images": [{"bytes": blue.getvalue(), "path": None}], "_line": 2}]
     rows = image_chat_rows(records, "hub", tmp_path)
-    batch = ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")))(rows)
+    batch = ImageChatCollator(AutoProcessor.from_pretrained(tiny_vision("llava")))(rows)
     assert batch["pixel_values"].shape[0] == 2
     assert not torch.equal(batch["pixel_values"][0], batch["pixel_values"][1])
 
@@ -223,7 +211,7 @@ def test_a_malformed_conversation_is_said_naming_its_record(tmp_path, record, me
         image_chat_rows([dict(record, _line=4)], "chat.jsonl", tmp_path)
 
 
-def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny, data):
+def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny_vision, data):
     from transformers import AutoProcessor
 
     folder, records = data
@@ -231,7 +219,7 @@ def test_a_chat_template_given_with_the_flag_renders_the_conversations(tiny, dat
                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
                 "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
                 "{% if add_generation_prompt %}### assistant: {% endif %}")
-    processor = AutoProcessor.from_pretrained(tiny("llava"))
+    processor = AutoProcessor.from_pretrained(tiny_vision("llava"))
     rows = image_chat_rows([dict(records[0], _line=1)], "train.jsonl", folder)
     batch = ImageChatCollator(processor, template=template)(rows)
     text = processor.tokenizer.decode(batch["input_ids"][0])
@@ -258,7 +246,7 @@ def test_an_images_column_entry_that_is_no_image_is_said(tmp_path, image, messag
         image_chat_rows([{**_record("column", "", "red"), "images": [image], "_line": 2}], "hub", tmp_path)
 
 
-def test_a_template_that_adds_to_the_last_turn_is_refused(tiny, data):
+def test_a_template_that_adds_to_the_last_turn_is_refused(tiny_vision, data):
     from transformers import AutoProcessor
 
     folder, _ = data
@@ -268,10 +256,10 @@ def test_a_template_that_adds_to_the_last_turn_is_refused(tiny, data):
               "{% if add_generation_prompt %}<assistant>{% endif %}")
     rows = image_chat_rows([dict(_two_turns("red", "blue"), _line=5)], "chat.jsonl", folder)
     with pytest.raises(DatasetError, match="chat.jsonl:5: the chat template renders the turns before assistant turn 2"):
-        ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")), template=ending)(rows)
+        ImageChatCollator(AutoProcessor.from_pretrained(tiny_vision("llava")), template=ending)(rows)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tiny, data):
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_vision, data):
     from transformers import AutoProcessor
 
     folder, _ = data
@@ -280,4 +268,4 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tiny, data):
                  "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
     rows = image_chat_rows([dict(_two_turns("red", "blue"), _line=3)], "chat.jsonl", folder)
     with pytest.raises(DatasetError, match="chat.jsonl:3: the chat template renders the turns before assistant turn"):
-        ImageChatCollator(AutoProcessor.from_pretrained(tiny("llava")), template=rewriting)(rows)
+        ImageChatCollator(AutoProcessor.from_pretrained(tiny_vision("llava")), template=rewriting)(rows)

@@ -10,29 +10,17 @@ import pytest
 import torch
 
 from leantune.cli_args import parse_run_config
-from leantune.models.tiny_vision import build_tiny_image_text
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built = {}
-
-    def make(family):
-        if family not in built:
-            built[family] = build_tiny_image_text(family, tmp_path_factory.mktemp(family))
-        return built[family]
-    return make
-
-
 @pytest.mark.parametrize("family, flags", [("mllama", ["--use_peft"]), ("llava", ["--freeze_LLM_only"]),
                                            ("gemma3", ["--use_peft"]), ("qwen2_vl", [])])
-def test_the_plan_equals_the_measured_step_with_its_images(tiny, family, flags):
+def test_the_plan_equals_the_measured_step_with_its_images(tiny_vision, family, flags):
     from leantune.models.facts import run_model_facts
     from leantune.planning.fake_step import trace_step
 
-    cfg = parse_run_config(["--model_name", str(tiny(family)), "--context_length", "300", "--batch_size_training",
+    cfg = parse_run_config(["--model_name", str(tiny_vision(family)), "--context_length", "300", "--batch_size_training",
                             "2", "--enable_activation_checkpointing", *flags])
     config = run_model_facts(cfg.model).config
     predicted, measured = trace_step(cfg, config, CPU, "full"), trace_step(cfg, config, CPU, "full", fake=False)
@@ -41,7 +29,7 @@ def test_the_plan_equals_the_measured_step_with_its_images(tiny, family, flags):
     assert again.peak_bytes == predicted.peak_bytes  # traced once more, the same: nothing random in it
 
 
-def test_the_planned_batch_holds_the_processors_image_inputs(tiny):
+def test_the_planned_batch_holds_the_processors_image_inputs(tiny_vision):
     """The planned Llava row is what its processor makes of one image of the vision tower's size."""
     from transformers import AutoProcessor
     from PIL import Image
@@ -50,7 +38,7 @@ def test_the_planned_batch_holds_the_processors_image_inputs(tiny):
     from leantune.models.facts import run_model_facts
     from leantune.models.image_inputs import planned_image, with_planned_images
 
-    path = tiny("llava")
+    path = tiny_vision("llava")
     config = run_model_facts(parse_run_config(["--model_name", str(path)]).model).config
     image = planned_image(config)
     planned = with_planned_images(full_rows_batch(1, 32, config.text_config.vocab_size, False), config, image)
@@ -62,11 +50,11 @@ def test_the_planned_batch_holds_the_processors_image_inputs(tiny):
     assert image.description == "one 28x28 image a row, 4 image tokens"
 
 
-def test_auto_batch_size_and_the_plan_line_on_an_image_run(tiny, tmp_path):
+def test_auto_batch_size_and_the_plan_line_on_an_image_run(tiny_vision, tmp_path):
     from leantune.finetuning import run
 
     lines = []
-    run(parse_run_config(["--model_name", str(tiny("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+    run(parse_run_config(["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
                           "examples/image_colors_dataset.py", "--batching_strategy", "padding", "--output_dir",
                           str(tmp_path / "out"), "--context_length", "64", "--num_workers_dataloader", "0",
                           "--auto_batch_size", "--memory_budget_gb", "1", "--max_train_step", "1"]), log=lines.append)
@@ -75,11 +63,11 @@ def test_auto_batch_size_and_the_plan_line_on_an_image_run(tiny, tmp_path):
     assert any(line.startswith("epoch 1 step 1/1") for line in lines)
 
 
-def test_freeze_llm_only_on_a_4bit_language_model_keeps_the_fusion_layers_whole_and_trains(tiny, tmp_path):
+def test_freeze_llm_only_on_a_4bit_language_model_keeps_the_fusion_layers_whole_and_trains(tiny_vision, tmp_path):
     from leantune.builders.model import build_model
     from leantune.precision import choose_precision
 
-    cfg = parse_run_config(["--model_name", str(tiny("mllama")), "--freeze_LLM_only", "--quantization", "4bit"])
+    cfg = parse_run_config(["--model_name", str(tiny_vision("mllama")), "--freeze_LLM_only", "--quantization", "4bit"])
     model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda line: None)
     kinds = {name: type(module).__name__ for name, module in model.named_modules()
              if name.endswith(("q_proj", "gate_proj"))}
@@ -89,13 +77,13 @@ def test_freeze_llm_only_on_a_4bit_language_model_keeps_the_fusion_layers_whole_
     assert all(p.requires_grad for p in model.model.language_model.layers[1].parameters())
 
 
-def test_the_offloaded_embedding_leaves_an_image_runs_losses_unchanged(tiny, tmp_path):
+def test_the_offloaded_embedding_leaves_an_image_runs_losses_unchanged(tiny_vision, tmp_path):
     from leantune.finetuning import run
 
     losses = []
     for extra in ([], ["--offload_embedding"]):
         out = tmp_path / f"out{len(extra)}"
-        run(parse_run_config(["--model_name", str(tiny("mllama")), "--dataset", "custom_dataset",
+        run(parse_run_config(["--model_name", str(tiny_vision("mllama")), "--dataset", "custom_dataset",
                               "--custom_dataset.file", "examples/image_colors_dataset.py", "--batching_strategy",
                               "padding", "--output_dir", str(out), "--use_peft", "--max_train_step", "2",
                               "--context_length", "64", "--num_workers_dataloader", "0", "--save_metrics", *extra]),
@@ -119,20 +107,20 @@ def test_the_published_shapes_plan_offline_by_hub_id(hub_id, billions):
     assert planned_image(config) is not None
 
 
-def test_a_run_on_text_rows_is_planned_without_an_image(tiny, tmp_path):
+def test_a_run_on_text_rows_is_planned_without_an_image(tiny_vision, tmp_path):
     from leantune.builders.loaders import plans_images
     from leantune.models.facts import run_model_facts
 
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
-    text = parse_run_config(["--model_name", str(tiny("gemma3")), "--dataset", "custom_dataset", "--data_path",
+    text = parse_run_config(["--model_name", str(tiny_vision("gemma3")), "--dataset", "custom_dataset", "--data_path",
                              str(tmp_path / "d.jsonl")])
-    bare = parse_run_config(["--model_name", str(tiny("gemma3"))])  # `leantune plan` by name: one image a row
+    bare = parse_run_config(["--model_name", str(tiny_vision("gemma3"))])  # `leantune plan` by name: one image a row
     config = run_model_facts(text.model).config
     assert not plans_images(text.data, config) and plans_images(bare.data, config)
 
 
 @pytest.mark.parametrize("family, marker", [("mllama", "<|image|>"), ("gemma3", "<start_of_image>")])
-def test_the_planned_inputs_match_the_processors(tiny, family, marker):
+def test_the_planned_inputs_match_the_processors(tiny_vision, family, marker):
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -140,7 +128,7 @@ def test_the_planned_inputs_match_the_processors(tiny, family, marker):
     from leantune.models.facts import run_model_facts
     from leantune.models.image_inputs import planned_image, with_planned_images
 
-    path = tiny(family)
+    path = tiny_vision(family)
     config = run_model_facts(parse_run_config(["--model_name", str(path)]).model).config
     planned = with_planned_images(full_rows_batch(1, 32, 64, False), config, planned_image(config))
     made = AutoProcessor.from_pretrained(path)(images=[[Image.new("RGB", (28, 28))]], text=[marker + "x"],
