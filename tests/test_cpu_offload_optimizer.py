@@ -27,6 +27,7 @@ from leantune.training.checkpoint_files import load_checkpoint_file
 
 pytest.importorskip("torchao")
 NAME = "adamw_cpu_offload"
+GRADIENTS = "adamw_cpu_offload_gradients"  # --offload_gradients: the same, the GPU's gradients freed in backward
 SHAPES = [(128, 64), (64,), (MIN_OFFLOADED_SIZE,)]  # offloaded, kept on the device, offloaded (the edge)
 
 
@@ -53,8 +54,10 @@ def stood_in_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **{**kw, "pin_memory": False}))
-    # the entry may run here while these stand in for CUDA
-    monkeypatch.setitem(ENTRIES, NAME, dataclasses.replace(ENTRIES[NAME], devices=("cpu", "cuda")))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # offload_gradients' free
+    # the entries may run here while these stand in for CUDA
+    for name in (NAME, GRADIENTS):
+        monkeypatch.setitem(ENTRIES, name, dataclasses.replace(ENTRIES[name], devices=("cpu", "cuda")))
 
 
 def _params(seed=0):
@@ -140,6 +143,90 @@ def test_auto_skips_its_rung_when_the_host_lacks_the_memory(monkeypatch):
     assert any(NAME in line and "of host memory (of 1.0 MiB available)" in line for line in lines), lines
 
 
+def test_offloaded_gradients_step_as_fused_adamw_and_leave_only_the_small_weights_gradient_on_the_device(
+        stood_in_cuda):
+    params, reference = _params(), _params()
+    optimizer = build(GRADIENTS, params, lr=1e-2, weight_decay=0.1, device_type="cuda")
+    torch_adamw = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        _step(optimizer, params, step)
+        _step(torch_adamw, reference, step)
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))
+    for p in params:
+        (p * 3).sum().backward()
+    assert [p.grad is None for p in params] == [True, False, True]  # freed once copied; the small one stays
+    assert sorted(g.numel() for g in optimizer.held_gradients()) == [64, MIN_OFFLOADED_SIZE, 64 * 128]
+    assert all(torch.equal(g, torch.full_like(g, 3.0)) for g in optimizer.held_gradients())
+
+
+def test_with_gradients_offloaded_the_norm_is_read_from_the_host_copies(stood_in_cuda):
+    from leantune.precision import Precision
+    from leantune.training.step import TrainStep
+
+    def norm(name):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 64)
+        optimizer = build(name, list(model.parameters()), lr=1e-2, weight_decay=0.0, device_type="cuda")
+        step = TrainStep(model, optimizer, Precision(torch.device("cpu"), torch.float32, None, False, ""))
+        torch.manual_seed(1)
+        (model(torch.randn(4, 128)) ** 2).sum().backward()
+        return step.gradient_norm(), model.weight.grad
+
+    offloaded, freed = norm(GRADIENTS)
+    kept, _ = norm(NAME)
+    assert freed is None and torch.equal(offloaded, kept)
+
+
+def test_the_offloaded_gradients_stand_in_frees_the_large_weights_gradients_in_backward():
+    from leantune.optimizers.torchao_cpu_offload import OffloadedGradientsStandIn
+
+    large, small = torch.nn.Parameter(torch.zeros(MIN_OFFLOADED_SIZE)), torch.nn.Parameter(torch.zeros(8))
+    stand_in = OffloadedGradientsStandIn([large, small], 1e-3, 0.0)
+    (large.sum() + small.sum()).backward()
+    assert large.grad is None and [g.shape for g in stand_in.held_gradients()] == [small.shape]
+
+
+def test_its_plan_holds_no_gradient_of_the_offloaded_weights():
+    argv = ["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64", "--device", "cuda"]
+    traces = {name: trace_step(parse_run_config([*argv, "--optimizer", name]), model_config("tiny"),
+                               torch.device("cuda"), "none") for name in (NAME, GRADIENTS)}
+    kept, freed = traces[NAME], traces[GRADIENTS]
+    # at the step the offloaded weights' gradients are gone: what is left, the small weights', is under 1% of them
+    assert freed.stage_breakdowns["optimizer"]["gradient"] < kept.stage_breakdowns["optimizer"]["gradient"] / 100
+    assert kept.stage_breakdowns["optimizer"]["gradient"] == 16_000_000  # every float32 weight's
+    assert freed.stage_peaks["backward"] < kept.stage_peaks["backward"]  # none piles up while backward runs
+    assert freed.host_state_bytes == kept.host_state_bytes
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps 2"),
+    (["--gradient_clipping"], "--gradient_clipping"), (["--optimizer_in_backward"], "--optimizer_in_backward"),
+    (["--optimizer_cpu_offload"], "--optimizer adamw_cpu_offload")])
+def test_offloaded_gradients_refuse_what_reads_or_adds_to_the_freed_gradients(flags, named):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--offload_gradients", *flags])
+    assert "--offload_gradients" in str(err.value) and named in str(err.value)
+    assert parse_run_config(["--offload_gradients"]).training.optimizer == GRADIENTS
+
+
+def test_the_ladder_takes_offloaded_gradients_after_the_state_and_not_with_accumulation():
+    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.optimizer_choice import rungs_for
+
+    names = [(rung.optimizer, rung.pure_bf16) for rung in ladder()]
+    # 4 bytes a parameter on the GPU, float32 weights: after 4-bit AdamW, before bfloat16 weights
+    assert names.index((NAME, False)) < names.index(("adamw_4bit", False)) < names.index((GRADIENTS, False)) \
+        < names.index(("adamw_8bit", True))
+    assert GRADIENTS in [rung.optimizer for rung in rungs_for(parse_run_config(["--optimizer", "auto"]),
+                                                                torch.device("cuda"))]
+    accumulating = parse_run_config(["--optimizer", "auto", "--gradient_accumulation_steps", "2"])
+    assert GRADIENTS not in [rung.optimizer for rung in rungs_for(accumulating, torch.device("cuda"))]
+    offloaded = _optimizer_fixes(parse_run_config(["--optimizer_cpu_offload"]), torch.device("cuda"))
+    assert any("--offload_gradients" in fix for fix in offloaded)
+    assert not any("--offload_gradients" in fix for fix in _optimizer_fixes(parse_run_config([]),
+                                                                             torch.device("cuda")))
+
+
 def _run(model_dir, out, *flags, resume=False):
     argv = ["--model_name", str(model_dir), *flags, "--max_train_step", "12", "--num_epochs", "1",
             "--context_length", "64", "--lr", "1e-3", "--batch_size_training", "2", "--run_validation", "false",
@@ -161,6 +248,22 @@ def test_a_run_trains_as_adamw_and_its_resume_gives_the_losses_of_one_never_stop
     resumed, _ = _run(tiny_model_dir, tmp_path / "resumed", "--optimizer_cpu_offload",
                       "--gradient_accumulation_steps", "2", resume=True)
     assert len(whole) == 6 and resumed[-4:] == whole[-4:]
+
+
+def test_a_run_with_offloaded_gradients_gives_adamws_losses_and_norms_and_resumes_exactly(
+        stood_in_cuda, tiny_model_dir, tmp_path):
+    def norms(out):
+        return [s["grad_norm"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
+
+    whole, lines = _run(tiny_model_dir, tmp_path / "whole", "--offload_gradients")
+    assert any("--optimizer adamw_cpu_offload_gradients" in line for line in lines if line.startswith("optimizer:"))
+    adamw, _ = _run(tiny_model_dir, tmp_path / "adamw")
+    assert whole == pytest.approx(adamw, rel=1e-5) and whole[-1] < whole[0]
+    assert all(n > 0 for n in norms(tmp_path / "whole"))
+    assert norms(tmp_path / "whole") == pytest.approx(norms(tmp_path / "adamw"), rel=1e-5)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed, _ = _run(tiny_model_dir, tmp_path / "resumed", "--offload_gradients", resume=True)
+    assert len(whole) == 12 and resumed[-10:] == whole[-10:]
 
 
 def test_a_resume_keeps_the_schedule_of_the_weights_stepped_on_the_device(stood_in_cuda, tiny_model_dir, tmp_path):

@@ -12,7 +12,8 @@ import pkgutil
 
 from leantune.optimizers.registry import (ALIASES, ENTRIES, SHARDED, Advice, OptimizerEntry, Rung, build, entry_of,
                                           ladder, loading_into, optimizer_entry, plain_optimizer_state, register,
-                                          pinned_size, restored_optimizer_state, saves_own_state)
+                                          pinned_size, restored_optimizer_state, saves_own_state,
+                                          step_gradients)
 
 AUTO = "auto"  # not an optimizer: the planner picks a rung of the ladder (``leantune.planning.optimizer_choice``)
 
@@ -36,4 +37,5 @@ def optimizer_help() -> str:
 
 __all__ = ["ALIASES", "AUTO", "ENTRIES", "SHARDED", "Advice", "OptimizerEntry", "Rung", "build", "entry_of", "ladder",
            "loading_into", "optimizer_choices", "optimizer_entry", "optimizer_help", "plain_optimizer_state",
-           "pinned_size", "register", "restored_optimizer_state", "saves_own_state"]
+           "pinned_size", "register", "restored_optimizer_state", "saves_own_state",
+           "step_gradients"]

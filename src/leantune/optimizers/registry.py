@@ -16,6 +16,7 @@ entry reads of a run comes as plain values.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
@@ -74,7 +75,9 @@ class OptimizerEntry:
     loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict
     own_state: bool = False  # saved and loaded by its own state_dict, keyed by weight position (one process)
     switch: str = ""  # a flag of its own that selects it, besides --optimizer NAME (``cli_args`` adds it)
-    conflicts: tuple[tuple[str, str], ...] = ()  # (a training flag it cannot work with, why)
+    conflicts: tuple[tuple[str, str], ...] = ()  # (a training flag it cannot work with when set off its default, why)
+    # the gradients its step uses, where backward moved them off the weights' ``.grad`` (to the host)
+    held_gradients: Optional[Callable[[torch.optim.Optimizer], list[torch.Tensor]]] = None
 
     @property
     def flag(self) -> str:
@@ -82,8 +85,15 @@ class OptimizerEntry:
         return f"--{self.switch}" if self.switch else f"--optimizer {self.name}"
 
     def conflicts_in(self, training: Any) -> list[tuple[str, str]]:
-        """Its ``conflicts`` that are set in ``training`` (a section whose attributes are the flags)."""
-        return [(f"--{flag}", why) for flag, why in self.conflicts if getattr(training, flag)]
+        """Its ``conflicts`` that are set in ``training`` (a dataclass section whose fields are the flags): set
+        is off the field's default (a count such as --gradient_accumulation_steps conflicts above its 1)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(training)}
+        found = []
+        for flag, why in self.conflicts:
+            value = getattr(training, flag)
+            if value != defaults[flag]:
+                found.append((f"--{flag}" if value is True else f"--{flag} {value}", why))
+        return found
 
 
 class PlannedStep(torch.optim.Optimizer):
@@ -180,6 +190,13 @@ def saves_own_state(optimizer: torch.optim.Optimizer) -> bool:
     """Its state is saved as its own ``state_dict()`` gives it, not by torch keyed by parameter name (whose
     mapping needs the optimizer to hold the model's own parameters)."""
     return entry_of(optimizer).own_state
+
+
+def step_gradients(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients ``optimizer``'s step will use of ``params``: their ``.grad``, or where its entry moved them
+    in backward (host copies)."""
+    held = entry_of(optimizer).held_gradients
+    return held(optimizer) if held is not None else [p.grad for p in params if p.grad is not None]
 
 
 def loading_into(optimizer: torch.optim.Optimizer) -> ContextManager:

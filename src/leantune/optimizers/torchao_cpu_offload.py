@@ -12,13 +12,21 @@ position, not by name, and FSDP2 has ``--fsdp_cpu_offload``) and flags that act 
 gradients reach the host: gradient clipping and a float16 loss scaler would change the GPU's
 gradients after they were copied, and a step in backward is what it does already.
 
+``--offload_gradients`` (``--optimizer adamw_cpu_offload_gradients``) is the same optimizer with
+torchao's ``offload_gradients``: each offloaded weight's GPU gradient is freed as soon as its copy
+to the host is queued, so the GPU never holds the full set of gradients (4 bytes a float32
+parameter less again). It needs one batch a step (a second batch's backward would find no GPU
+gradient to add to), and the gradient norm is then read from the host copies.
+
 The planner steps ``OffloadedAdamWStandIn``: AdamW's state on the device for the small weights
-only, and the in-place write of each weight (the copy back).
+only, and the in-place write of each weight (the copy back); with the gradients offloaded, it
+frees each large weight's gradient in backward, as torchao does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -30,18 +38,28 @@ MIN_OFFLOADED_SIZE = 4096  # torchao's default minimal_size: smaller weights ste
 HOST_BYTES_PER_PARAMETER = 16
 
 
-def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type: str) -> torch.optim.Optimizer:
+def offloaded_adamw(groups: list, *, lr: float, weight_decay: float, device_type: str,
+                    offload_gradients: bool = False) -> torch.optim.Optimizer:
     optim = import_quietly("torchao.optim", "torchao", "torch.utils._pytree")
-    # offload_gradients stays off: it frees the GPU's gradient in backward, which accumulation and the
-    # gradient-norm metric still read
-    optimizer = optim.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=False,
+    # offload_gradients frees the GPU's gradient in backward: a second batch's backward (accumulation) would
+    # start a new one instead of adding to it, so that entry refuses accumulation
+    optimizer = optim.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=offload_gradients,
                                           minimal_size=MIN_OFFLOADED_SIZE, lr=lr, weight_decay=weight_decay)
     # torchao's wrapper skips torch.optim.Optimizer's set-up; what leantune reads of an optimizer (its
     # defaults, and the state the memory tracker counts on the device) is the on-device part
     optimizer.defaults = {"lr": lr, "weight_decay": weight_decay, "fused": True}
     optimizer.state = optimizer.d_opt.state if optimizer.d_opt is not None else {}
     optimizer.zero_grad = _forgetting_copies(optimizer, optimizer.zero_grad)
+    optimizer.held_gradients = functools.partial(_gradients_to_step, optimizer)
     return optimizer
+
+
+def _gradients_to_step(optimizer) -> list[torch.Tensor]:
+    """What the next step uses: the host copies of the offloaded weights that have a gradient this step (their GPU
+    gradients may be freed already) and the small weights' GPU gradients."""
+    optimizer.stream.synchronize()  # every copy to the host has landed
+    host = [optimizer.param_d2h_map[p].grad for p in optimizer.queue]
+    return host + [p.grad for group in optimizer.d_param_groups for p in group["params"] if p.grad is not None]
 
 
 def _forgetting_copies(optimizer, original_zero_grad):
@@ -85,6 +103,31 @@ class OffloadedAdamWStandIn(PlannedStep):
                 "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
 
 
+class OffloadedGradientsStandIn(OffloadedAdamWStandIn):
+    """``OffloadedAdamWStandIn`` that frees each offloaded weight's gradient as backward completes it, as torchao's
+    ``offload_gradients`` does once the gradient's copy is queued."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0):
+        super().__init__(params, lr, weight_decay)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.numel() >= MIN_OFFLOADED_SIZE:
+                    param.register_post_accumulate_grad_hook(_free_gradient)
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """The small weights' gradients: the host copies hold no values on the planner's fake tensors."""
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _free_gradient(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+_CONFLICTS = (("gradient_clipping", "each gradient is copied to the host as soon as backward completes it, before "
+                                    "the clipping would scale it"),
+              ("use_fp16", "the loss scaler unscales the GPU's gradients after they were copied; use bfloat16"),
+              ("optimizer_in_backward", "its own hooks copy each gradient out in backward already"))
+
 register(OptimizerEntry(
     name="adamw_cpu_offload",
     summary="torchao's CPU-offloaded AdamW, also --optimizer_cpu_offload (no optimizer state on the GPU: it is in "
@@ -109,8 +152,36 @@ register(OptimizerEntry(
     own_state=True,
     loading=_rebinding_groups,
     switch="optimizer_cpu_offload",
-    conflicts=(("gradient_clipping", "each gradient is copied to the host as soon as backward completes it, before "
-                                     "the clipping would scale it"),
-               ("use_fp16", "the loss scaler unscales the GPU's gradients after they were copied; use bfloat16"),
-               ("optimizer_in_backward", "its own hooks copy each gradient out in backward already")),
+    conflicts=_CONFLICTS,
+))
+
+register(OptimizerEntry(
+    name="adamw_cpu_offload_gradients",
+    summary="torchao's CPU-offloaded AdamW with its gradients offloaded too, also --offload_gradients (each large "
+            "weight's GPU gradient is freed in backward once copied to the host: the GPU keeps the weights only; "
+            "one batch a step; CUDA only)",
+    build=functools.partial(offloaded_adamw, offload_gradients=True),
+    stand_in=lambda groups, *, lr, weight_decay, device_type: OffloadedGradientsStandIn(groups, lr, weight_decay),
+    package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
+    alternative="or use --optimizer adamw_8bit --optimizer_in_backward",
+    devices=("cuda",), devices_why="torchao's CPUOffloadOptimizer copies gradients and weights on a CUDA stream",
+    elsewhere="on the CPU the gradients and AdamW's state are in host memory already: drop --offload_gradients, or "
+              "train on a CUDA GPU (--device cuda)",
+    state_bytes=0,
+    rungs=(Rung("AdamW, its state and gradients on the host (torchao)", "adamw_cpu_offload_gradients", False, False,
+                4, f"AdamW steps on the CPU: slower steps, and {HOST_BYTES_PER_PARAMETER} bytes a trained parameter "
+                   "of host memory, half of them pinned"),),
+    advice=(Advice(text=lambda device_type: "free each weight's GPU gradient once it is copied to the host, where "
+                                            "AdamW steps it (the GPU keeps the weights only; one batch a step): "
+                                            "--offload_gradients in place of --optimizer_cpu_offload",
+                   applies=lambda current, pure_bf16, bf16_allowed: current.name == "adamw_cpu_offload",
+                   order=4),),
+    own_state=True,
+    loading=_rebinding_groups,
+    switch="offload_gradients",
+    conflicts=(*_CONFLICTS,
+               ("gradient_accumulation_steps", "each weight's GPU gradient is freed once copied to the host, so a "
+                                               "second batch's gradient could not be added to it; raise "
+                                               "--batch_size_training instead")),
+    held_gradients=lambda optimizer: optimizer.held_gradients(),
 ))

@@ -25,6 +25,7 @@ from leantune.loss import causal_lm_loss_sum
 from leantune.models.moe import load_balancing_loss, router_loss_of
 from leantune.models.structure import decoder_of, image_text_base, unwrap_model
 from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS, Segments, segments_of
+from leantune.optimizers import step_gradients
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
 from leantune.training.lines import describe_sources
@@ -355,8 +356,8 @@ class TrainStep:
         if self.clip is None:
             if self.scaler is not None:
                 return None
-            grads = [p.grad for p in params if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads) if grads else None
+            grads = step_gradients(self.optimizer, params)  # an optimizer may have moved them to the host
+            return torch.nn.utils.get_total_norm(grads).to(self.device) if grads else None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         return torch.nn.utils.clip_grad_norm_(params, self.clip)
