@@ -227,6 +227,74 @@ def test_the_ladder_takes_offloaded_gradients_after_the_state_and_not_with_accum
                                                                              torch.device("cuda")))
 
 
+def test_the_gradients_read_for_the_norm_are_the_landed_copies_of_this_steps_weights(stood_in_cuda, monkeypatch):
+    """A copy to the host lands only when the side stream is waited for (as on a GPU), and a weight that had no
+    gradient this step (an expert no token reached) keeps last step's copy, which the norm must not read."""
+    from leantune.optimizers import step_gradients
+
+    in_flight, on_side_stream, copy = [], [], torch.Tensor.copy_
+
+    @contextlib.contextmanager
+    def side_stream(stream):
+        on_side_stream.append(stream)
+        yield
+        on_side_stream.pop()
+
+    def copy_later(self, source, non_blocking=False):
+        if on_side_stream and non_blocking:
+            in_flight.append((self, source.detach().clone()))
+            return self
+        return copy(self, source, non_blocking=non_blocking)
+
+    def land(stream):
+        while in_flight:
+            target, source = in_flight.pop(0)
+            copy(target, source)
+
+    monkeypatch.setattr(torch.cuda, "stream", side_stream)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_later)
+    monkeypatch.setattr(_Stream, "synchronize", land)
+    params = _params()
+    optimizer = build(GRADIENTS, params, lr=1e-2, weight_decay=0.0, device_type="cuda")
+    land(None)  # the weights' first copies to the host
+    for p in params:
+        (p * 3).sum().backward()
+    assert in_flight and all(torch.equal(g, torch.full_like(g, 3.0)) for g in step_gradients(optimizer, params))
+    optimizer.step()
+    optimizer.zero_grad()
+    (params[0] * 2).sum().backward()  # the first weight alone has a gradient this step
+    assert [g.numel() for g in step_gradients(optimizer, params)] == [params[0].numel()]
+
+
+def test_the_batch_check_frees_the_gradients_offload_gradients_frees(load_tiny):
+    """``--auto_batch_size``'s real step runs before the optimizer exists: it frees what the optimizer will."""
+    from leantune.planning.confirm import confirm_step
+    from leantune.precision import choose_precision
+
+    def peak(*flags):
+        cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "8",
+                                *flags])
+        return confirm_step(load_tiny(), cfg, choose_precision(cfg, torch.device("cpu")))(1)
+
+    assert peak("--offload_gradients") == peak("--optimizer_in_backward") < peak()
+
+
+def test_a_global_batch_target_is_refused_with_offloaded_gradients_and_the_ladder_and_advice_skip_them():
+    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.optimizer_choice import rungs_for
+
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--offload_gradients", "--target_global_batch_size", "8", "--batch_size_training", "2"])
+    assert str(err.value).startswith("--offload_gradients: not with --target_global_batch_size 8")
+    target = ["--target_global_batch_size", "8", "--auto_batch_size"]
+    auto = parse_run_config(["--optimizer", "auto", *target])
+    assert GRADIENTS not in [rung.optimizer for rung in rungs_for(auto, torch.device("cuda"))]
+    offloaded = parse_run_config(["--optimizer_cpu_offload", *target])
+    assert not any("--offload_gradients" in fix for fix in _optimizer_fixes(offloaded, torch.device("cuda")))
+    # nor is the step in backward offered to a run whose optimizer refuses it
+    assert not any("--optimizer_in_backward" in fix for fix in _optimizer_fixes(offloaded, torch.device("cuda")))
+
+
 def _run(model_dir, out, *flags, resume=False):
     argv = ["--model_name", str(model_dir), *flags, "--max_train_step", "12", "--num_epochs", "1",
             "--context_length", "64", "--lr", "1e-3", "--batch_size_training", "2", "--run_validation", "false",

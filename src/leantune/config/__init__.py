@@ -321,7 +321,8 @@ class RunConfig:
             flag = "--optimizer auto" if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer).flag
             raise ConfigError(f"{flag}: not with --enable_fsdp yet (untested on sharded parameters); drop one")
         entry = None if tc.optimizer == AUTO_OPTIMIZER else optimizer_entry(tc.optimizer)
-        for flag, why in ([] if entry is None else optimizer_conflicts(entry, tc, self.model.model_dtype)):
+        for flag, why in ([] if entry is None else optimizer_conflicts(entry, tc, self.model.model_dtype,
+                                                                       self.memory.target_global_batch_size)):
             raise ConfigError(f"{entry.flag}: not with {flag}: {why}; drop one")
         if tc.optimizer_in_backward and (conflicts := self.in_backward_conflicts()):
             raise ConfigError("--optimizer_in_backward: not with {}: {}; drop one".format(*conflicts[0]))
@@ -350,11 +351,16 @@ class RunConfig:
         return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
 
 
-def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str) -> list[tuple[str, str]]:
-    """The flags an optimizer ``entry`` cannot work with that a run sets, each with why: its training conflicts,
-    and where it refuses --use_fp16, --model_dtype float16 too (float16 weights train with the same loss scaler)."""
+def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str,
+                        target_global_batch_size: Optional[int] = None) -> list[tuple[str, str]]:
+    """The flags an optimizer ``entry`` cannot work with that a run sets, each with why: its training conflicts;
+    where it refuses --use_fp16, --model_dtype float16 too (float16 weights train with the same loss scaler); where
+    it refuses gradient accumulation, --target_global_batch_size too (which sets the accumulation)."""
     found = entry.conflicts_in(tc)
-    why = dict(entry.conflicts).get("use_fp16")
-    if why and model_dtype == "float16" and not tc.use_fp16:
-        found.append(("--model_dtype float16", why))
+    why = dict(entry.conflicts)
+    if why.get("use_fp16") and model_dtype == "float16" and not tc.use_fp16:
+        found.append(("--model_dtype float16", why["use_fp16"]))
+    if why.get("gradient_accumulation_steps") and target_global_batch_size is not None:
+        found.append((f"--target_global_batch_size {target_global_batch_size}",
+                      f"it may accumulate over several batches: {why['gradient_accumulation_steps']}"))
     return found

@@ -83,15 +83,16 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
     """A full fine-tune's weight, gradient and optimizer memory, least cost to quality first, where the flags allow:
     the step in backward, then each optimizer's own advice (its registry entry's)."""
     tc, fixes = cfg.training, []
+    current = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer)  # auto: advised as AdamW
     # offloaded, the gradients' shards are in host memory already: stepping in backward frees no device memory
-    if not tc.optimizer_in_backward and not cfg.in_backward_conflicts() and not cfg.distributed.fsdp_cpu_offload:
+    if (not tc.optimizer_in_backward and not cfg.in_backward_conflicts() and not cfg.distributed.fsdp_cpu_offload
+            and "optimizer_in_backward" not in dict(current.conflicts)):
         fixes.append("step each weight as soon as its gradient is complete, so the full set of gradients never "
                      "exists: --optimizer_in_backward")
     bf16_allowed = pure_bf16_allowed(cfg.model, cfg.training)
-    current = optimizer_entry("adamw" if tc.optimizer == AUTO else tc.optimizer)  # auto: advised as AdamW
     advised = [advice for entry in ENTRIES.values() for advice in entry.advice
                if (entry.sharded or not cfg.distributed.enable_fsdp) and device.type in entry.devices
-               and not optimizer_conflicts(entry, tc, cfg.model.model_dtype)
+               and not optimizer_conflicts(entry, tc, cfg.model.model_dtype, cfg.memory.target_global_batch_size)
                and advice.applies(current, tc.pure_bf16, bf16_allowed)]
     where = SHARDED if cfg.distributed.enable_fsdp else device.type  # sharded: no CUDA-only variant (paged) refused
     fixes += [advice.text(where) for advice in sorted(advised, key=lambda advice: advice.order)]

@@ -78,6 +78,8 @@ class OptimizerEntry:
     conflicts: tuple[tuple[str, str], ...] = ()  # (a training flag it cannot work with when set off its default, why)
     # the gradients its step uses, where backward moved them off the weights' ``.grad`` (to the host)
     held_gradients: Optional[Callable[[torch.optim.Optimizer], list[torch.Tensor]]] = None
+    # the weights whose GPU gradient it frees in backward: a step measured without it (the batch check) frees them too
+    frees_gradient: Optional[Callable[[torch.Tensor], bool]] = None
 
     @property
     def flag(self) -> str:
@@ -87,7 +89,8 @@ class OptimizerEntry:
     def conflicts_in(self, training: Any) -> list[tuple[str, str]]:
         """Its ``conflicts`` that are set in ``training`` (a dataclass section whose fields are the flags): set
         is off the field's default (a count such as --gradient_accumulation_steps conflicts above its 1)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(training)}
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(training)}
         found = []
         for flag, why in self.conflicts:
             value = getattr(training, flag)

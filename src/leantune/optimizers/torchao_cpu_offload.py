@@ -111,12 +111,17 @@ class OffloadedGradientsStandIn(OffloadedAdamWStandIn):
         super().__init__(params, lr, weight_decay)
         for group in self.param_groups:
             for param in group["params"]:
-                if param.numel() >= MIN_OFFLOADED_SIZE:
+                if offloaded(param):
                     param.register_post_accumulate_grad_hook(_free_gradient)
 
     def held_gradients(self) -> list[torch.Tensor]:
         """The small weights' gradients: the host copies hold no values on the planner's fake tensors."""
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+
+def offloaded(param: torch.Tensor) -> bool:
+    """Whether torchao steps ``param`` on the host (the rest step on the device)."""
+    return param.numel() >= MIN_OFFLOADED_SIZE
 
 
 def _free_gradient(param: torch.Tensor) -> None:
@@ -184,4 +189,5 @@ register(OptimizerEntry(
                                                "second batch's gradient could not be added to it; raise "
                                                "--batch_size_training instead")),
     held_gradients=lambda optimizer: optimizer.held_gradients(),
+    frees_gradient=offloaded,
 ))

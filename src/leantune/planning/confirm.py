@@ -19,6 +19,7 @@ from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.image_inputs import planned_image, with_planned_images
 from leantune.models.structure import unwrap_model
+from leantune.optimizers import AUTO, optimizer_entry
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import batch_candidates, format_bytes, plan_modes, run_mode, with_batch
@@ -36,14 +37,19 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     (also when it fails), so the run that follows is the one it would have been without it.
     """
     device = precision.device
+    frees = None if cfg.training.optimizer == AUTO else optimizer_entry(cfg.training.optimizer).frees_gradient
+
+    def frees_in_backward(param: torch.nn.Parameter) -> bool:
+        return cfg.training.optimizer_in_backward or (frees is not None and frees(param))
 
     def run(batch: int) -> int:
         loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)  # the run's own loss
         vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-        # --optimizer_in_backward frees each gradient once its weight has stepped: so does this step
-        # (without stepping), or it would hold the full set of gradients the run never does
-        hooks = ([p.register_post_accumulate_grad_hook(_drop_gradient) for p in model.parameters() if p.requires_grad]
-                 if cfg.training.optimizer_in_backward else [])
+        # --optimizer_in_backward frees each gradient once its weight has stepped, and an optimizer may free some
+        # in backward (--offload_gradients): so does this step (without stepping), or it would hold the gradients
+        # the run never does
+        hooks = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in model.parameters()
+                 if p.requires_grad and frees_in_backward(p)]
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)

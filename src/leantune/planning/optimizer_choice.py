@@ -39,7 +39,8 @@ def rungs_for(cfg: RunConfig, device: torch.device) -> list[Rung]:
             if (rung.pure_bf16 or not tc.pure_bf16) and (rung.in_backward or not tc.optimizer_in_backward)
             and (half_weights_allowed or not rung.pure_bf16) and (in_backward_allowed or not rung.in_backward)
             and _runs_here(optimizer_entry(rung.optimizer), device)
-            and not optimizer_conflicts(optimizer_entry(rung.optimizer), tc, cfg.model.model_dtype)]
+            and not optimizer_conflicts(optimizer_entry(rung.optimizer), tc, cfg.model.model_dtype,
+                                        cfg.memory.target_global_batch_size)]
 
 
 def _runs_here(entry, device: torch.device) -> bool:
