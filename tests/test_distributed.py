@@ -193,11 +193,13 @@ def test_several_processes_need_enable_fsdp(tiny_model_dir, tmp_path):
     assert "Traceback" not in result.stderr.split("--enable_fsdp: launched")[0][-2000:]
 
 
-def test_ten_two_rank_runs_in_a_row_exit_cleanly(tiny_model_dir, tmp_path):
+def test_two_rank_runs_in_a_row_exit_cleanly(tiny_model_dir, tmp_path):
+    """Four bare runs back to back: a teardown race (a rank leaving before the others' last collective) shows as a
+    non-zero exit. Every other two-rank test in the suite (some forty launches) asserts a clean exit as well."""
     argv = ["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "1", "--batch_size_training", "1",
             "--run_validation", "false", "--save_model", "false", "--enable_fsdp"]
-    codes = [torchrun([*argv, "--output_dir", str(tmp_path / str(i))]).returncode for i in range(10)]
-    assert codes == [0] * 10
+    codes = [torchrun([*argv, "--output_dir", str(tmp_path / str(i))]).returncode for i in range(4)]
+    assert codes == [0] * 4
 
 
 @pytest.mark.parametrize("size, batch, world", [(10, 2, 2), (9, 2, 2), (7, 2, 3), (5, 2, 2)])

@@ -138,3 +138,65 @@ def test_the_planned_inputs_match_the_processors(tiny_vision, family, marker):
             assert planned[key].shape[0] == value.shape[0] and planned[key].shape[2:] == value.shape[2:], key
     image_id = config.image_token_index
     assert int((planned["input_ids"] == image_id).sum()) == int((made["input_ids"] == image_id).sum())
+
+
+@pytest.mark.parametrize("family, marker", [("mllama", "<|image|>"), ("gemma3", "<start_of_image>"), ("llava", "<image>")])
+def test_the_planned_batch_holds_what_the_processor_makes_for_one_image(tiny_vision, family, marker):
+    """Key for key: the same image inputs, dtypes and shapes (the text's length aside); the row starts with the
+    image's tokens as the processor writes them, each token's masks as the processor sets them at the image and
+    after it, the labels off the image, and no image token in the rest of the text, whatever ids it held."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from leantune.data.packing import full_rows_batch
+    from leantune.labels import IGNORE_INDEX
+    from leantune.models.facts import run_model_facts
+    from leantune.models.image_inputs import planned_image, with_planned_images
+
+    path = tiny_vision(family)
+    config = run_model_facts(parse_run_config(["--model_name", str(path)]).model).config
+    image = planned_image(config)
+    vocab = config.get_text_config().vocab_size
+    rows, context = 4, -(-vocab // 4)
+    batch = full_rows_batch(rows, context, vocab, False)
+    batch["input_ids"] = torch.arange(rows * context).reshape(rows, context) % vocab  # every id, the image's too
+    planned = with_planned_images(batch, config, image)
+    made = AutoProcessor.from_pretrained(path)(images=[[Image.new("RGB", (28, 28))]], text=[marker + "x"],
+                                               return_tensors="pt")
+    text_keys = {"input_ids", "attention_mask", "labels"}
+    assert set(planned) - text_keys == set(made) - text_keys
+    specials = set(planned["input_ids"][:, :image.tokens].flatten().tolist())
+    at_image = [i for i, token in enumerate(made["input_ids"][0].tolist()) if token in specials]
+    assert made["input_ids"][0, at_image].tolist() == image.first_tokens() == planned["input_ids"][0, :image.tokens].tolist()
+    for key in set(made) - text_keys:
+        ours, theirs = planned[key], made[key]
+        assert ours.dtype == theirs.dtype and ours.shape[0] == rows * theirs.shape[0], key
+        if key == "pixel_values":
+            assert ours.shape[1:] == theirs.shape[1:]
+        elif ours.dim() > 1 and ours.shape[1] == context:  # a mask over the text's tokens
+            assert ours.shape[2:] == theirs.shape[2:], key
+            assert torch.equal(ours[:, :image.tokens], theirs[:, at_image].expand(rows, *theirs[:, at_image].shape[1:]))
+            assert (ours[:, image.tokens:] == theirs[0, -1]).all(), key  # the text after the image
+        else:
+            assert torch.equal(ours, theirs.expand_as(ours)), key
+    assert (planned["labels"][:, :image.tokens] == IGNORE_INDEX).all()
+    assert not torch.isin(planned["input_ids"][:, image.tokens:], torch.tensor(sorted(specials))).any()
+    assert planned["labels"][:, image.tokens:].equal(planned["input_ids"][:, image.tokens:])
+
+
+def test_a_context_the_image_fills_is_refused_and_a_text_model_plans_no_image(tiny_vision):
+    from leantune.config import ConfigError
+    from leantune.data.packing import full_rows_batch
+    from leantune.models.facts import run_model_facts
+    from leantune.models.image_inputs import planned_image, with_planned_images
+    from leantune.models.presets import model_config
+
+    config = run_model_facts(parse_run_config(["--model_name", str(tiny_vision("gemma3"))]).model).config
+    image = planned_image(config)
+    with pytest.raises(ConfigError, match=f"--context_length {image.tokens}: a plan puts one image in each row"):
+        with_planned_images(full_rows_batch(1, image.tokens, 64, False), config, image)
+    assert with_planned_images(full_rows_batch(1, image.tokens + 1, 64, False), config, image)["labels"][0, -1] >= 0
+    assert planned_image(model_config("tiny")) is None
+    config.model_type = "paligemma"  # an image-and-text family whose images are not planned
+    with pytest.raises(ConfigError, match="leantune plans the images of mllama, llava, gemma3"):
+        planned_image(config)
