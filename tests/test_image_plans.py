@@ -181,6 +181,8 @@ def test_the_planned_batch_holds_what_the_processor_makes_for_one_image(tiny_vis
             assert torch.equal(ours, theirs.expand_as(ours)), key
     assert (planned["labels"][:, :image.tokens] == IGNORE_INDEX).all()
     assert not torch.isin(planned["input_ids"][:, image.tokens:], torch.tensor(sorted(specials))).any()
+    kept = batch["input_ids"][:, image.tokens:] < min(specials)  # a text id below the image's ids is left as it was
+    assert torch.equal(planned["input_ids"][:, image.tokens:][kept], batch["input_ids"][:, image.tokens:][kept])
     assert planned["labels"][:, image.tokens:].equal(planned["input_ids"][:, image.tokens:])
 
 
@@ -200,3 +202,59 @@ def test_a_context_the_image_fills_is_refused_and_a_text_model_plans_no_image(ti
     config.model_type = "paligemma"  # an image-and-text family whose images are not planned
     with pytest.raises(ConfigError, match="leantune plans the images of mllama, llava, gemma3"):
         planned_image(config)
+
+
+@pytest.mark.parametrize("family", ["mllama", "llava", "gemma3", "qwen2_vl"])
+def test_every_planned_image_is_what_its_class_takes_and_counts_its_own_tokens(tiny_vision, family):
+    """Each planned input is an argument of the class's forward, the tokens a plan counts are the ones it writes,
+    and none of the family's image ids (Qwen2-VL's video and vision start and end ones too) is left in the text."""
+    import inspect
+
+    from transformers import AutoModelForImageTextToText
+
+    from leantune.data.packing import full_rows_batch
+    from leantune.models.facts import run_model_facts
+    from leantune.models.image_inputs import planned_image, with_planned_images
+
+    config = run_model_facts(parse_run_config(["--model_name", str(tiny_vision(family))]).model).config
+    image = planned_image(config)
+    assert image.tokens == len(image.first_tokens())
+    vocab = config.get_text_config().vocab_size
+    batch = full_rows_batch(1, vocab + image.tokens, vocab, False)
+    batch["input_ids"] = torch.arange(vocab + image.tokens).reshape(1, -1) % vocab
+    planned = with_planned_images(batch, config, image)
+    forward = inspect.signature(AutoModelForImageTextToText._model_mapping[type(config)].forward).parameters
+    assert set(planned) - {"labels"} <= set(forward)
+    names = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+             "boi_token_index", "eoi_token_index")
+    ids = {getattr(config, name) for name in names if isinstance(getattr(config, name, None), int)}
+    assert not torch.isin(planned["input_ids"][:, image.tokens:], torch.tensor(sorted(ids))).any()
+
+
+def test_llava_plans_its_published_image_tokens():
+    """llava-1.5's shape: a 336 x 336 image in 14-pixel patches, 576 tokens, one more with the CLS feature kept."""
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    from leantune.models.image_inputs import planned_image
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(image_size=336, patch_size=14).to_dict())
+    assert planned_image(config).tokens == 576
+    config.vision_feature_select_strategy = "full"
+    assert planned_image(config).tokens == 577
+
+
+def test_a_qwen2_vl_plan_at_its_published_ids_writes_no_vision_start_in_the_text():
+    """Qwen2-VL's image ids sit at the top of its vocabulary, vision start the lowest (151652): every id from it up
+    is kept out of the planned text, or a stray vision start would read as an image to its position ids."""
+    from transformers import Qwen2VLConfig
+
+    from leantune.data.packing import full_rows_batch
+    from leantune.models.image_inputs import planned_image, with_planned_images
+
+    config = Qwen2VLConfig()
+    vocab = config.get_text_config().vocab_size
+    batch = full_rows_batch(1, vocab, vocab, False)
+    batch["input_ids"] = torch.arange(vocab).reshape(1, -1)
+    image = planned_image(config)
+    text = with_planned_images(batch, config, image)["input_ids"][0, image.tokens:]
+    assert int(text.max()) == config.vision_start_token_id - 1
