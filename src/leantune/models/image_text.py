@@ -41,7 +41,7 @@ def parts(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     for name, child in base.named_children():
         if child is decoder:
             continue
-        found["projector" if "projector" in name or "merger" in name else "vision encoder"].append(child)
+        found["projector" if "projector" in name else "vision encoder"].append(child)
     return {role: modules for role, modules in found.items() if modules}
 
 
