@@ -133,6 +133,12 @@ _CONFLICTS = (("gradient_clipping", "each gradient is copied to the host as soon
               ("use_fp16", "the loss scaler unscales the GPU's gradients after they were copied; use bfloat16"),
               ("optimizer_in_backward", "its own hooks copy each gradient out in backward already"))
 
+# what both entries share: the library, where it runs, and no optimizer state on the device
+_TORCHAO_ON_CUDA = dict(package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
+                        devices=("cuda",),
+                        devices_why="torchao's CPUOffloadOptimizer copies gradients and weights on a CUDA stream",
+                        state_bytes=0)
+
 register(OptimizerEntry(
     name="adamw_cpu_offload",
     summary="torchao's CPU-offloaded AdamW, also --optimizer_cpu_offload (no optimizer state on the GPU: it is in "
@@ -140,12 +146,10 @@ register(OptimizerEntry(
             "the CPU; CUDA only)",
     build=offloaded_adamw,
     stand_in=lambda groups, *, lr, weight_decay, device_type: OffloadedAdamWStandIn(groups, lr, weight_decay),
-    package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
+    **_TORCHAO_ON_CUDA,
     alternative="or use --optimizer adamw_8bit",
-    devices=("cuda",), devices_why="torchao's CPUOffloadOptimizer copies gradients and weights on a CUDA stream",
     elsewhere="on the CPU AdamW's state is in host memory already: drop --optimizer_cpu_offload, or train on a "
               "CUDA GPU (--device cuda)",
-    state_bytes=0,
     rungs=(Rung("AdamW, its state on the host (torchao)", "adamw_cpu_offload", False, False, 8,
                 f"AdamW steps on the CPU: slower steps, and {HOST_BYTES_PER_PARAMETER} bytes a trained parameter "
                 "of host memory, half of them pinned"),),
@@ -163,16 +167,14 @@ register(OptimizerEntry(
 register(OptimizerEntry(
     name="adamw_cpu_offload_gradients",
     summary="torchao's CPU-offloaded AdamW with its gradients offloaded too, also --offload_gradients (each large "
-            "weight's GPU gradient is freed in backward once copied to the host: the GPU keeps the weights only; "
+            "weight's GPU gradient is freed in backward once copied to the host, so the full set never waits on the GPU; "
             "one batch a step; CUDA only)",
     build=functools.partial(offloaded_adamw, offload_gradients=True),
     stand_in=lambda groups, *, lr, weight_decay, device_type: OffloadedGradientsStandIn(groups, lr, weight_decay),
-    package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
+    **_TORCHAO_ON_CUDA,
     alternative="or use --optimizer adamw_8bit --optimizer_in_backward",
-    devices=("cuda",), devices_why="torchao's CPUOffloadOptimizer copies gradients and weights on a CUDA stream",
     elsewhere="on the CPU the gradients and AdamW's state are in host memory already: drop --offload_gradients, or "
               "train on a CUDA GPU (--device cuda)",
-    state_bytes=0,
     rungs=(Rung("AdamW, its state and gradients on the host (torchao)", "adamw_cpu_offload_gradients", False, False,
                 4, f"AdamW steps on the CPU: slower steps, and {HOST_BYTES_PER_PARAMETER} bytes a trained parameter "
                    "of host memory, half of them pinned"),),
