@@ -11,7 +11,7 @@ import argparse
 
 import difflib
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -121,18 +121,18 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     if remaining:
         raise ConfigError(_unknown_flags_message(remaining, parser))
     sections, extras = sections[:len(SECTIONS)], sections[len(SECTIONS):]
-    _apply_optimizer_switches(next(s for s in sections if isinstance(s, TrainingConfig)), *extras)
+    sections = [_with_optimizer_switches(s, *extras) if isinstance(s, TrainingConfig) else s for s in sections]
     return RunConfig(*sections)
 
 
-def _apply_optimizer_switches(training: TrainingConfig, extras: argparse.Namespace | None = None) -> None:
+def _with_optimizer_switches(training: TrainingConfig, extras: argparse.Namespace | None = None) -> TrainingConfig:
     """An optimizer's own switch given: ``--optimizer`` becomes its entry (from AdamW, the default, only)."""
-    for entry in OPTIMIZERS.values():
-        if entry.switch and getattr(extras, entry.switch, False):
-            if training.optimizer not in ("adamw", entry.name):
-                raise ConfigError(f"--{entry.switch}: not with --optimizer {training.optimizer} (it is --optimizer "
-                                  f"{entry.name}); drop one")
-            training.optimizer = entry.name
+    switched = [entry for entry in OPTIMIZERS.values() if entry.switch and getattr(extras, entry.switch, False)]
+    for entry, before in zip(switched, [training.optimizer] + [e.name for e in switched]):
+        if before not in ("adamw", entry.name):
+            raise ConfigError(f"--{entry.switch}: not with --optimizer {before} (it is --optimizer {entry.name}); "
+                              "drop one")
+    return replace(training, optimizer=switched[-1].name) if switched else training
 
 
 def _take_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -10,26 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from leantune.config.checks import ConfigError, _help, _require
+from leantune.config.checks import ConfigError, flag_help, require
 
 # flag -> default (a default cannot be told from the same value given, so only other values are checked)
 FOUR_BIT_OPTIONS = {"quant_type": "nf4", "compute_dtype": "auto", "use_double_quant": True, "quant_storage": "uint8"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantizationConfig:
-    quantization: Optional[Literal["4bit", "8bit"]] = field(default=None, metadata=_help(
+    quantization: Optional[Literal["4bit", "8bit"]] = field(default=None, metadata=flag_help(
         "Hold the frozen base weights quantized (bitsandbytes; needs --use_peft: QLoRA trains LoRA adapters on "
         "them). 4bit: NF4 blocks of 64 with double quantization, dequantized one layer at a time for each "
         "matmul; 8bit: LLM.int8. The LM head and the embeddings stay in the weights' dtype."))
-    quant_type: Literal["nf4", "fp4"] = field(default="nf4", metadata=_help(
+    quant_type: Literal["nf4", "fp4"] = field(default="nf4", metadata=flag_help(
         "4bit: the 4-bit data type. nf4 (QLoRA's NormalFloat, leantune's default) or fp4 (llama-cookbook's default)."))
-    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=_help(
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata=flag_help(
         "4bit: the dtype the weights are dequantized to for each matmul. auto: the run's autocast dtype "
         "(bfloat16 on a bf16 GPU, float16 with --use_fp16), else the weights' dtype (float32 on the CPU)."))
-    use_double_quant: bool = field(default=True, metadata=_help(
+    use_double_quant: bool = field(default=True, metadata=flag_help(
         "4bit: quantize the per-block scales too (8 bits in blocks of 256), about 0.37 bits a weight saved."))
-    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = field(default="uint8", metadata=_help(
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = field(default="uint8", metadata=flag_help(
         "4bit: the dtype the packed 4-bit weights are stored as (the same bytes). FSDP1 needed it to match the "
         "other weights' dtype; FSDP2 (--enable_fsdp) shards each weight apart and takes uint8 only."))
 
@@ -37,7 +37,7 @@ class QuantizationConfig:
         changed = [flag for flag, default in FOUR_BIT_OPTIONS.items() if getattr(self, flag) != default]
         for flag in changed:
             flag = flag if flag != "use_double_quant" else "no_use_double_quant"
-            _require(self.quantization == "4bit", flag,
+            require(self.quantization == "4bit", flag,
                      f"applies to --quantization 4bit, not {self._described()}; "
                      + ("drop it" if self.quantization else "add --quantization 4bit"))
 

@@ -49,10 +49,10 @@ def _runs_here(entry, device: torch.device) -> bool:
 
 
 def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:
-    """``cfg`` training with ``rung``'s optimizer flags (a fresh model section: --pure_bf16 sets its dtype)."""
+    """``cfg`` training with ``rung``'s optimizer flags."""
     training = dataclasses.replace(cfg.training, optimizer=rung.optimizer, pure_bf16=rung.pure_bf16,
                                    optimizer_in_backward=rung.in_backward)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), training=training)
+    return dataclasses.replace(cfg, training=training)
 
 
 def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, log,

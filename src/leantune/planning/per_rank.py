@@ -241,8 +241,7 @@ def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
         return None
     try:
         offloaded = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model),
-            training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
+            cfg, training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
             checkpointing=CheckpointingConfig(enable_activation_checkpointing=True, activation_checkpointing_mode="full"),
             memory=dataclasses.replace(cfg.memory, auto_batch_size=False, target_global_batch_size=None),
             distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
