@@ -42,7 +42,7 @@ from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.loss import auto_chunk_size
 from leantune.memory.meter import ActivationMeter
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.training.step import forward_backward
 
@@ -102,7 +102,7 @@ def random_model(shape: dict, dtype: torch.dtype, device: torch.device, seed: in
 def make_case(args, kind: str, mode: str, loss: str, device: torch.device) -> Case:
     """One case, prepared by leantune itself: precision, LoRA, checkpointing policy and loss."""
     cfg = case_config(args, kind, mode, loss)
-    precision = choose_precision(cfg, device)
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, device)
     shape = PRESETS[args.preset]["shape"]
     model, report = prepare_model(random_model(shape, precision.weight_dtype, device, args.seed), cfg, precision)
     layers = f"{report.checkpointed_layers}/{report.total_layers}" if mode != "none" else "-"

@@ -88,7 +88,7 @@ def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> 
 
     cfg = parse_run_config(common_flags(model_dir, context) + flags)
     return_host_memory(cfg.memory.return_host_memory, "cpu", context)  # as ``leantune finetune`` does at start-up
-    precision = choose_precision(cfg, torch.device("cpu"))
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None, tokenizer="no tokenizer: the row is made of ids")
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     step = build_train_step(cfg.training, loss_model, precision, check_finite=False)

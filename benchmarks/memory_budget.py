@@ -120,8 +120,10 @@ class LeantuneCase:
         self._stack = contextlib.ExitStack()
         self.trainer = build_trainer(cfg, self._stack, log=self.lines.append)
         self.device = self.trainer.device
-        self.checkpointing = self.trainer.cfg.checkpointing.mode or "none"
-        self.chosen_batch = self.trainer.cfg.training.batch_size_training  # auto's choice
+        flags = self.trainer.outputs.flags  # the run's, as planned
+        self.checkpointing = ((flags["activation_checkpointing_mode"] or "full")
+                              if flags["enable_activation_checkpointing"] else "none")
+        self.chosen_batch = self.trainer.training.batch_size_training  # auto's choice
         self._offset = 0
 
     def _window(self, batch: int) -> list[dict]:
@@ -211,7 +213,7 @@ def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: li
     cfg = parse_run_config(run_flags(args, model_dir, mode if tool == "leantune" else "none", workdir / f"{tool}-{mode}"))
     record = {"tool": tool, "mode": mode}
     if tool == "hf_trainer":
-        case = HFTrainerCase(str(model_dir), cfg, choose_precision(cfg, device), rows, checkpointing=mode == "full")
+        case = HFTrainerCase(str(model_dir), cfg, choose_precision(cfg.model, cfg.training, cfg.peft, device), rows, checkpointing=mode == "full")
         record.update(checkpointing=mode, **search(case, args, 1))
     elif mode == "auto":
         try:
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    complete(records, args, device, choose_precision(base, device).note)
+    complete(records, args, device, choose_precision(base.model, base.training, base.peft, device).note)
     print_table(records, args)
     targets = check_targets(records)
     print("\ntargets (issue #11):\n" + "\n".join(f"  {line}" for line in targets))

@@ -83,7 +83,7 @@ def base_bytes() -> list[dict]:
 def measured_step(cfg) -> dict:
     """One step of the run's own model and step, after a first (the optimizer state exists), by the tracker."""
     facts = run_model_facts(cfg.model)
-    precision = choose_precision(cfg, CPU)
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, CPU)
     model, _ = build_model(cfg, precision, log=QUIET, facts=facts)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     step = build_train_step(cfg.training, loss_model, precision, check_finite=False,

@@ -379,7 +379,7 @@ BREAKAGES = [
       ("tests/test_training_state.py", "-k", "own_random")),
     # issue 52: mixtures of experts
     B("llama4_decoder", "Llama 4's causal LM is refused again (transformers' get_decoder() is the whole model)",
-      "src/leantune/models/structure.py", "    if decoder is base and isinstance(inner, torch.nn.Module)",
+      "src/leantune/model_structure.py", "    if decoder is base and isinstance(inner, torch.nn.Module)",
       "    if False and decoder is base and isinstance(inner, torch.nn.Module)",
       ("tests/test_moe.py", "-k", "llama4")),
     B("router_unmasked", "the router's loss counts padding tokens", "src/leantune/training/step.py",
@@ -660,7 +660,7 @@ BREAKAGES = [
       '        self.unexpected += [f"not {name} as given" for name in self.images if kwargs.get(name) is not self.images[name]]',
       "", ("tests/test_image_batches.py", "-k", "self_check")),
     B("image_text_loaded_as_causal_lm", "Llama 3.2 Vision loads as its text-only causal LM",
-      "src/leantune/models/structure.py",
+      "src/leantune/model_structure.py",
       "    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM",
       "    return AutoModelForCausalLM", ("tests/test_image_batches.py", "-k", "cookbook")),
     B("collator_ignored", "a vision dataset file's collator is never used", "src/leantune/builders/loaders.py",

@@ -152,7 +152,7 @@ def test_it_is_refused_without_torchao_or_a_compiler_and_under_fsdp(tiny_model_d
 
 
 def test_the_out_of_memory_advice_names_it_only_where_leaner():
-    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.oom_advice import _optimizer_fixes
 
     fixes = _optimizer_fixes(parse_run_config(["--model_name", "tiny"]), CPU)
     assert ("4-bit AdamW moments, about 1 byte a parameter instead of 8 (its update needs 27 bytes an element of "

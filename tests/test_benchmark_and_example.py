@@ -19,6 +19,11 @@ from leantune.precision import Precision, choose_precision
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_precision(cfg, device, **kwargs):
+    """``choose_precision`` of a whole run's sections."""
+    return choose_precision(cfg.model, cfg.training, cfg.peft, device, **kwargs)
+
+
 def _load(relative: str):
     spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
@@ -66,17 +71,17 @@ def test_benchmark_cases_are_configured_by_leantunes_flags():
     # What choose_precision makes of them on a bf16 GPU (described, never touched): LoRA's frozen
     # base in bf16, full fine-tuning with float32 master weights, both under bf16 autocast.
     gpu = torch.device("cuda")
-    assert (choose_precision(lora, gpu, bf16_supported=True).weight_dtype,
-            choose_precision(lora, gpu, bf16_supported=True).compute_dtype) == (torch.bfloat16, torch.bfloat16)
-    assert (choose_precision(full, gpu, bf16_supported=True).weight_dtype,
-            choose_precision(full, gpu, bf16_supported=True).compute_dtype) == (torch.float32, torch.bfloat16)
+    assert (run_precision(lora, gpu, bf16_supported=True).weight_dtype,
+            run_precision(lora, gpu, bf16_supported=True).compute_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (run_precision(full, gpu, bf16_supported=True).weight_dtype,
+            run_precision(full, gpu, bf16_supported=True).compute_dtype) == (torch.float32, torch.bfloat16)
 
 
 def test_benchmark_lora_case_on_the_cpu_is_float32_without_autocast():
     bench = _load("benchmarks/activation_checkpointing.py")
     args = bench.parse_args(["--preset", "tiny", "--kind", "lora", "--device", "cpu"])
     case = bench.make_case(args, "lora", "full", "chunked", torch.device("cpu"))
-    assert case.precision == choose_precision(bench.case_config(args, "lora", "full", "chunked"), torch.device("cpu"))
+    assert case.precision == run_precision(bench.case_config(args, "lora", "full", "chunked"), torch.device("cpu"))
     assert case.precision.weight_dtype is torch.float32 and case.precision.compute_dtype is None
     assert {p.dtype for p in case.model.parameters()} == {torch.float32}
     assert case.layers == "4/4" and isinstance(case.loss_fn, ChunkedCrossEntropy)
@@ -192,7 +197,7 @@ def _hf_case(tiny_model_dir, tmp_path):
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--context_length", "64", "--device",
                             "cpu", "--output_dir", str(tmp_path / "hf")])
-    return HFTrainerCase(str(tiny_model_dir), cfg, choose_precision(cfg, torch.device("cpu")), bench.full_rows(cfg),
+    return HFTrainerCase(str(tiny_model_dir), cfg, run_precision(cfg, torch.device("cpu")), bench.full_rows(cfg),
                          checkpointing=False)
 
 

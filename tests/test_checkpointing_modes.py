@@ -189,7 +189,7 @@ def _mode_config(name: str):
 @pytest.mark.parametrize("name, suggests_full", [("full", False), ("every_n", True), ("selective_ops", True),
                                                  ("offload", False), ("layer_mix", True)])
 def test_the_oom_advice_follows_each_modes_declaration(name, suggests_full):
-    from leantune.memory.oom import memory_fixes
+    from leantune.planning.oom_advice import memory_fixes
 
     assert set(MODES) == {"full", "every_n", "selective_ops", "offload", "layer_mix"}  # a new mode: add its row
     fixes = memory_fixes(_mode_config(name), torch.device("cuda"))

@@ -53,7 +53,7 @@ def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(t
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"], "--compile"])
-    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lambda _: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _: None)
     names = [name for name, _ in model.named_parameters()]
     line = compiling.compile_decoder_layers(model)
     assert line.startswith("compile: torch.compile on each of the 2 decoder layers")
@@ -107,7 +107,7 @@ def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):
 
 
 def test_the_out_of_memory_advice_does_not_offer_offload_to_a_compiled_run():
-    from leantune.memory.oom import memory_fixes
+    from leantune.planning.oom_advice import memory_fixes
 
     flags = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"]
     offered = [memory_fixes(parse_run_config([*flags, *extra]), torch.device("cuda")) for extra in ([], ["--compile"])]
@@ -118,12 +118,12 @@ def test_a_checkpointed_layers_compiled_call_holds_its_checkpoint(tiny_model_dir
     """What ``nn.Module.compile`` compiles (the layer's ``_call_impl``), traced by dynamo: the checkpoint with its
     selective policy is one op of the graph, not an eager wrapper around it."""
     from leantune.builders.model import build_model
-    from leantune.models.structure import decoder_layers
+    from leantune.model_structure import decoder_layers
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"],
                             "--attn_implementation", "sdpa", "--tiled_mlp", "off"])
-    model, _ = build_model(cfg, choose_precision(cfg, torch.device("cpu")), log=lambda _: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _: None)
     layer = decoder_layers(model)[0]
     compiling.check_checkpoint_inside(decoder_layers(model))  # this transformers checkpoints the forward
     seen = {}

@@ -210,7 +210,7 @@ def test_offloaded_gradients_refuse_what_reads_or_adds_to_the_freed_gradients(fl
 
 
 def test_the_ladder_takes_offloaded_gradients_after_the_state_and_not_with_accumulation():
-    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.oom_advice import _optimizer_fixes
     from leantune.planning.optimizer_choice import rungs_for
 
     names = [(rung.optimizer, rung.pure_bf16) for rung in ladder()]
@@ -274,13 +274,13 @@ def test_the_batch_check_frees_the_gradients_offload_gradients_frees(load_tiny):
     def peak(*flags):
         cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "8",
                                 *flags])
-        return confirm_step(load_tiny(), cfg, choose_precision(cfg, torch.device("cpu")))(1)
+        return confirm_step(load_tiny(), cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")))(1)
 
     assert peak("--offload_gradients") == peak("--optimizer_in_backward") < peak()
 
 
 def test_a_global_batch_target_is_refused_with_offloaded_gradients_and_the_ladder_and_advice_skip_them():
-    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.oom_advice import _optimizer_fixes
     from leantune.planning.optimizer_choice import rungs_for
 
     with pytest.raises(ConfigError) as err:
@@ -423,7 +423,7 @@ def test_its_rung_sits_by_its_bytes_and_only_a_cuda_run_may_take_it():
 
 
 def test_the_out_of_memory_advice_names_it_on_a_gpu_only():
-    from leantune.memory.oom import _optimizer_fixes
+    from leantune.planning.oom_advice import _optimizer_fixes
 
     adamw = parse_run_config([])
     assert any("--optimizer_cpu_offload" in fix for fix in _optimizer_fixes(adamw, torch.device("cuda")))

@@ -11,7 +11,8 @@ import torch
 
 from leantune.cli_args import parse_run_config
 from leantune.distributed.context import SINGLE_PROCESS
-from leantune.memory.oom import SNAPSHOT_NAME, dump_snapshot, oom_report
+from leantune.memory.oom import SNAPSHOT_NAME, dump_snapshot
+from leantune.planning.oom_advice import oom_report
 from leantune.memory.stats import CUDA_CONTEXT_BYTES
 from leantune.planning.plan import budget_bytes
 from leantune.training.outputs import SNAPSHOT_STEPS, MemorySnapshot

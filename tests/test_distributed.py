@@ -300,16 +300,17 @@ def test_auto_mode_and_batch_under_fsdp_make_one_choice_for_every_rank(tiny_mode
         "import os\n"
         "if os.environ.get('RANK') in ('0', '1'):\n"
         "    import leantune.planning.choose as choose\n"
-        "    rank, plan, read = os.environ['RANK'], choose.apply_memory_plan, choose.budget_bytes\n"
+        "    from leantune.planning import Planner\n"
+        "    rank, plan, read = os.environ['RANK'], Planner.choose, choose.budget_bytes\n"
         "    if rank == '1':\n"
         "        choose.budget_bytes = lambda memory, device: read(memory, device) // 64\n"
-        "    def recorded(cfg, *args, **kwargs):\n"
-        "        memory = plan(cfg, *args, **kwargs)\n"
+        "    def recorded(planner, cfg):\n"
+        "        memory = plan(planner, cfg)\n"
         "        with open(os.path.join(os.environ['CHOICES'], 'rank' + rank), 'w') as out:\n"
         "            out.write(f'{memory.plan.checkpointing}: {memory.cfg.checkpointing.mode} '\n"
         "                      f'{memory.cfg.training.batch_size_training} {memory.budget}')\n"
         "        return memory\n"
-        "    choose.apply_memory_plan = recorded  # before the entry point imports it\n")
+        "    Planner.choose = recorded\n")
     choices = tmp_path / "choices"
     choices.mkdir()
     os.environ["CHOICES"] = str(choices)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leantune import finetuning
-from leantune.memory.oom import memory_fixes
+from leantune.planning.oom_advice import memory_fixes
 from leantune.cli_args import parse_run_config
 from leantune.precision import Precision
 from leantune.training.step import CausalLMLoss, TrainStep

@@ -24,7 +24,7 @@ from leantune.cli_args import parse_run_config
 from leantune.labels import count_targets
 from leantune.loss import IDENTITY
 from leantune.models.facts import run_model_facts
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.models.tiny import FAMILIES
 from leantune.planning.fake_step import trace_step
 from leantune.precision import choose_precision
@@ -61,7 +61,7 @@ def _head_input_and_grads(model, compute):
 
 def _ours_and_own(path, kind, loss, autocast=None):
     cfg = _flags(path, kind, *(["--loss_chunk_size", "0"] if loss == "plain" else ["--loss_chunk_size", "7"]))
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     with torch.no_grad():  # peft starts B at zero, which would make every A gradient zero
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -155,7 +155,7 @@ def test_checkpointing_gives_exactly_the_plain_gradients(family_dir, family, mod
     grads = []
     for flags in ([], ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]):
         cfg = _flags(family_dir(family), "full", *flags)
-        model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
         ids, labels = make_batch(model.config.vocab_size, seq=24)
         loss_model_for(model, cfg.training, sharded=False)(ids, labels).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})

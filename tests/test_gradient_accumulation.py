@@ -47,7 +47,7 @@ def _trainers(tiny_model_dir, flags: list[str]) -> tuple[TrainStep, TrainStep]:
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--lora_dropout", "0", "--lr", "1e-3",
                             "--gradient_clipping", "false", "--num_workers_dataloader", "0", *flags])
     device = torch.device("cpu")
-    precision = choose_precision(cfg, device)
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, device)
     torch.manual_seed(0)
     model, tokenizer = build_model(cfg, precision, log=lambda _line: None)
     if cfg.peft.use_peft:

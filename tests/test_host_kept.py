@@ -13,7 +13,7 @@ from leantune.builders.step import loss_model_for
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.facts import run_model_facts
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.precision import choose_precision
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ LORA = ["--use_peft", "--lora_dropout", "0", "--lora_target_modules", "all-linea
 def _loss_and_log(path, *flags):
     cfg = parse_run_config(["--model_name", str(path), *LORA, *flags])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
     return float(loss_model_for(model, cfg.training, sharded=False)(ids, labels).detach()), lines, model
 
@@ -85,7 +85,7 @@ def test_on_a_gpu_the_embedding_stays_on_the_host_and_its_rows_reach_the_gpu(moe
     for flags in ([], ["--offload_embedding"]):
         cfg = parse_run_config(["--model_name", str(moe_dir("gpt_oss")), *LORA, *flags])
         torch.manual_seed(0)
-        model, _ = build_model(cfg, choose_precision(cfg, torch.device("cuda")), log=lambda _line: None)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")), log=lambda _line: None)
         ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
         loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
         loss.backward()
@@ -104,7 +104,7 @@ def _expert_loss_and_grads(path, *flags):
     cfg = parse_run_config(["--model_name", str(path), *QLORA, *flags])
     lines = []
     torch.manual_seed(0)  # the same LoRA pairs
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
     loss = loss_model_for(model, cfg.training, sharded=False)(ids, labels)
     loss.backward()
@@ -180,7 +180,7 @@ def test_on_a_gpu_kept_experts_are_pinned_host_memory_and_the_loss_is_unchanged(
     losses = []
     for flags in ([], ["--offload_experts", "1"]):
         cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), *QLORA, *flags])
-        model, _ = build_model(cfg, choose_precision(cfg, torch.device("cuda")), log=lambda _line: None)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")), log=lambda _line: None)
         ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
         loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
         loss.backward()

@@ -68,7 +68,7 @@ def test_freeze_llm_only_on_a_4bit_language_model_keeps_the_fusion_layers_whole_
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_vision("mllama")), "--freeze_LLM_only", "--quantization", "4bit"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda line: None)
     kinds = {name: type(module).__name__ for name, module in model.named_modules()
              if name.endswith(("q_proj", "gate_proj"))}
     assert {kind for name, kind in kinds.items() if ".language_model.layers.0." in name} == {"Linear4bit"}

@@ -55,7 +55,7 @@ def test_its_sliding_window_is_read_from_the_text_config_and_it_plans_as_it_runs
 def test_lora_stays_off_the_vision_tower_and_the_log_says_so(gemma3_image_text, targets):
     cfg = parse_run_config(["--model_name", str(gemma3_image_text), "--use_peft", *targets])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     wrapped = [name for name, _ in model.named_modules() if name.endswith(".lora_A")]
     assert wrapped and all(".language_model." in name for name in wrapped)
     line = next(line for line in lines if line.startswith("lora:"))

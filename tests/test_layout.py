@@ -31,7 +31,7 @@ LAYERS = (
     ("config", ("leantune.config",)),
     # The registry of checkpointing modes and their policies: the config's mode choices and checks are
     # read from it, so it sits below the config (and knows no flag type: it reads a section by name).
-    ("checkpointing", ("leantune.checkpointing", "leantune.models.structure")),
+    ("checkpointing", ("leantune.checkpointing", "leantune.model_structure")),
     # The registry of optimizers, each module one optimizer's entry: the config's choices and help are read
     # from it, so it sits below the config too.
     ("optimizers", ("leantune.optimizers",)),
@@ -82,7 +82,7 @@ GRAPH = {name: sorted({target for target, _, _ in imports_of(path) if target != 
 
 
 def layer_of(module: str) -> int:
-    """The layer of the longest prefix that names ``module`` (``leantune.models.structure`` before ``leantune.models``)."""
+    """The layer of the longest prefix that names ``module`` (``leantune.model_structure`` before ``leantune.models``)."""
     matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
                if module == prefix or module.startswith(prefix + ".")]
     if matches:
@@ -125,7 +125,7 @@ def test_layers_import_only_downward():
 
 
 def test_a_package_init_imports_nothing_above_its_lowest_module():
-    """Importing ``leantune.models.structure`` runs ``leantune/models/__init__.py`` first: a package's
+    """Importing ``leantune.model_structure`` runs ``leantune/models/__init__.py`` first: a package's
     ``__init__`` is part of every import of its modules, so it may import only what its lowest module may."""
     packages = [name for name, path in MODULES.items() if path.name == "__init__.py" and name != "leantune"]
     upward = []
@@ -196,27 +196,86 @@ def test_a_registry_module_imports_the_registry_not_its_package(package):
     assert back == []
 
 
-# Functions that take the whole RunConfig rather than the sections they read (docs/architecture.md says which
-# and why): the counts may fall, never rise. A component gets its own section. The planner is counted apart:
-# what it plans is the whole run (each trace builds the model, adapter, quantization, loss, optimizer and data
-# of a variant of the run), so its search functions take and vary the whole config.
-# A MemoryPlan carries the run's config too (``memory.cfg``). RunConfig's own methods are not counted: a check
-# across sections (``in_backward_conflicts``) belongs to the config.
-CARRIERS = ("RunConfig", "MemoryPlan")
-MAX_WHOLE_CONFIG_FUNCTIONS = 17
-MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS = 39
+# Rule 3: where the whole run is read. The entry point parses it, preflight checks it against the model, the builders
+# turn it into objects and the planner traces variants of it (each trace builds the model, adapter, quantization,
+# loss, optimizer and data of a run): those modules may take the whole ``RunConfig``. Everything else (the training
+# loop, the data, the models, the memory meters, the optimizers) takes the sections it reads, so a reader sees
+# what a function depends on from its signature. A parameter counts when it is named ``cfg`` or annotated with
+# ``RunConfig`` (or a ``MemoryPlan``, which carries one); config/ itself is exempt (a check across sections
+# belongs to the config).
+WHOLE_RUN_READERS = ("leantune.finetuning", "leantune.preflight", "leantune.planning", "leantune.builders",
+                     "leantune.config", "leantune.cli_args")
+WHOLE_RUN_TYPES = ("RunConfig", "MemoryPlan")
 
 
-def test_functions_taking_the_whole_run_config_do_not_grow():
-    whole = [f"{name}.{node.name}" for name, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.FunctionDef) and any(
-                 arg.annotation is not None and any(whole in ast.unparse(arg.annotation) for whole in CARRIERS)
-                 for arg in node.args.args + node.args.kwonlyargs)]
-    planner = [name for name in whole if name.startswith("leantune.planning.")]
-    others = [name for name in whole if name not in planner]
-    assert len(others) <= MAX_WHOLE_CONFIG_FUNCTIONS, (
-        f"{len(others)} functions outside the planner take the whole RunConfig (at most "
-        f"{MAX_WHOLE_CONFIG_FUNCTIONS}): give a new function the config sections it reads: {others}")
-    assert len(planner) <= MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS, (
-        f"{len(planner)} planner functions take the whole RunConfig (at most {MAX_WHOLE_CONFIG_PLANNER_FUNCTIONS}): "
-        "give a new one the sections it reads unless it traces a variant of the run")
+def _whole_run_parameters(tree: ast.AST) -> list[tuple[ast.FunctionDef, ast.arg]]:
+    return [(node, arg) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if arg.arg == "cfg" or (arg.annotation is not None
+                                    and any(name in ast.unparse(arg.annotation) for name in WHOLE_RUN_TYPES))]
+
+
+def _reads_the_whole_run(module: str) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in WHOLE_RUN_READERS)
+
+
+def test_only_the_entry_point_preflight_builders_and_planner_take_the_whole_run_config():
+    found = [f"{name}.{node.name}({arg.arg})" for name, path in MODULES.items() if not _reads_the_whole_run(name)
+             for node, arg in _whole_run_parameters(ast.parse(path.read_text()))]
+    assert found == [], "give these the config sections they read (docs/architecture.md, 'Where the config goes')"
+
+
+def test_the_run_config_and_its_sections_are_frozen():
+    """A section handed to a function is the section every other reader sees: nothing may change it after it is
+    built (``dataclasses.replace`` makes a changed copy)."""
+    from dataclasses import fields, is_dataclass
+
+    import leantune.config as config
+
+    classes = [config.RunConfig, *config.SECTIONS]
+    assert {f.type for f in fields(config.RunConfig)} >= {cls.__name__ for cls in config.SECTIONS}
+    thawed = [cls.__name__ for cls in classes if not (is_dataclass(cls) and cls.__dataclass_params__.frozen)]
+    assert thawed == []
+
+
+# The section types a function may be handed; with ``cfg`` and ``RunConfig`` they are what "its config" means.
+SECTION_TYPES = ("RunConfig", "ModelConfig", "DataConfig", "TrainingConfig", "PeftSettings", "QuantizationConfig",
+                 "CheckpointingConfig", "MemoryConfig", "DistributedConfig", "OutputConfig")
+
+
+def test_no_function_rebinds_its_config():
+    """A function that names its config names one thing throughout: a changed run gets a new name
+    (``planned = replace(cfg, ...)``), so a reader never has to find which ``cfg`` a line sees."""
+    rebound = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            configs = {arg.arg for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                       if arg.arg == "cfg" or (arg.annotation is not None and ast.unparse(arg.annotation).strip("'\"")
+                                               in SECTION_TYPES)}
+            for inner in ast.walk(node):
+                targets = (inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+                           if isinstance(inner, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) else [])
+                rebound += [f"{name}:{inner.lineno} {node.name} rebinds {target.id}" for target in targets
+                            for target in ast.walk(target) if isinstance(target, ast.Name) and target.id in configs]
+    assert rebound == []
+
+
+def _folder(module: str) -> str | None:
+    """The package folder a module sits in (``leantune.models.tiny`` -> ``models``); None for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def test_no_two_folders_depend_on_each_other():
+    """Folders are the units a reader learns first: if models imports checkpointing, checkpointing imports
+    nothing of models (a module both need sits below both)."""
+    uses: dict[tuple[str, str], str] = {}
+    for module, targets in GRAPH.items():
+        for target in targets:
+            pair = (_folder(module), _folder(target))
+            if None not in pair and pair[0] != pair[1]:
+                uses.setdefault(pair, f"{module} -> {target}")
+    both = [f"{a} <-> {b}: {uses[(a, b)]}; {uses[(b, a)]}" for (a, b) in uses if (b, a) in uses and a < b]
+    assert both == []

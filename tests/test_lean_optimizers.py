@@ -277,7 +277,7 @@ def test_a_nonfinite_step_in_backward_stops_the_run_and_says_why(tiny_model_dir,
 
 
 def test_the_oom_advice_names_each_option_only_where_the_flags_allow_it():
-    from leantune.memory.oom import memory_fixes
+    from leantune.planning.oom_advice import memory_fixes
 
     def advice(*flags, device="cuda"):
         return " | ".join(memory_fixes(parse_run_config(list(flags)), torch.device(device)))

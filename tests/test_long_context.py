@@ -17,7 +17,8 @@ from leantune.models.attention import resolve_attention, traceable_attention
 from leantune.models.facts import check_context_length, extend_positions, position_limit
 from leantune.models.presets import model_config
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens, untile_mlps
-from leantune.models.varlen_attention import SEGMENTS, Segments, segments_of
+from leantune.data.segments import Segments, segments_of
+from leantune.models.varlen_attention import SEGMENTS
 from leantune.planning import cli as plan_cli
 from leantune.planning.fake_step import prepare_step
 from leantune.planning.max_context import CONTEXT_STEP, find_max_context, with_levers

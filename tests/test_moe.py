@@ -33,7 +33,7 @@ ROUTED = ["qwen3_moe", "mixtral", "gpt_oss"]  # whose own loss adds the router's
 
 def _built(path, *flags):
     cfg = parse_run_config(["--model_name", str(path), *flags])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     return cfg, model, loss_model_for(model, cfg.training, sharded=False)
 
 
@@ -192,7 +192,7 @@ def _lora(path, *targets, router=False, rank="2"):
 
 def _merged_by_hand(model) -> torch.nn.Module:
     """The base model whose fused expert tensors hold W + scale x B_e A_e for each expert e, by hand (einsum)."""
-    from leantune.models.structure import unwrap_model
+    from leantune.model_structure import unwrap_model
 
     merged = AutoModelForCausalLM.from_config(unwrap_model(model).config, dtype=torch.float32)
     state = {}
@@ -252,7 +252,7 @@ def test_the_run_log_names_what_lora_wraps(moe_dir):
     lines = []
     cfg = parse_run_config(["--model_name", str(moe_dir("llama4")), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear"])
-    build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     line = next(line for line in lines if line.startswith("lora:"))
     assert "modules down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj and parameters " in line
     assert "experts.gate_up_proj" in line and "experts.down_proj" in line
@@ -589,7 +589,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
     lines: list[str] = []
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0", "--lora_r", "2",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -625,7 +625,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
 def test_4bit_experts_keep_no_dequantized_tensor_for_backward(moe_dir, family):
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     from leantune.models.quantized_experts import expert_tensors_quantized, quant_state_of
 
@@ -715,7 +715,7 @@ def test_4bit_experts_under_half_precision_autocast_on_float32_weights(moe_dir, 
     """Backward runs outside autocast: its half-precision gradient meets the dequantized weight."""
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--quantization", "4bit"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     ids, labels = make_batch(model.config.vocab_size, seq=24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -733,7 +733,7 @@ def test_4bit_experts_follow_quant_type_and_double_quantization_and_count_as_wei
     cfg = parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "q_proj", "--quantization", "4bit", "--quant_type", "fp4",
                             "--use_double_quant", "false"])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     states = [quant_state_of(getattr(m, n)) for m, n in expert_tensors_quantized(model)]
     assert states and all(s.quant_type == "fp4" and not s.nested for s in states)
     line = next(line for line in lines if "fused expert tensors" in line)
@@ -829,7 +829,7 @@ def test_4bit_experts_are_quantized_as_they_load_and_train_as_those_quantized_af
                                 "--lora_target_modules", "all-linear", "--quantization", "4bit"])
         torch.manual_seed(0)
         lines = []
-        model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
         ids, labels = make_batch(model.config.vocab_size, seq=24)
         results.append((*_loss_and_grads(model, loss_model_for(model, cfg.training, sharded=False), ids, labels),
                         "quantized as they loaded" in "\n".join(lines)))
@@ -858,7 +858,7 @@ def test_expert_tensors_the_checkpoint_lacks_are_initialised_not_packed_as_they_
     cfg = parse_run_config(["--model_name", str(copy), "--use_peft", "--lora_dropout", "0", "--lora_target_modules",
                             "all-linear", "--quantization", "4bit"])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
     from leantune.models.quantized_experts import expert_tensors_quantized
 
     assert "quantized as they loaded" not in "\n".join(lines)  # not all of them were
@@ -918,7 +918,7 @@ def test_transformers_allocator_warm_up_is_skipped_while_experts_load_and_put_ba
     monkeypatch.setattr(hf_modeling, "caching_allocator_warmup", warm_up)
     cfg = parse_run_config(["--model_name", str(moe_dir("mixtral")), "--use_peft", "--lora_dropout", "0",
                             "--quantization", "4bit"])
-    build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     assert calls == [] and hf_modeling.caching_allocator_warmup is warm_up
 
 
@@ -933,7 +933,7 @@ def test_tiles_leave_the_experts_block_whole_and_the_loss_unchanged(moe_dir):
                                 tiles, "--context_length", "24"])
         lines = []
         torch.manual_seed(0)
-        model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lines.append)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lines.append)
         ids, labels = make_batch(model.config.vocab_size, seq=24)
         losses.append(float(loss_model_for(model, cfg.training, sharded=False)(ids, labels).detach()))
     layer = model.model.layers[0]
@@ -954,13 +954,14 @@ def test_the_longest_context_is_searched_for_a_mixture_of_experts(moe_dir):
 
 def test_auto_checkpointing_chooses_a_mode_that_fits_for_a_mixture_of_experts(moe_dir):
     from leantune.planning.choose import choose_auto_mode
+    from leantune.planning.context import PlanContext
 
     cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), "--use_peft", "--lora_dropout", "0",
                             "--lora_target_modules", "all-linear", "--enable_activation_checkpointing",
                             "--activation_checkpointing_mode", "auto", "--context_length", "256"])
     config = run_model_facts(cfg.model).config
     lines = []
-    unbounded, plan = choose_auto_mode(cfg, config, CPU, 1 << 40, lines.append)
+    unbounded, plan = choose_auto_mode(PlanContext(config, CPU, 1 << 40, None, lines.append), cfg)
     assert plan.mode == "none" and plan.peak_bytes < 1 << 40  # all fit: the least recompute
-    tight, fitted = choose_auto_mode(cfg, config, CPU, plan.peak_bytes - 1, lines.append)
+    tight, fitted = choose_auto_mode(PlanContext(config, CPU, plan.peak_bytes - 1, None, lines.append), cfg)
     assert fitted.mode != "none" and fitted.peak_bytes < plan.peak_bytes

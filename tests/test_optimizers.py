@@ -107,7 +107,7 @@ def test_a_non_contiguous_weight_is_stepped_as_a_contiguous_one():
 
 
 def test_the_oom_advice_names_the_lean_optimizer_only_where_its_flags_are_allowed():
-    from leantune.memory.oom import memory_fixes
+    from leantune.planning.oom_advice import memory_fixes
 
     def advised(*flags):
         return any("--optimizer anyprecision" in fix for fix in memory_fixes(parse_run_config(list(flags)),

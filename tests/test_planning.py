@@ -16,7 +16,9 @@ from leantune.config import ConfigError
 from leantune.memory.tracker import StorageTracker, persistent_bytes
 from leantune.models.presets import (HUB_IDS, MOE_PRESETS, PRESETS, VISION_PRESETS, ModelShapeError, model_config,
                                      preset_name)
-from leantune.planning.choose import MemoryPlan, apply_memory_plan
+from leantune.planning import MemoryPlan, Planner
+from leantune.planning.choose import run_budget
+from leantune.planning.context import PlanContext
 from leantune.planning.confirm import confirm_batch
 from leantune.planning.fake_step import trace_step
 from leantune.planning.plan import MIB, NCCL_BUFFER_BYTES, choose_mode, largest_batch, plan_modes, with_batch
@@ -212,7 +214,7 @@ def test_auto_mode_takes_the_least_recompute_that_fits(capsys):
     assert peaks["none"] > peaks["selective_ops"]  # so a budget at selective_ops' peak leaves none out
     cfg = flags(*lora, "--activation_checkpointing_mode", "auto", "--memory_budget_gb",
                 str(peaks["selective_ops"] / 2**30))
-    memory = apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=print)
+    memory = Planner.for_run(cfg, model_config(cfg.model.model_name), CPU, log=print).choose(cfg)
     assert memory.cfg.checkpointing.mode == "selective_ops" and memory.plan.peak_bytes == peaks["selective_ops"]
     assert "auto chose selective_ops" in capsys.readouterr().out
 
@@ -220,7 +222,7 @@ def test_auto_mode_takes_the_least_recompute_that_fits(capsys):
 def test_auto_batch_keeps_the_global_batch_and_is_the_largest_that_fits():
     cfg = flags("--use_peft", "--enable_activation_checkpointing", "--auto_batch_size", "--target_global_batch_size",
                 "12", "--memory_budget_gb", str(40 * MIB / 2**30))
-    memory = apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None)
+    memory = Planner.for_run(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None).choose(cfg)
     batch, accumulation = memory.cfg.training.batch_size_training, memory.cfg.training.gradient_accumulation_steps
     assert batch * accumulation == 12
     assert memory.plan.fits and memory.plan.batch_size == batch
@@ -240,7 +242,7 @@ def test_auto_finds_a_layer_mix_between_selective_and_full(capsys):
     auto = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "256",
                              "--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
                              "auto", "--memory_budget_gb", str(budget / 2**30)])
-    memory = apply_memory_plan(auto, model_config(auto.model.model_name), CPU, log=print)
+    memory = Planner.for_run(auto, model_config(auto.model.model_name), CPU, log=print).choose(auto)
     resolved, plan = memory.cfg, memory.plan
     assert resolved.checkpointing.mode == "layer_mix", capsys.readouterr().out
     layers = resolved.checkpointing.activation_checkpointing_layers
@@ -253,14 +255,14 @@ def test_auto_mode_fails_with_the_table_when_nothing_fits():
     cfg = flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
                 "--memory_budget_gb", str(55 * MIB / 2**30))
     with pytest.raises(ConfigError, match="no mode fits") as err:
-        apply_memory_plan(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None)
+        Planner.for_run(cfg, model_config(cfg.model.model_name), CPU, log=lambda *_: None).choose(cfg)
     assert "predicted peak" in str(err.value) and "--batch_size_training" in str(err.value)
 
 
 def test_auto_needs_a_budget_on_the_cpu():
     with pytest.raises(ConfigError, match="--memory_budget_gb"):
-        apply_memory_plan(flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto"),
-                          model_config("tiny"), CPU)
+        auto = flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto")
+        Planner.for_run(auto, model_config("tiny"), CPU).choose(auto)
 
 
 def test_confirm_step_backs_off_once_on_oom():
@@ -290,7 +292,7 @@ def test_the_real_confirm_step_leaves_the_run_as_it_was(load_tiny):
 
     cfg = flags("--use_peft")
     model = load_tiny()
-    precision = choose_precision(cfg, CPU)
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, CPU)
     state = torch.get_rng_state()
     peak = confirm_step(model, cfg, precision)(3)
     assert torch.equal(state, torch.get_rng_state())
@@ -470,7 +472,7 @@ def test_per_rank_plan_of_a_4bit_base_gathers_packed_bytes_and_holds_the_quantiz
     from leantune.memory.tracker import carried_tensors
     from leantune.models.loading import attach_lora
     from leantune.models.quantized import bnb_config, quantize_linear_layers, quantized_layers
-    from leantune.models.structure import decoder_layers
+    from leantune.model_structure import decoder_layers
     from leantune.planning.fake_step import real_model
     from leantune.planning.per_rank import per_rank, sharding_shapes
 
@@ -499,7 +501,7 @@ def test_per_rank_plan_of_a_4bit_base_gathers_packed_bytes_and_holds_the_quantiz
 
 def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
     """Each rank measures its own peak: the run's prediction is the per-rank plan, not one process's."""
-    from leantune.planning.choose import MemoryPlan, predicted_peak
+    from leantune.planning.choose import MemoryPlan
     from leantune.planning.fake_step import StepTraces
     from leantune.planning.per_rank import RankShare, per_rank, sharding_shapes
 
@@ -514,7 +516,7 @@ def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
             expected = per_rank(whole, world, sharding_shapes(cfg, config, CUDA, world, offload), offload)
         share = RankShare(lambda: sharding_shapes(cfg, config, CUDA, world, offload), world, offload)
         traces = StepTraces(share=share if extra else None)  # as a run builds it
-        predicted, reserved = predicted_peak(MemoryPlan(cfg), config, CUDA, log=lambda _: None, traces=traces)
+        predicted, reserved = Planner(config, CUDA, None, traces, lambda _: None).predicted_peak(MemoryPlan(cfg))
         assert predicted == expected.traced_peak_bytes + expected.cublas_workspace_bytes
         if not extra:  # one process: the reservation the allocator model replayed, and the workspace
             assert reserved == trace_step(cfg, config, CUDA, "full").reserved_peak_bytes + whole.cublas_workspace_bytes
@@ -571,9 +573,9 @@ def test_auto_under_fsdp_chooses_by_one_ranks_plan():
                             "--memory_budget_gb", "2"])
     config = model_config("small")
     with pytest.raises(ConfigError, match="no mode fits"):
-        apply_memory_plan(cfg, config, CPU, log=lambda *_: None)  # one process's plan
+        Planner.for_run(cfg, config, CPU, log=lambda *_: None).choose(cfg)  # one process's plan (no world given)
     traces = StepTraces(share=RankShare(lambda: sharding_shapes(cfg, config, CPU, 4), 4, False))
-    memory = apply_memory_plan(cfg, config, CPU, log=lambda *_: None, traces=traces)
+    memory = Planner(config, CPU, run_budget(cfg, CPU), traces, lambda *_: None).choose(cfg)
     assert memory.cfg.checkpointing.mode is None and memory.plan.mode == "none"
     assert memory.plan.peak_bytes <= 2 * 2**30 and "per rank of 4" in memory.plan.checkpointing
 
@@ -617,7 +619,7 @@ def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):
 def root_largest_bytes() -> int:
     """The largest root parameter of ``small`` (its embedding or LM head), in elements."""
     from leantune.models.facts import meta_model
-    from leantune.models.structure import decoder_layers
+    from leantune.model_structure import decoder_layers
 
     model = meta_model(model_config("small"), torch.float32)
     layer_ids = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
@@ -631,7 +633,7 @@ def _small_params():
 
 
 def _small_layer_params():
-    from leantune.models.structure import decoder_layers
+    from leantune.model_structure import decoder_layers
     from leantune.models.facts import meta_model
 
     return list(decoder_layers(meta_model(model_config("small"), torch.float32))[0].parameters())
@@ -667,7 +669,7 @@ def test_auto_mode_and_batch_pick_the_least_compute_per_token(monkeypatch, fits,
     cfg = flags("--use_peft", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
                 "--auto_batch_size", "--memory_budget_gb", "1")
     lines: list[str] = []
-    run_cfg, _ = choose.choose_mode_and_batch(cfg, None, torch.device("cpu"), 2**30, lines.append)
+    run_cfg, _ = choose.choose_mode_and_batch(PlanContext(None, torch.device("cpu"), 2**30, None, lines.append), cfg)
     assert ((run_cfg.checkpointing.mode or "none"), run_cfg.training.batch_size_training) == chosen
     if len(fits) == 1:  # the only candidate: the choice, said; else the candidates are timed and said then
         assert lines[-1].startswith(f"activation checkpointing: auto chose {chosen[0]} (batch {chosen[1]} in 1.00 GiB")

@@ -42,6 +42,11 @@ TABLE = [
 ]
 
 
+def run_precision(cfg, device, **kwargs):
+    """``choose_precision`` of a whole run's sections."""
+    return choose_precision(cfg.model, cfg.training, cfg.peft, device, **kwargs)
+
+
 def _cfg(flags, lora):
     return parse_run_config([*flags, *(["--use_peft"] if lora else [])])
 
@@ -50,7 +55,7 @@ def _cfg(flags, lora):
                          ids=[f"{d.type}-bf16{b}-{'_'.join(f) or 'default'}-{'lora' if l else 'full'}"
                               for d, b, f, l, _ in TABLE])
 def test_precision_table(device, bf16, flags, lora, expected):
-    precision = choose_precision(_cfg(flags, lora), device, bf16_supported=bf16)
+    precision = run_precision(_cfg(flags, lora), device, bf16_supported=bf16)
     assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == expected
     if precision.compute_dtype is F16:
         assert precision.weight_dtype in (F16, F32)  # never bf16 weights under an fp16 autocast
@@ -64,19 +69,19 @@ def test_precision_table(device, bf16, flags, lora, expected):
 ])
 def test_impossible_combinations_are_errors_naming_the_flag(device, bf16, flags, lora, message):
     with pytest.raises(ConfigError, match=message):
-        choose_precision(_cfg(flags, lora), device, bf16_supported=bf16)
+        run_precision(_cfg(flags, lora), device, bf16_supported=bf16)
 
 
 def test_notes_say_what_is_in_force():
-    assert choose_precision(_cfg([], True), CPU).note == "float32 on the CPU"
-    assert choose_precision(_cfg(["--use_fp16"], True), CPU).note.endswith("(--use_fp16 needs a CUDA GPU; ignored)")
-    assert choose_precision(_cfg([], True), CUDA, bf16_supported=True).note == "bfloat16 autocast, bfloat16 weights"
-    note = choose_precision(_cfg(["--use_fp16"], False), CUDA, bf16_supported=True).note
+    assert run_precision(_cfg([], True), CPU).note == "float32 on the CPU"
+    assert run_precision(_cfg(["--use_fp16"], True), CPU).note.endswith("(--use_fp16 needs a CUDA GPU; ignored)")
+    assert run_precision(_cfg([], True), CUDA, bf16_supported=True).note == "bfloat16 autocast, bfloat16 weights"
+    note = run_precision(_cfg(["--use_fp16"], False), CUDA, bf16_supported=True).note
     assert note == "float16 autocast with loss scaling, float32 weights"
 
 
 def test_the_scaler_and_autocast_follow_the_decision():
-    cpu = choose_precision(_cfg([], False), CPU)
+    cpu = run_precision(_cfg([], False), CPU)
     assert cpu.make_scaler() is None
     with cpu.autocast():
         assert not torch.is_autocast_enabled("cpu")
@@ -118,7 +123,7 @@ def test_bf16_is_chosen_by_compute_capability_not_emulation(monkeypatch, capabil
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what emulation would answer
-    precision = choose_precision(parse_run_config(["--use_peft"]), torch.device("cuda"))
+    precision = run_precision(parse_run_config(["--use_peft"]), torch.device("cuda"))
     if bf16:
         assert precision.note.startswith("bfloat16 autocast")
     else:

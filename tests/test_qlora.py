@@ -18,7 +18,7 @@ from leantune.checkpointing import FullCheckpointing, apply_activation_checkpoin
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.memory import custom_ops
-from leantune.memory.oom import memory_fixes
+from leantune.planning.oom_advice import memory_fixes
 from leantune.memory.tracker import carried_tensors
 from leantune.models import quantized
 from leantune.models.presets import model_config
@@ -45,7 +45,7 @@ def flags(*argv) -> object:
 def _loaded(tiny_model_dir, *argv):
     """The model a run trains: loaded through from_pretrained with the run's BitsAndBytesConfig, LoRA attached."""
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *QLORA, *argv])
-    model, _ = build_model(cfg, choose_precision(cfg, CPU), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None)
     return model
 
 
@@ -304,20 +304,20 @@ def _fits(tiny_model_dir, mode: str, batch: int, budget_gb: float) -> bool:
 
 def test_compute_dtype_refuses_a_dtype_the_rest_of_the_step_does_not_compute_in():
     cfg = parse_run_config([*QLORA, "--compute_dtype", "float32"])
-    on_gpu = choose_precision(cfg, CUDA, bf16_supported=True)
+    on_gpu = choose_precision(cfg.model, cfg.training, cfg.peft, CUDA, bf16_supported=True)
     with pytest.raises(ConfigError, match="--compute_dtype float32: this run computes in bfloat16 .autocast., and bitsandbytes' matmul "
                        "would run apart from it in float32; use --compute_dtype auto or bfloat16"):
         quantized.compute_dtype(cfg.quant, on_gpu)
     assert quantized.compute_dtype(parse_run_config(list(QLORA)).quant, on_gpu) is torch.bfloat16
     fp16 = parse_run_config([*QLORA, "--use_fp16", "--compute_dtype", "bfloat16"])
     with pytest.raises(ConfigError, match="this run computes in float16 .autocast.*use --compute_dtype auto or float16"):
-        quantized.compute_dtype(fp16.quant, choose_precision(fp16, CUDA, bf16_supported=False))
+        quantized.compute_dtype(fp16.quant, choose_precision(fp16.model, fp16.training, fp16.peft, CUDA, bf16_supported=False))
     for half in ("bfloat16", "float16"):  # a float32 GPU run: no bf16 on the GPU, or mixed precision off
         no_bf16 = parse_run_config([*QLORA, "--compute_dtype", half])
         with pytest.raises(ConfigError, match=f"--compute_dtype {half}: this GPU run computes in float32"):
-            quantized.compute_dtype(no_bf16.quant, choose_precision(no_bf16, CUDA, bf16_supported=False))
+            quantized.compute_dtype(no_bf16.quant, choose_precision(no_bf16.model, no_bf16.training, no_bf16.peft, CUDA, bf16_supported=False))
     on_cpu = parse_run_config([*QLORA, "--compute_dtype", "bfloat16"])
-    assert quantized.compute_dtype(on_cpu.quant, choose_precision(on_cpu, CPU)) is torch.bfloat16
+    assert quantized.compute_dtype(on_cpu.quant, choose_precision(on_cpu.model, on_cpu.training, on_cpu.peft, CPU)) is torch.bfloat16
 
 
 @pytest.mark.parametrize("target, asked", [(CUDA, True), (CPU, False)], ids=["gpu", "cpu"])

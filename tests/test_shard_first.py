@@ -87,7 +87,7 @@ def _whole_and_skeleton(model_dir, argv: list[str]):
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(model_dir), *argv])
-    precision = choose_precision(cfg, torch.device("cpu"))
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu"))
     models = []
     for shard_first in (False, True):
         torch.manual_seed(cfg.training.seed)

@@ -22,6 +22,11 @@ FAST = ["--context_length", "64", "--num_workers_dataloader", "0", "--num_epochs
         "--run_validation", "false", "--save_metrics"]
 
 
+def run_precision(cfg, device, **kwargs):
+    """``choose_precision`` of a whole run's sections."""
+    return choose_precision(cfg.model, cfg.training, cfg.peft, device, **kwargs)
+
+
 def _train(tiny_model_dir, tmp_path, *flags):
     """A real tiny run; returns (metrics.json, the log lines, the windows of batches each step trained on)."""
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--output_dir", str(tmp_path), *FAST, *flags])
@@ -99,7 +104,7 @@ def test_a_single_step_is_its_own_median(tiny_model_dir, tmp_path):
 
 
 def _cpu_precision():
-    return choose_precision(parse_run_config([]), torch.device("cpu"))
+    return run_precision(parse_run_config([]), torch.device("cpu"))
 
 
 def test_after_forward_runs_once_between_the_loss_and_backward(load_tiny):

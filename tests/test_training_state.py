@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from leantune.memory.oom import is_out_of_memory, memory_fixes
+from leantune.memory.oom import is_out_of_memory
+from leantune.planning.oom_advice import memory_fixes
 from leantune.cli_args import parse_run_config
 from leantune.training.state import STATE_FILE, recover_replaced, saved_states, set_aside_newer
 

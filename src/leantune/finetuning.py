@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,28 +24,21 @@ from leantune.builders.sharding import device_peak_bytes, shard, shard_first_che
 from leantune.builders.step import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
 from leantune.cli_args import parse_run_config
-from leantune.config import (ConfigError, DataConfig, DistributedConfig, MemoryConfig, RunConfig,
-                              TrainingConfig)
+from leantune.config import ConfigError, DataConfig, MemoryConfig, RunConfig, TrainingConfig
 from leantune.data import DatasetError
-from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
+from leantune.distributed.context import SINGLE_PROCESS, DistContext, close_distributed, tell_the_launcher
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
 from leantune.memory.host_allocator import return_host_memory
-from leantune.memory.oom import is_out_of_memory, oom_report
 from leantune.models.attention import packed_examples_meet
 from leantune.models.compiling import check_can_compile, compile_decoder_layers
 from leantune.models.facts import ModelFacts
 from leantune.models.image_text import load_processor
 from leantune.models.loading import ModelLoadError, load_tokenizer
-from leantune.models.structure import is_image_text
-from leantune.planning.choose import MemoryPlan, apply_memory_plan, predicted_peak
-from leantune.planning.confirm import confirm_the_batch
-from leantune.planning.fake_step import StepTraces
-from leantune.planning.flops import count_token_flops
-from leantune.planning.measured_choice import choose_by_timing, keep_saved_choice
-from leantune.planning.per_rank import RankShare, sharding_shapes
+from leantune.model_structure import is_image_text
+from leantune.planning import MemoryPlan, Planner, explain_out_of_memory
 from leantune.precision import Precision, choose_device, choose_precision
 from leantune.preflight import clear_previous_run, preflight
-from leantune.report.flops import TokenFlops, device_peak_tflops
+from leantune.report.flops import device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.checkpoint_files import unpickler_warning
 from leantune.training.loop import Trainer, TrainingParts
@@ -54,8 +46,9 @@ from leantune.training.optim import build_scheduler, describe_optimizer
 from leantune.training.packing_check import check_examples_kept_apart
 from leantune.training.resume_checks import check_compatible
 from leantune.training.state import TrainingStateStore, load_weights, read_state
-from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest, OutOfMemory, RunStopped,
-                                        StopRequest, TrainingInterrupted)
+from leantune.training.outputs import MemorySnapshot, RunOutputs
+from leantune.training.stopping import (InterruptedBeforeTraining, NoStopRequest, RunStopped, StopRequest,
+                                        TrainingInterrupted)
 
 # Errors a user can fix from the message alone, and runs stopped on purpose: printed without a traceback.
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, CheckpointingError, RunStopped)
@@ -67,59 +60,70 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
     """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
 
     The model's config is read once (``preflight``), the saved state once, the data tokenized once, and each step
-    the planner traces is traced once (``StepTraces``), whichever of the plan, the batch check and the FLOP count
-    asks. ``cfg`` becomes the plan's (auto mode and batch resolved) as soon as there is one.
+    the planner traces is traced once (``Planner``), whichever of the plan, the batch check and the FLOP count
+    asks. What is trained is the plan's config (auto mode and batch resolved): ``plan.cfg``.
     """
     torch.manual_seed(cfg.training.seed)  # the same on every rank: the same initial LoRA weights everywhere
     device = choose_device(cfg.model)
     resume, facts = preflight(cfg, device.type, log)
-    cfg = dataclasses.replace(cfg, data=padded_if_packing_meets(cfg.data, facts, log))
+    asked = dataclasses.replace(cfg, data=padded_if_packing_meets(cfg.data, facts, log))
     for line in (unpickler_warning() if resume is not None else None,
-                 return_host_memory(cfg.memory.return_host_memory, device.type, cfg.data.context_length)):
+                 return_host_memory(asked.memory.return_host_memory, device.type, asked.data.context_length)):
         if line is not None:  # a resume on a torch with the unpickler's flaw; host memory handed back
             log(line)
     _remember_gpu_constants(device, dist, log)  # before anything of ours is on the GPU
-    _check_device_flags(cfg.training, cfg.memory, device)
-    flags = cfg.flat()
-    loggers = MetricLoggers.for_run(cfg.output, flags, dist.is_main)  # a missing logger package is refused here, early
+    _check_device_flags(asked.training, asked.memory, device)
+    flags = asked.flat()
+    loggers = MetricLoggers.for_run(asked.output, flags, dist.is_main)  # a missing logger package is refused here
     stack.callback(loggers.close)
-    traces = _step_traces(dist, cfg.distributed, functools.partial(sharding_shapes, cfg, facts.config, device))
-    memory = apply_memory_plan(cfg, facts.config, device, log, traces)  # auto mode / batch, before any weight loads
+    planner = Planner.for_run(asked, facts.config, device, dist, log)  # its budget read before any weight loads
     saved = read_state(resume) if resume is not None else None
-    memory = keep_saved_choice(memory, saved, log)  # auto's timed choice is not made again when resuming
+    plan = planner.keep_saved_choice(planner.choose(asked), saved)  # auto's timed choice is not made again
     if saved is not None:
-        check_compatible(saved, memory.cfg.flat(), resume, dist.world_size)
-    precision = choose_precision(memory.cfg, device)
-    memory, model, tokenizer, loaders, checkpoint = _load(memory, facts, (resume, saved), precision, dist, log, traces)
-    cfg = memory.cfg
-    loggers.record_flags({k: v for k, v in cfg.flat().items() if flags[k] != v})  # as planned, confirmed and timed
+        check_compatible(saved, plan.cfg.flat(), resume, dist.world_size)
+    precision = choose_precision(plan.cfg.model, plan.cfg.training, plan.cfg.peft, device)
+    plan, model, tokenizer, loaders, checkpoint = _load(planner, plan, facts, (resume, saved), precision, dist)
+    run_cfg = plan.cfg
+    loggers.record_flags({k: v for k, v in run_cfg.flat().items() if flags[k] != v})  # as planned, confirmed, timed
     loaded_peak = device_peak_bytes(device)  # read before the monitor resets it: the sharding line reports it
-    monitor = build_monitor(cfg.memory, cfg.output, device, dist, stack, log)
+    monitor = build_monitor(run_cfg.memory, run_cfg.output, device, dist, stack, log)
     log(f"precision: {precision.note}")
-    loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)
+    loss_model = loss_model_for(model, run_cfg.training, sharded=run_cfg.distributed.enable_fsdp)
     log(describe_loss(loss_model.loss_fn, loss_model.router_loss))
     if dist.sharded:
-        shard(loss_model, cfg.distributed, cfg.training.batch_size_training, dist, device, precision, log,
+        shard(loss_model, run_cfg.distributed, run_cfg.training.batch_size_training, dist, device, precision, log,
               peak_before=loaded_peak, checkpoint=checkpoint)
-    if cfg.data.packs_apart:
+    if run_cfg.data.packs_apart:
         log(check_examples_kept_apart(loss_model, precision, sharded=dist.sharded))
-    if cfg.training.compile:  # after the checks, which run once and need no compiling
+    if run_cfg.training.compile:  # after the checks, which run once and need no compiling
         log(compile_decoder_layers(model))
-    step = build_train_step(cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
-    log(describe_optimizer(cfg.training, step.optimizer))
-    predicted, reserved = predicted_peak(memory, facts.config, device, log, traces) or (None, None)
-    # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
-    peak_tflops = dist.from_main(lambda: device_peak_tflops(device, cfg.output.peak_tflops), what="peak TFLOP/s")
-    parts = TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
-                          scheduler=build_scheduler(cfg.training, step.optimizer),
-                          state_store=TrainingStateStore(cfg.output.output_dir, cfg.output.save_total_limit, log),
-                          loggers=loggers, token_flops=token_flops(cfg, facts.config, device, peak_tflops, log, traces),
-                          peak_tflops=peak_tflops, predicted_peak_bytes=predicted,
-                          predicted_reserved_bytes=reserved)
-    trainer = Trainer(cfg, parts, log=log, dist=dist, stop=stop)
+    step = build_train_step(run_cfg.training, loss_model, precision, dist, log)  # after sharding: it holds the shards
+    log(describe_optimizer(run_cfg.training, step.optimizer))
+    trainer = Trainer(run_cfg.training, run_cfg.output, _parts(planner, plan, (model, tokenizer, loaders), precision,
+                                                              (monitor, step, loggers), dist), log=log, dist=dist,
+                      stop=stop)
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
     return trainer
+
+
+def _parts(planner: Planner, plan: MemoryPlan, built: tuple, precision: Precision, run: tuple,
+           dist: DistContext) -> TrainingParts:
+    """What the loop trains with: (model, tokenizer, loaders) built, (monitor, step, loggers) made for the run,
+    what the plan predicts and what the run writes."""
+    (model, tokenizer, loaders), (monitor, step, loggers), run_cfg = built, run, plan.cfg
+    device, log = precision.device, planner.log
+    predicted, reserved = planner.predicted_peak(plan) or (None, None)
+    # rank 0's figure on every rank: whether the FLOPs are counted (a trace, shared) must not differ between them
+    peak_tflops = dist.from_main(lambda: device_peak_tflops(device, run_cfg.output.peak_tflops), what="peak TFLOP/s")
+    output = run_cfg.output
+    return TrainingParts(model, tokenizer, *loaders, precision, monitor, step,
+                         scheduler=build_scheduler(run_cfg.training, step.optimizer),
+                         state_store=TrainingStateStore(output.output_dir, output.save_total_limit, log),
+                         loggers=loggers, token_flops=planner.token_flops(run_cfg, peak_tflops),
+                         peak_tflops=peak_tflops, predicted_peak_bytes=predicted, predicted_reserved_bytes=reserved,
+                         outputs=RunOutputs(output, run_cfg.flat(), dist, log),
+                         snapshot=MemorySnapshot(run_cfg.memory.memory_snapshot, device, output.output_dir, dist, log))
 
 
 def padded_if_packing_meets(data: DataConfig, facts: ModelFacts, log) -> DataConfig:
@@ -130,15 +134,6 @@ def padded_if_packing_meets(data: DataConfig, facts: ModelFacts, log) -> DataCon
     log(f"data: padding, one example a row: {facts.architecture} cannot keep examples packed in a row apart ({why}); "
         "--packed_examples concatenated packs them seeing each other, as llama-cookbook does")
     return dataclasses.replace(data, batching_strategy="padding")
-
-
-def _step_traces(dist: DistContext, dc: DistributedConfig, shapes: Callable) -> StepTraces:
-    """Steps traced on rank 0 and shared with the others; under FSDP every plan made from them is one
-    rank's share. ``shapes(world_size, cpu_offload)``: the run's ``sharding_shapes``, made if asked."""
-    if not dc.enable_fsdp:
-        return StepTraces(dist)
-    world, offload = dist.world_size, dc.fsdp_cpu_offload
-    return StepTraces(dist, RankShare(lambda: shapes(world, offload), world, offload))
 
 
 def _remember_gpu_constants(device: torch.device, dist: DistContext, log) -> None:
@@ -165,8 +160,8 @@ def _check_device_flags(tc: TrainingConfig, memory: MemoryConfig, device: torch.
                           "Drop the flag (--enable_memory_monitoring logs the CPU's RSS)")
 
 
-def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], Optional[dict]], precision: Precision,
-          dist: DistContext, log, traces: StepTraces):
+def _load(planner: Planner, plan: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], Optional[dict]],
+          precision: Precision, dist: DistContext):
     """The tokenizer, the data (its errors before any weight loads), the model and, with --auto_batch_size,
     the batch confirmed by one real step (the loaders made again if it backed off).
 
@@ -175,7 +170,7 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     validation) loaders and the checkpoint a 4-bit base under FSDP is read from shard-first as it is sharded (None
     for any other run: the model is whole).
     """
-    cfg, (path, saved) = memory.cfg, resume
+    cfg, (path, saved), log = plan.cfg, resume, planner.log
     tokenizer = load_tokenizer(cfg.model)
     # an image-and-text model's batches are made with its processor (a dataset file is handed it, as llama-cookbook
     # hands a vision dataset; chat records are rendered by its chat template)
@@ -188,11 +183,11 @@ def _load(memory: MemoryPlan, facts: ModelFacts, resume: tuple[Optional[Path], O
     checkpoint = shard_first_checkpoint(cfg.model, cfg.quant, cfg.distributed, facts.config, precision.weight_dtype,
                                         log)
     model, tokenizer = build_model(cfg, precision, log, facts=facts, on_meta=on_meta, tokenizer=tokenizer,
-                                   timed_next=len(memory.candidates) >= 2, shard_first=checkpoint is not None)
+                                   timed_next=len(plan.candidates) >= 2, shard_first=checkpoint is not None)
     if path is not None and not on_meta:  # before sharding (--low_cpu_fsdp: rank 0's are broadcast)
         load_weights(path, model, cfg.peft.use_peft)
-    memory = choose_by_timing(memory, model, precision, log)  # auto with --auto_batch_size: the fastest candidate
-    confirmed = confirm_the_batch(memory, model, facts.config, precision, log, traces)
+    timed = planner.choose_by_timing(plan, model, precision)  # auto with --auto_batch_size: the fastest candidate
+    confirmed = planner.confirm_batch(timed, model, precision)
     if confirmed.cfg.training.batch_size_training != cfg.training.batch_size_training:
         if saved is not None:  # backed off to a batch the saved run did not train with: refused by name
             check_compatible(saved, confirmed.cfg.flat(), path, dist.world_size)
@@ -207,24 +202,6 @@ def _images_needed(vision_only: bool, sharded: bool) -> str:
     if vision_only:
         return "only the vision side trains: a batch without one trains nothing"
     return "under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives" if sharded else ""
-
-
-def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optional[float], log=print,
-                traces: Optional[StepTraces] = None) -> Optional[TokenFlops]:
-    """FLOPs per token of the run's step, when a peak is known to measure them against (MFU, HFU)."""
-    if not peak_tflops:
-        return None
-    try:
-        flops = count_token_flops(cfg, config, device, traces)
-    except RanksDiverged:
-        raise
-    except Exception as err:  # an aid: a model the tracer cannot follow must not stop the run
-        log(f"mfu: not reported ({type(err).__name__}: {str(err).splitlines()[0]})")
-        return None
-    recompute = flops.hardware / flops.model - 1 if flops.model else 0.0
-    log(f"mfu: against {peak_tflops:,.1f} TFLOP/s peak; {flops.model / 1e9:,.3f} GFLOPs per token "
-        f"(+{recompute:.0%} recomputed by checkpointing, counted in HFU only)")
-    return flops
 
 
 def run(cfg: RunConfig, log=print) -> dict:
@@ -242,7 +219,7 @@ def run(cfg: RunConfig, log=print) -> dict:
             results = trainer.train()
             trainer.save()
     except BaseException as err:
-        failure = _explained(err, cfg)
+        failure = explain_out_of_memory(err, cfg)
         if made_here and not built and isinstance(err, REFUSALS):  # refused before training: nothing to keep
             with contextlib.suppress(OSError):  # only while empty: another run may have started writing there
                 output_dir.rmdir()
@@ -255,13 +232,6 @@ def run(cfg: RunConfig, log=print) -> dict:
         close_distributed(dist)
         return results
     raise failure  # outside the handler: the failed step's tensors are freed first
-
-
-def _explained(err: BaseException, cfg: RunConfig) -> Optional[OutOfMemory]:
-    """An out-of-memory error outside the training loop (loading, the batch check, saving), explained."""
-    if isinstance(err, Exception) and is_out_of_memory(err):
-        return OutOfMemory(oom_report(err, cfg, choose_device(cfg.model)))
-    return None
 
 
 def _end_this_rank(dist: DistContext, err: BaseException) -> None:

@@ -15,12 +15,12 @@ from typing import Optional
 
 import torch
 
-from leantune.config import ConfigError, ModelConfig, RunConfig, TrainingConfig
+from leantune.config import ConfigError, ModelConfig, PeftSettings, TrainingConfig
 
 
-def choose_device(cfg: ModelConfig) -> torch.device:
+def choose_device(mc: ModelConfig) -> torch.device:
     """``cuda:LOCAL_RANK`` when asked for or available (``auto``), else the CPU."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if mc.device == "cpu" or (mc.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device auto or cpu")
@@ -85,8 +85,10 @@ def _bf16_supported(device: torch.device) -> bool:
     return tuple(torch.cuda.get_device_capability(device)) >= AMPERE
 
 
-def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optional[bool] = None) -> Precision:
-    """The precision a run uses on ``device``; ``bf16_supported`` defaults to asking the device.
+def choose_precision(mc: ModelConfig, tc: TrainingConfig, peft: PeftSettings, device: torch.device,
+                     bf16_supported: Optional[bool] = None) -> Precision:
+    """The precision a run uses on ``device``, from its model, training and adapter sections; ``bf16_supported``
+    defaults to asking the device.
 
     * CPU: float32 throughout (autocast on the CPU is slower than float32 here), unless an explicit
       ``--model_dtype`` asks for half-precision weights.
@@ -97,7 +99,6 @@ def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optio
     With ``--model_dtype auto``, LoRA's frozen base weights are bfloat16 under bf16 autocast (the
     adapters stay float32, as peft makes them); otherwise, and for full fine-tuning, float32.
     """
-    mc, tc = cfg.model, cfg.training
     if bf16_supported is None:
         bf16_supported = _bf16_supported(device)
     explicit = None if mc.model_dtype == "auto" else getattr(torch, mc.model_dtype)
@@ -121,11 +122,11 @@ def choose_precision(cfg: RunConfig, device: torch.device, bf16_supported: Optio
         # bf16 keeps fp32's range, so a frozen base can live in it; an fp16 base would run the
         # embeddings, residual adds and norms in fp16 outside autocast, where Llama overflows.
         # so may --freeze_LLM_only's frozen language model (its trained parts are made float32 once frozen)
-        frozen_base = cfg.peft.use_peft or cfg.peft.freeze_LLM_only
+        frozen_base = peft.use_peft or peft.freeze_LLM_only
         weights = torch.bfloat16 if frozen_base and compute is torch.bfloat16 else torch.float32
-    if weights is torch.float16 and not cfg.peft.use_peft:
+    if weights is torch.float16 and not peft.use_peft:
         raise ConfigError("--model_dtype float16 with full fine-tuning: float16 weights that train cannot be "
                           "loss-scaled (GradScaler refuses float16 gradients); use --model_dtype auto with --use_fp16")
-    trained = " (the trained parts in float32)" if cfg.peft.freeze_LLM_only and explicit is None and \
+    trained = " (the trained parts in float32)" if peft.freeze_LLM_only and explicit is None and \
         weights is torch.bfloat16 else ""
     return Precision(device, weights, compute, scaling, f"{note}, {str(weights).removeprefix('torch.')} weights{trained}")

@@ -21,7 +21,7 @@ from leantune.models.compiling import check_can_compile
 from leantune.builders.loaders import image_batches
 from leantune.models.facts import ModelFacts, run_model_facts
 from leantune.models.image_text import check_image_text_class
-from leantune.models.structure import is_image_text, text_config
+from leantune.model_structure import is_image_text, text_config
 from leantune.models.quantized import compute_dtype, require_bitsandbytes
 from leantune.optimizers import AUTO, optimizer_entry
 from leantune.optional import installed
@@ -93,7 +93,7 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
         check_can_compile(device_type, entry.flag, entry.alternative.removeprefix("or "))
     if cfg.quant.enabled:
         require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
-        compute_dtype(cfg.quant, choose_precision(cfg, torch.device(device_type)))  # refuses a mismatched one
+        compute_dtype(cfg.quant, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device(device_type)))  # refuses a mismatched one
 
 
 def check_output_dir(output: OutputConfig, reads: tuple[Optional[str], ...] = ()) -> None:

@@ -20,7 +20,7 @@ from leantune.data.collated import CollatedBatches, make_collated_loader
 from leantune.data.custom_file import custom_file_rows, data_collator, defines_collator
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.formats import format_entry
-from leantune.models.structure import is_image_text
+from leantune.model_structure import is_image_text
 
 CHAT = "chat_dataset"
 

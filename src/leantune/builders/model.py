@@ -32,7 +32,7 @@ from leantune.models.quantized_experts import (describe_quantized_experts, exper
 from leantune.models.skeleton import quantized_skeleton
 from leantune.models.image_text import (checkpointable_vision_layers, describe_parts, freeze_language_model,
                                         lora_kept_off, trained_in_float32)
-from leantune.models.structure import decoder_layers, decoder_of, freeze_first_layers, image_text_base, unwrap_model
+from leantune.model_structure import decoder_layers, decoder_of, freeze_first_layers, image_text_base, unwrap_model
 from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_tokens
 from leantune.precision import Precision
 

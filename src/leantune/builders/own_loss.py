@@ -33,7 +33,7 @@ from leantune.loss import LogitTransform
 from leantune.models.facts import ModelFacts, meta_model, text_config
 from leantune.models.loading import ModelLoadError
 from leantune.models.moe import RouterLoss, expert_count
-from leantune.models.structure import decoder_of, image_text_base
+from leantune.model_structure import decoder_of, image_text_base
 from leantune.training.step import CausalLMLoss, base_takes_labels
 
 WIDTH, VOCAB = 64, 512  # the stand-in decoder's hidden size and the small head's vocabulary

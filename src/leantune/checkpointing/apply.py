@@ -16,7 +16,7 @@ import torch
 
 from leantune.checkpointing.policies import CheckpointPolicy
 from leantune.checkpointing.selective import unmark_recomputed_linears
-from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.model_structure import decoder_layers, unwrap_model
 
 
 class CheckpointingError(RuntimeError):

@@ -15,7 +15,7 @@ import torch
 
 from leantune.checkpointing.offload import ActivationOffloader, OffloadingCheckpoint, default_max_pinned_bytes
 from leantune.checkpointing.selective import mark_recomputed_linears, selective_contexts
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 
 
 # Every mode, by name, in the order its class is defined: a policy class registers itself (``__init_subclass__``),

@@ -46,7 +46,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from leantune.checkpointing.recomputed_linear import RECOMPUTED_LINEAR, RecomputedLinear, swap_in, swap_out
-from leantune.models.structure import decoder_layers, unwrap_model
+from leantune.model_structure import decoder_layers, unwrap_model
 
 aten = torch.ops.aten
 

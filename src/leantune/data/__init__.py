@@ -34,56 +34,56 @@ def split_records(records: list, val_fraction: float, seed: int) -> tuple[list, 
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int, validation: bool = True,
+def build_datasets(data: DataConfig, tokenizer, seed: int, validation: bool = True,
                    log: Optional[Callable[[str], None]] = None, processor=None) -> tuple[list, list]:
-    """Tokenized (train, validation) examples for ``cfg.dataset`` (``log``: told when they come from the cache).
+    """Tokenized (train, validation) examples for ``data.dataset`` (``log``: told when they come from the cache).
 
     A cookbook dataset file gives both splits itself: its test split is asked for only with ``validation`` (the
     run validates) and a ``--val_fraction`` above 0, whose value it does not use. It is handed ``processor`` (an
     image-and-text model's) when there is one, else the tokenizer."""
-    if cfg.custom_dataset_file:
-        file, splits = cfg.custom_dataset_file, custom_splits(cfg)
+    if data.custom_dataset_file:
+        file, splits = data.custom_dataset_file, custom_splits(data)
         handed = processor if processor is not None else tokenizer
         train = custom_file_examples(file, handed, splits[0], splits)
-        wanted = validation and cfg.val_fraction > 0
+        wanted = validation and data.val_fraction > 0
         return train, custom_file_examples(file, handed, splits[1], splits) if wanted else []
-    source = records_source(cfg)
-    encode = functools.partial(_encode, cfg, tokenizer, source)
-    if not cfg.dataset_cache:
-        return split_records(encode(), cfg.val_fraction, seed)
-    entry = format_entry(cfg.dataset)  # its own flags, and what it derives from them (a template file's text)
-    key = cache_key({"source": source.identity(), "dataset": cfg.dataset, "columns": cfg.column_map,
-                     "options": {flag: getattr(cfg, flag) for flag in entry.options},
-                     "format": entry.cache_settings(cfg), "tokenizer": tokenizer_fingerprint(tokenizer)})
+    source = records_source(data)
+    encode = functools.partial(_encode, data, tokenizer, source)
+    if not data.dataset_cache:
+        return split_records(encode(), data.val_fraction, seed)
+    entry = format_entry(data.dataset)  # its own flags, and what it derives from them (a template file's text)
+    key = cache_key({"source": source.identity(), "dataset": data.dataset, "columns": data.column_map,
+                     "options": {flag: getattr(data, flag) for flag in entry.options},
+                     "format": entry.cache_settings(data), "tokenizer": tokenizer_fingerprint(tokenizer)})
     examples, hit = cached_examples(key, encode)
     if hit and log is not None:
         log(f"data cache: {len(examples)} tokenized examples of {source.name} read back ({cache_dir()}; "
             "--no_dataset_cache tokenizes again)")
-    return split_records(examples, cfg.val_fraction, seed)
+    return split_records(examples, data.val_fraction, seed)
 
 
-def custom_splits(cfg: DataConfig) -> tuple[str, str]:
+def custom_splits(data: DataConfig) -> tuple[str, str]:
     """The (train, test) split names a cookbook dataset file's function is called with."""
-    return cfg.custom_dataset_train_split, cfg.custom_dataset_test_split
+    return data.custom_dataset_train_split, data.custom_dataset_test_split
 
 
-def records_source(cfg: DataConfig) -> Source:
-    """Where ``cfg``'s records are: ``--data_path``, the format's hub dataset (llama-cookbook's for its name), or
+def records_source(data: DataConfig) -> Source:
+    """Where ``data``'s records are: ``--data_path``, the format's hub dataset (llama-cookbook's for its name), or
     the bundled set."""
-    if cfg.data_path:
-        return locate(cfg.data_path)
-    hub_dataset = format_entry(cfg.dataset).hub_dataset
+    if data.data_path:
+        return locate(data.data_path)
+    hub_dataset = format_entry(data.dataset).hub_dataset
     return Source(hub_dataset, "hub") if hub_dataset else Source(str(ASSET_PATH), "records")
 
 
-def _encode(cfg: DataConfig, tokenizer, source: Source) -> list:
+def _encode(data: DataConfig, tokenizer, source: Source) -> list:
     """Every record of ``source`` encoded; what is wrong inside one is said before counting problems, as every
     record is encoded before the split."""
-    entry = format_entry(cfg.dataset)
-    records = rename_columns(read_source(source), parse_column_map(cfg.column_map), source.name)
-    if not cfg.data_path and entry.from_bundled is not None:
+    entry = format_entry(data.dataset)
+    records = rename_columns(read_source(source), parse_column_map(data.column_map), source.name)
+    if not data.data_path and entry.from_bundled is not None:
         records = [entry.from_bundled(record) for record in records]
-    return _with_sources(entry.encode(records, tokenizer, source.location, cfg), records, source.name)
+    return _with_sources(entry.encode(records, tokenizer, source.location, data), records, source.name)
 
 
 def _with_sources(examples: list, records: list, name: str) -> list:

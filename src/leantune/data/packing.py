@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from leantune.labels import IGNORE_INDEX
-from leantune.models.varlen_attention import Segments
+from leantune.data.segments import Segments
 
 Example = dict[str, list[int]]
 

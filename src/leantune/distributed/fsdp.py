@@ -13,7 +13,7 @@ import torch
 
 from leantune.distributed.context import DistContext
 from leantune.models.quantized import quantized_layers
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 
 
 def shard_model(loss_model: torch.nn.Module, context: DistContext, device: torch.device,

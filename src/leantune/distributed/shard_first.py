@@ -21,7 +21,7 @@ from leantune.models.checkpoint_slices import CheckpointSlices
 from leantune.models.quantized import quantized_layers
 from leantune.models.quantized_slices import covering_elements, owned_blocks, quant_state, quantize_bytes
 from leantune.models.skeleton import is_stand_in, stand_ins_to_meta
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 
 
 @dataclass(frozen=True)

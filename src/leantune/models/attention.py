@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from leantune.config import ConfigError
 from leantune.models.loading import ModelLoadError
 from leantune.models.sink_attention import NAME as SINKS
-from leantune.models.structure import is_image_text, text_config
+from leantune.model_structure import is_image_text, text_config
 from leantune.models.varlen_attention import NAME as VARLEN
 from leantune.precision import AMPERE, cuda_capability
 

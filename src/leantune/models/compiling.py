@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from leantune.config import ConfigError
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 
 
 def _compiler(device_type: str) -> tuple[str, str, list[str]]:

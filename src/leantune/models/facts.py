@@ -24,7 +24,7 @@ from leantune.models.attention import AUTO, resolve_attention, traceable_attenti
 from leantune.models.loading import ModelLoadError, check_lora_targets, resolve_model_path
 from leantune.models.moe import expert_count
 from leantune.models.presets import model_config
-from leantune.models.structure import decoder_layers, model_class, text_config
+from leantune.model_structure import decoder_layers, model_class, text_config
 
 # Config fields a model's forward applies to the LM head's output: (field, True if it divides).
 # Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Falcon-H1's
@@ -162,12 +162,12 @@ class ModelFacts:
                 "checkpointing asked for. Drop the flag, or use a model whose layers transformers can checkpoint")
 
 
-def run_model_config(config: PretrainedConfig, cfg: ModelConfig) -> PretrainedConfig:
+def run_model_config(config: PretrainedConfig, mc: ModelConfig) -> PretrainedConfig:
     """``config`` as the run changes it: positions extended (``--rope_scaling_factor``), the router's loss on
     (``--output_router_logits``, which a dense model has no use for and refuses)."""
-    if cfg.rope_scaling_factor:
-        config = extend_positions(config, cfg.rope_scaling_factor)
-    if cfg.output_router_logits:
+    if mc.rope_scaling_factor:
+        config = extend_positions(config, mc.rope_scaling_factor)
+    if mc.output_router_logits:
         if expert_count(text_config(config)) is None:
             raise ConfigError(f"--output_router_logits: {type(config).__name__} is not a mixture of experts (no "
                               "num_local_experts or num_experts in its config); drop the flag")
@@ -191,29 +191,29 @@ def _refuse_a_quantization_leantune_cannot_train(config: PretrainedConfig, name:
                              f"train from nor re-quantize; {_PREQUANTIZED[method]}")
 
 
-def run_model_facts(cfg: ModelConfig, device_type: str = "cpu", compiled: bool = False) -> ModelFacts:
+def run_model_facts(mc: ModelConfig, device_type: str = "cpu", compiled: bool = False) -> ModelFacts:
     """The facts of the model a run on ``device_type`` trains: its own ``config.json`` (a directory, or a
     hub id's), with the attention implementation the run uses."""
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name))
+        config = AutoConfig.from_pretrained(resolve_model_path(mc.model_name))
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read the model's config from {cfg.model_name!r}: {err}. Pass a local "
+        raise ModelLoadError(f"cannot read the model's config from {mc.model_name!r}: {err}. Pass a local "
                              "directory saved with save_pretrained, or a hub id with network access") from None
-    _refuse_a_quantization_leantune_cannot_train(config, cfg.model_name)
-    config = run_model_config(config, cfg)
-    facts = ModelFacts(with_attention(config, resolve_attention(config, cfg.attn_implementation, device_type,
+    _refuse_a_quantization_leantune_cannot_train(config, mc.model_name)
+    config = run_model_config(config, mc)
+    facts = ModelFacts(with_attention(config, resolve_attention(config, mc.attn_implementation, device_type,
                                                                 compiled=compiled)))
     try:
         facts.shape  # built now: a model transformers cannot build is refused before any weight loads
     except Exception as err:  # noqa: BLE001 - a missing package (timm), a config transformers cannot follow, ...
-        raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {cfg.model_name!r} "
+        raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {mc.model_name!r} "
                              f"({type(err).__name__}: {err})") from None
     return facts
 
 
-def plan_model_facts(cfg: ModelConfig, device_type: str, compiled: bool = False) -> ModelFacts:
+def plan_model_facts(mc: ModelConfig, device_type: str, compiled: bool = False) -> ModelFacts:
     """The facts ``leantune plan`` works from: a preset's shape, a directory, or a hub id (``ModelShapeError``),
     with the attention implementation a run on ``device_type`` would use."""
-    config = run_model_config(model_config(cfg.model_name), cfg)
-    attention = resolve_attention(config, cfg.attn_implementation, device_type, installed_here=False, compiled=compiled)
+    config = run_model_config(model_config(mc.model_name), mc)
+    attention = resolve_attention(config, mc.attn_implementation, device_type, installed_here=False, compiled=compiled)
     return ModelFacts(with_attention(config, attention))

@@ -23,7 +23,7 @@ import torch
 
 from leantune.config import ConfigError
 from leantune.labels import IGNORE_INDEX
-from leantune.models.structure import is_image_text
+from leantune.model_structure import is_image_text
 
 QWEN_SIDE = 448  # the image a Qwen2-VL plan assumes (pixels a side)
 

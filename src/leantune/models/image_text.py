@@ -16,7 +16,7 @@ import functools
 
 import torch
 from leantune.models.loading import ModelLoadError, resolve_model_path, with_pad_token
-from leantune.models.structure import (cross_attention_layers, decoder_of, image_text_base, is_image_text,
+from leantune.model_structure import (cross_attention_layers, decoder_of, image_text_base, is_image_text,
                                        unwrap_model)
 
 

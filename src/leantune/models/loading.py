@@ -18,7 +18,7 @@ import torch
 from leantune.config import ALL_LINEAR, DEFAULT_MODEL_NAME, ModelConfig, PeftSettings
 from leantune.models.moe import LoraTargets, expert_tensor_targets, is_router, moe_lora_targets, router_targets
 from leantune.models.quantized import bitsandbytes_installed
-from leantune.models.structure import model_class
+from leantune.model_structure import model_class
 from leantune.models.tiny import TINY_CHAT_TEMPLATE, ensure_default_model
 from leantune.optional import import_bitsandbytes
 
@@ -88,16 +88,16 @@ def _hub_unreachable(endpoint: str, timeout: float = 3.0) -> Optional[str]:
     return None
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(mc: ModelConfig):
     from transformers import AutoTokenizer
 
-    source = resolve_model_path(cfg.tokenizer_name or cfg.model_name,
-                                "--tokenizer_name" if cfg.tokenizer_name else "--model_name")
+    source = resolve_model_path(mc.tokenizer_name or mc.model_name,
+                                "--tokenizer_name" if mc.tokenizer_name else "--model_name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer from {source!r}: {err}") from None
-    if cfg.model_name == DEFAULT_MODEL_NAME and not tokenizer.chat_template:  # built before it had one
+    if mc.model_name == DEFAULT_MODEL_NAME and not tokenizer.chat_template:  # built before it had one
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return with_pad_token(tokenizer)
 
@@ -110,7 +110,7 @@ def with_pad_token(tokenizer):
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
+def load_model(mc: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
                device: Optional[torch.device] = None, config=None, experts=contextlib.nullcontext):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
     ``--attn_implementation`` by ``models.facts.run_model_facts``).
@@ -123,7 +123,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    source = resolve_model_path(cfg.model_name)
+    source = resolve_model_path(mc.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
     placement = {} if quantized is None else {"quantization_config": quantized, "device_map": {"": str(device)}}
     if config is not None:
@@ -140,7 +140,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, attention: str, quantized=N
     return model
 
 
-def attach_lora(model, cfg: PeftSettings, kept_off: tuple[list[str], str] = ([], "")):
+def attach_lora(model, peft: PeftSettings, kept_off: tuple[list[str], str] = ([], "")):
     """Wrap ``model`` with a LoRA adapter: a new one, or the one in ``--from_peft_checkpoint``. ``kept_off``: the
     modules LoRA may not go in and the parts it may, said (an image-and-text model's, ``lora_kept_off``)."""
     if bitsandbytes_installed():  # peft imports it: first here, without its warning about a hub kernel
@@ -151,37 +151,37 @@ def attach_lora(model, cfg: PeftSettings, kept_off: tuple[list[str], str] = ([],
         # peft still calls transformers' deprecated `is_gradient_checkpointing`; the warning is
         # about peft's code, not the user's, and is fixed by upgrading peft.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if cfg.from_peft_checkpoint:
-            path = Path(cfg.from_peft_checkpoint)
+        if peft.from_peft_checkpoint:
+            path = Path(peft.from_peft_checkpoint)
             if not (path / "adapter_config.json").is_file():
                 raise ModelLoadError(f"--from_peft_checkpoint {path}: no adapter_config.json there")
             return PeftModel.from_pretrained(model, str(path), is_trainable=True)
-        return _new_lora(model, cfg, kept_off)
+        return _new_lora(model, peft, kept_off)
 
 
-def _new_lora(model, cfg: PeftSettings, kept_off: tuple[list[str], str]):
+def _new_lora(model, peft: PeftSettings, kept_off: tuple[list[str], str]):
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_targets(model, cfg)
+    targets = lora_targets(model, peft)
     modules = ALL_LINEAR if targets.modules == (ALL_LINEAR,) else list(targets.modules)
     off, model._leantune_lora_parts = kept_off  # the log's line reads where LoRA may go
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=modules,
+    lora = LoraConfig(r=peft.lora_r, lora_alpha=peft.lora_alpha, lora_dropout=peft.lora_dropout, target_modules=modules,
                       target_parameters=list(targets.parameters) or None, bias="none", task_type="CAUSAL_LM",
                       exclude_modules=rf"^({'|'.join(map(re.escape, off))})(\..*)?$" if off else None)
     return get_peft_model(model, lora)
 
 
-def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
+def lora_targets(model: torch.nn.Module, peft: PeftSettings) -> LoraTargets:
     """What ``--lora_target_modules`` wraps in ``model`` (also one on the meta device), checked: every name is one
     of its linear layers or (a mixture of experts) its fused expert tensors; ``ModelLoadError`` naming them if not."""
-    all_linear = cfg.lora_target_modules == [ALL_LINEAR]
+    all_linear = peft.lora_target_modules == [ALL_LINEAR]
     linear = linear_layer_names(model)
     experts, found_routers = expert_tensor_targets(model), router_targets(model)
     routers = set(found_routers[0]) | {p.split(".")[0] for p in found_routers[1]}
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | set(experts)
     if experts:  # a mixture of experts: its experts module itself (or an MLP block) is no target
         names = set(linear) | set(experts) | routers
-    missing = [] if all_linear else [m for m in cfg.lora_target_modules if m not in names]
+    missing = [] if all_linear else [m for m in peft.lora_target_modules if m not in names]
     if missing:
         choices = ' '.join([*(n for n in linear if n not in routers), *experts])
         where = "is no linear layer or expert tensor of" if experts else "not found in"
@@ -189,21 +189,21 @@ def lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> LoraTargets:
                              f"linear layers{' and expert tensors' if experts else ''} are {choices}. Name some of "
                              f"them, e.g. --lora_target_modules {' '.join(linear[:2])}, or --lora_target_modules "
                              f"{ALL_LINEAR}")
-    named_routers = [m for m in cfg.lora_target_modules if m in routers]
+    named_routers = [m for m in peft.lora_target_modules if m in routers]
     if named_routers:
         raise ModelLoadError(f"--lora_target_modules: {' '.join(named_routers)} is the router of "
                              f"{type(model).__name__}'s experts; LoRA on the routers comes with --lora_router")
-    if cfg.lora_router and not routers:
+    if peft.lora_router and not routers:
         raise ModelLoadError(f"--lora_router: {type(model).__name__} has no router (not a mixture of experts); "
                              "drop the flag")
-    if cfg.lora_router and any(type(m).__name__ == "Llama4Router" for m in model.modules()):
+    if peft.lora_router and any(type(m).__name__ == "Llama4Router" for m in model.modules()):
         raise ModelLoadError(f"--lora_router: {type(model).__name__}'s router returns its scores with its logits, "
                              "which peft's LoRA on a linear layer cannot wrap; drop the flag (its routers stay frozen)")
-    targets = moe_lora_targets(cfg.lora_target_modules, linear, experts, found_routers, all_linear, cfg.lora_router)
+    targets = moe_lora_targets(peft.lora_target_modules, linear, experts, found_routers, all_linear, peft.lora_router)
     if targets is None:
-        return LoraTargets((ALL_LINEAR,) if all_linear else tuple(cfg.lora_target_modules))
-    if targets.parameters and cfg.lora_dropout:
-        raise ModelLoadError(f"--lora_dropout {cfg.lora_dropout:g} with LoRA on {', '.join(targets.parameters)}: "
+        return LoraTargets((ALL_LINEAR,) if all_linear else tuple(peft.lora_target_modules))
+    if targets.parameters and peft.lora_dropout:
+        raise ModelLoadError(f"--lora_dropout {peft.lora_dropout:g} with LoRA on {', '.join(targets.parameters)}: "
                              "peft's LoRA on a fused expert tensor adds B·A to the weight, so it has no input of its "
                              "own to drop; pass --lora_dropout 0, or target the linear layers alone")
     return targets
@@ -233,9 +233,9 @@ def describe_lora(model: torch.nn.Module) -> Optional[str]:
     return line
 
 
-def check_lora_targets(model: torch.nn.Module, cfg: PeftSettings) -> None:
+def check_lora_targets(model: torch.nn.Module, peft: PeftSettings) -> None:
     """Every ``--lora_target_modules`` name is a module or expert tensor of ``model`` (``lora_targets``)."""
-    lora_targets(model, cfg)
+    lora_targets(model, peft)
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:

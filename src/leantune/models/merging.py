@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.models.structure import model_class
+from leantune.model_structure import model_class
 from leantune.models.safetensors_stream import (SAFETENSORS_DTYPES, read_header, read_tensor, tensor_entries,
                                                write_streamed)
 

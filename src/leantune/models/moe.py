@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import PretrainedConfig
 
-from leantune.models.structure import text_config
+from leantune.model_structure import text_config
 
 # The config fields that count a layer's experts and each token's share of them, across families.
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")

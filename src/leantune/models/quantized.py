@@ -17,7 +17,7 @@ import torch
 
 from leantune.config import ConfigError, QuantizationConfig
 from leantune.memory.tracker import carried_tensors
-from leantune.models.structure import (cross_attention_layers, decoder_of, is_image_text, model_class,
+from leantune.model_structure import (cross_attention_layers, decoder_of, is_image_text, model_class,
                                        outside_the_language_model)
 from leantune.optional import import_bitsandbytes, installed
 from leantune.precision import Precision

@@ -33,7 +33,7 @@ import torch
 from leantune.checkpointing.selective import recompute_everything
 from leantune.loss import sampled_pieces
 from leantune.models.moe import is_router
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 
 _TOKENS = "_leantune_tile_tokens"  # set on a tiled module: its tile size
 

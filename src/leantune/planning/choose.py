@@ -16,7 +16,8 @@ from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
 from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig, TrainingConfig
 from leantune.distributed.context import RanksDiverged
-from leantune.planning.fake_step import StepTraces, run_config_for_mode
+from leantune.planning.context import PlanContext
+from leantune.planning.fake_step import run_config_for_mode
 from leantune.planning.optimizer_choice import choose_optimizer, needs_optimizer_choice
 from leantune.planning.plan import (OFFLOAD, ModePlan, batch_candidates, budget_bytes, choose_mode, find_layer_mix,
                                     flops_per_token, format_bytes, format_flops, largest_batch, modes_to_plan,
@@ -40,7 +41,12 @@ def needs_plan(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig
     return ac.activation_checkpointing_mode == AUTO or memory.auto_batch_size or needs_optimizer_choice(tc)
 
 
-def _budget(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig, device: torch.device) -> int:
+def run_budget(cfg: RunConfig, device: torch.device) -> Optional[int]:
+    """The bytes the run's choices must fit on ``device``, read now (later, the loaded weights would be missing
+    from its free memory); None when the run chooses nothing. A choice on the CPU needs --memory_budget_gb."""
+    ac, memory, tc = cfg.checkpointing, cfg.memory, cfg.training
+    if not needs_plan(ac, memory, tc):
+        return None
     budget = budget_bytes(memory, device)
     if budget is None:
         wants = ("--optimizer auto" if needs_optimizer_choice(tc) else "--activation_checkpointing_mode auto"
@@ -50,9 +56,10 @@ def _budget(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig, d
     return budget
 
 
-def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, log,
-                     traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
+def choose_auto_mode(planner: PlanContext, cfg: RunConfig) -> tuple[RunConfig, ModePlan]:
     """The mode, or per-layer mix, with the least recompute that fits at the configured batch."""
+    config, device, budget, log, traces = (planner.model_config, planner.target, planner.budget, planner.log,
+                                           planner.traces)
     modes = modes_to_plan(cfg.checkpointing, device, compiled=cfg.training.compile)
     plans = plan_modes(cfg, config, device, modes, budget, traces)
     table = format_table(plans, budget)
@@ -82,9 +89,9 @@ def choose_auto_mode(cfg: RunConfig, config, device: torch.device, budget: int, 
     return run_config_for_mode(cfg, chosen.mode, layers), chosen
 
 
-def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: str, budget: int,
-                           traces: Optional[StepTraces] = None):
-    batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
+def _largest_batch_or_fail(planner: PlanContext, cfg: RunConfig, mode: str):
+    budget = planner.budget
+    batch, plan = largest_batch(cfg, planner.model_config, planner.target, mode, budget, planner.traces)
     if batch == 0:
         smallest = batch_candidates(cfg.memory)[0]
         raise ConfigError(f"--auto_batch_size: not even batch {smallest} x {cfg.data.context_length} "
@@ -97,8 +104,7 @@ def _largest_batch_or_fail(cfg: RunConfig, config, device: torch.device, mode: s
 COST_TIE = 0.02
 
 
-def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
-                          traces: Optional[StepTraces] = None, found: Optional[dict] = None
+def choose_mode_and_batch(planner: PlanContext, cfg: RunConfig, found: Optional[dict] = None
                           ) -> tuple[RunConfig, ModePlan]:
     """Both automatic: the least recompute that fits one row, at that mode's largest fitting batch.
 
@@ -109,7 +115,8 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
     the fastest (``planning.measured_choice``), since tokens/s may grow with the batch.
     ``offload`` is left out: its plan is derived, not traced, so a batch search would rest on it.
     """
-    found = found or mode_batch_candidates(cfg, config, device, budget, traces)
+    found = found or mode_batch_candidates(planner, cfg)
+    budget, log = planner.budget, planner.log
     cheapest = min(flops_per_token(plan) for _, plan in found.values())
     extra = {m: flops_per_token(p) / cheapest - 1 if 0 < cheapest < float("inf") else 0.0
              for m, (_, p) in found.items()}
@@ -123,13 +130,12 @@ def choose_mode_and_batch(cfg: RunConfig, config, device: torch.device, budget: 
     return with_batch(run_config_for_mode(cfg, best), batch), plan
 
 
-def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: int,
-                          traces: Optional[StepTraces] = None) -> dict[str, tuple[int, ModePlan]]:
-    """Each mode's largest batch that fits ``budget`` (modes with none left out), with its plan."""
-    found = {}
-    for mode in modes_to_plan(cfg.checkpointing, device, compiled=cfg.training.compile):
+def mode_batch_candidates(planner: PlanContext, cfg: RunConfig) -> dict[str, tuple[int, ModePlan]]:
+    """Each mode's largest batch that fits the budget (modes with none left out), with its plan."""
+    found, budget = {}, planner.budget
+    for mode in modes_to_plan(cfg.checkpointing, planner.target, compiled=cfg.training.compile):
         if mode != OFFLOAD:
-            batch, plan = largest_batch(cfg, config, device, mode, budget, traces)
+            batch, plan = largest_batch(cfg, planner.model_config, planner.target, mode, budget, planner.traces)
             if batch:
                 found[mode] = (batch, plan)
     if not found:
@@ -139,49 +145,53 @@ def mode_batch_candidates(cfg: RunConfig, config, device: torch.device, budget: 
     return found
 
 
-def choose_batch(cfg: RunConfig, config, device: torch.device, budget: int, log,
-                 traces: Optional[StepTraces] = None) -> tuple[RunConfig, ModePlan]:
-    batch, plan = _largest_batch_or_fail(cfg, config, device, run_mode(cfg.checkpointing), budget, traces)
+def choose_batch(planner: PlanContext, cfg: RunConfig) -> tuple[RunConfig, ModePlan]:
+    batch, plan = _largest_batch_or_fail(planner, cfg, run_mode(cfg.checkpointing))
     return with_batch(cfg, batch), plan
 
 
-def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
-                      traces: Optional[StepTraces] = None) -> MemoryPlan:
+def apply_memory_plan(planner: PlanContext, cfg: RunConfig) -> MemoryPlan:
     """Resolve ``--optimizer auto``, ``auto`` mode and ``--auto_batch_size`` into concrete flags, before any
-    weight is loaded.
-
-    ``config``: the model's (``ModelFacts.config``). The budget is read once, here: later, the
-    loaded weights would be missing from the device's free memory.
-    """
-    sections = (cfg.checkpointing, cfg.memory, cfg.training)
-    if not needs_plan(*sections):
+    weight is loaded, within ``planner.budget`` (``run_budget``'s, read before anything loaded)."""
+    if not needs_plan(cfg.checkpointing, cfg.memory, cfg.training):
         return MemoryPlan(cfg)
-    budget = _budget(*sections, device)
-    if traces is not None:  # each rank read its own device: the least of them, so that every rank chooses alike
-        budget = traces.least(budget, device)
+    config, device, budget, log, traces = (planner.model_config, planner.target, planner.budget, planner.log,
+                                           planner.traces)
     if cfg.training.compile:
         log(COMPILE_NOTE)
     if needs_optimizer_choice(cfg.training):  # first: the mode and the batch are chosen for the optimizer it picks
-        cfg = choose_optimizer(cfg, config, device, budget, log, traces)
+        return _planned(planner, choose_optimizer(cfg, config, device, budget, log, traces))
+    return _planned(planner, cfg)
+
+
+def _planned(planner: PlanContext, cfg: RunConfig) -> MemoryPlan:
+    """``cfg``'s optimizer chosen: its mode and batch, as auto and --auto_batch_size ask, or its plan."""
+    config, device, budget, log, traces = (planner.model_config, planner.target, planner.budget, planner.log,
+                                           planner.traces)
     auto_mode = cfg.checkpointing.activation_checkpointing_mode == AUTO
     if not (auto_mode or cfg.memory.auto_batch_size):
         mode = run_mode(cfg.checkpointing)
         return MemoryPlan(cfg, plan_modes(cfg, config, device, [mode], budget, traces)[0], budget)
     candidates = {}
     if auto_mode and cfg.memory.auto_batch_size:
-        candidates = mode_batch_candidates(cfg, config, device, budget, traces)
-        cfg, plan = choose_mode_and_batch(cfg, config, device, budget, log, traces, candidates)
-        if cfg.distributed.enable_fsdp and len(candidates) >= 2:
+        candidates = mode_batch_candidates(planner, cfg)
+        chosen, plan = choose_mode_and_batch(planner, cfg, candidates)
+        if chosen.distributed.enable_fsdp and len(candidates) >= 2:
             # timing runs real steps on the model before fully_shard, which would hold it whole on the device
-            log(f"activation checkpointing: auto chose {run_mode(cfg.checkpointing)} at batch "
-                f"{cfg.training.batch_size_training} per rank by the plan (the least recompute per token; under "
+            log(f"activation checkpointing: auto chose {run_mode(chosen.checkpointing)} at batch "
+                f"{chosen.training.batch_size_training} per rank by the plan (the least recompute per token; under "
                 "FSDP the candidates are not timed)")
             candidates = {}
     elif auto_mode:
-        cfg, plan = choose_auto_mode(cfg, config, device, budget, log, traces)
+        chosen, plan = choose_auto_mode(planner, cfg)
     else:
-        cfg, plan = choose_batch(cfg, config, device, budget, log, traces)
-    if len(candidates) >= 2:  # the choice is made once the weights load, by timing them (one line then)
+        chosen, plan = choose_batch(planner, cfg)
+    _log_choice(chosen, plan, budget, len(candidates) >= 2, log)
+    return MemoryPlan(chosen, plan, budget, candidates)
+
+
+def _log_choice(cfg: RunConfig, plan: ModePlan, budget: int, timed_next: bool, log) -> None:
+    if timed_next:  # the choice is made once the weights load, by timing them (one line then)
         log(f"auto: the plan's first choice is {run_mode(cfg.checkpointing)} at batch "
             f"{cfg.training.batch_size_training} (the "
             "least recompute per token); each candidate is timed in real steps once the weights load")
@@ -189,45 +199,43 @@ def apply_memory_plan(cfg: RunConfig, config, device: torch.device, log=print,
         log(f"batch size: auto chose {cfg.training.batch_size_training} x {cfg.data.context_length} (predicted peak "
             f"{format_bytes(plan.peak_bytes)} of {format_bytes(budget)}, checkpointing {run_mode(cfg.checkpointing)}), "
             f"{cfg.training.gradient_accumulation_steps} batches per optimizer step")
-    return MemoryPlan(cfg, plan, budget, candidates)
 
 
-def plan_for_run(cfg: RunConfig, config, device: torch.device, log=print,
-                 traces: Optional[StepTraces] = None) -> Optional[ModePlan]:
+def plan_for_run(planner: PlanContext, cfg: RunConfig) -> Optional[ModePlan]:
     """The plan of the run as configured, to compare with its measured peak; best effort.
 
     Only where an allocator measures the peak (a GPU): on the CPU there is nothing to compare with.
     A model the planner cannot trace costs the run nothing but a line saying so.
     """
-    if device.type != "cuda":
+    if planner.target.type != "cuda":
         return None
     try:
-        return plan_modes(cfg, config, device, [run_mode(cfg.checkpointing)], traces=traces)[0]
+        return plan_modes(cfg, planner.model_config, planner.target, [run_mode(cfg.checkpointing)],
+                          traces=planner.traces)[0]
     except RanksDiverged:
         raise
     except Exception as err:  # planning is an aid here; it must never stop a run that would work
-        log(f"plan: no prediction for this run ({type(err).__name__}: {str(err).splitlines()[0]})")
+        planner.log(f"plan: no prediction for this run ({type(err).__name__}: {str(err).splitlines()[0]})")
         return None
 
 
-def predicted_peak(memory: MemoryPlan, config, device: torch.device, log=print,
-                   traces: Optional[StepTraces] = None) -> Optional[tuple[int, int]]:
+def predicted_peak(planner: PlanContext, run_plan: MemoryPlan) -> Optional[tuple[int, int]]:
     """What the allocator should count at the step's peak, and what it should reserve, from the plan;
     only on a GPU, which can measure both.
 
     Under FSDP, one rank's (the run's ``traces`` make every plan a rank's share), which is what each
     rank measures.
     """
-    if device.type != "cuda":
+    if planner.target.type != "cuda":
         return None
-    plan = memory.plan
-    if plan is None and memory.cfg.memory.enable_memory_monitoring:
-        plan = plan_for_run(memory.cfg, config, device, log, traces)
+    plan = run_plan.plan
+    if plan is None and run_plan.cfg.memory.enable_memory_monitoring:
+        plan = plan_for_run(planner, run_plan.cfg)
     if plan is None:
         return None
     predicted = plan.traced_peak_bytes + plan.cublas_workspace_bytes
     reserved = predicted + plan.fragmentation_bytes  # the workspace is the allocator's too; context and NCCL are not
     image = f"; with {plan.images}" if plan.images else ""  # an image-and-text model's rows
-    log(f"plan: predicted peak {format_bytes(predicted)} allocated per step, {format_bytes(reserved)} reserved "
+    planner.log(f"plan: predicted peak {format_bytes(predicted)} allocated per step, {format_bytes(reserved)} reserved "
         f"({format_bytes(plan.peak_bytes)} with the context{image}), compared with step 2's measured peaks")
     return predicted, reserved

@@ -18,9 +18,10 @@ from leantune.config import ConfigError, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.image_inputs import planned_image, with_planned_images
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.optimizers import AUTO, optimizer_entry
 from leantune.planning.choose import MemoryPlan
+from leantune.planning.context import PlanContext
 from leantune.planning.fake_step import StepTraces
 from leantune.planning.plan import batch_candidates, format_bytes, plan_modes, run_mode, with_batch
 from leantune.precision import Precision
@@ -73,7 +74,7 @@ def _drop_gradient(param: torch.nn.Parameter) -> None:
     param.grad = None
 
 
-def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
+def confirm_batch(run_plan: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
                   log=print, traces: Optional[StepTraces] = None) -> MemoryPlan:
     """Run one real step at the chosen batch; if it does not fit, back off once (to 3/4) and say why.
 
@@ -82,7 +83,7 @@ def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Ca
     comes from the plan: its state on top of the measured step, or the optimizer step's own peak
     (the state plus AdamW's temporaries) when that is higher.
     """
-    cfg, plan, budget = memory.cfg, memory.plan, memory.budget
+    cfg, plan, budget = run_plan.cfg, run_plan.plan, run_plan.budget
     batch = cfg.training.batch_size_training
     try:
         needed = max(run_step(batch) + plan.optimizer_state_bytes, plan.optimizer_step_peak_bytes)
@@ -92,7 +93,7 @@ def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Ca
     if problem is None:
         log(f"batch size: confirmed {batch} with one real step ({format_bytes(needed)} with the optimizer's needs; "
             f"predicted {format_bytes(plan.peak_bytes)})")
-        return memory
+        return run_plan
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the failed step's blocks, now free, back to the device
     candidates = [b for b in batch_candidates(cfg.memory) if b <= max(1, batch * 3 // 4)]
@@ -106,16 +107,18 @@ def confirm_batch(memory: MemoryPlan, config, device: torch.device, run_step: Ca
     return MemoryPlan(smaller, plan, budget)
 
 
-def confirm_the_batch(memory: MemoryPlan, model: torch.nn.Module, config, precision: Precision, log=print,
-                      traces: Optional[StepTraces] = None) -> MemoryPlan:
+def confirm_the_batch(planner: PlanContext, run_plan: MemoryPlan, model: torch.nn.Module,
+                      precision: Precision) -> MemoryPlan:
     """With ``--auto_batch_size``: one real step at the chosen batch (backed off once if it does not fit).
 
     Not under FSDP: the model is sharded after this, and a step now would hold it whole on the device.
     """
-    if not memory.cfg.memory.auto_batch_size:
-        return memory
-    if memory.cfg.distributed.enable_fsdp:
-        log(f"batch size: {memory.cfg.training.batch_size_training} per rank, from the per-rank plan (under FSDP no "
-            "real step confirms it before sharding; the step-2 memory check compares each rank's peak on a GPU)")
-        return memory
-    return confirm_batch(memory, config, precision.device, confirm_step(model, memory.cfg, precision), log, traces)
+    if not run_plan.cfg.memory.auto_batch_size:
+        return run_plan
+    if run_plan.cfg.distributed.enable_fsdp:
+        planner.log(f"batch size: {run_plan.cfg.training.batch_size_training} per rank, from the per-rank plan (under "
+                    "FSDP no real step confirms it before sharding; the step-2 memory check compares each rank's peak "
+                    "on a GPU)")
+        return run_plan
+    return confirm_batch(run_plan, planner.model_config, precision.device, confirm_step(model, run_plan.cfg, precision),
+                         planner.log, planner.traces)

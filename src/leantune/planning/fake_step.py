@@ -40,7 +40,7 @@ from leantune.memory.tracker import ON_HOST
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.image_inputs import PlannedImage, planned_image, with_planned_images
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
-from leantune.models.structure import decoder_layers, decoder_of, unwrap_model
+from leantune.model_structure import decoder_layers, decoder_of, unwrap_model
 from leantune.optimizers import pinned_size
 from leantune.planning.flop_tracker import FlopCountingTracker
 from leantune.precision import Precision, choose_precision
@@ -98,7 +98,7 @@ def assumes_bf16(target: torch.device) -> bool:
 def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
     """The precision a run would use on ``target``: this machine's GPU is asked whether it has bf16;
     a GPU planned from a machine without one is taken to have it (Ampere or later)."""
-    return choose_precision(cfg, target, bf16_supported=True if assumes_bf16(target) else None)
+    return choose_precision(cfg.model, cfg.training, cfg.peft, target, bf16_supported=True if assumes_bf16(target) else None)
 
 
 def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:

@@ -33,12 +33,13 @@ def count_token_flops(cfg: RunConfig, config, device: torch.device,
     mode): only the recompute may differ between them.
     """
     target = torch.device(device.type)
+    traceable = cfg
     if cfg.quant.quantization == "8bit":  # not traceable (data-dependent); its matmuls have the unquantized shapes
-        cfg = dataclasses.replace(cfg, quant=QuantizationConfig())
-    without = traced(traces, cfg, config, target, NONE)
+        traceable = dataclasses.replace(cfg, quant=QuantizationConfig())
+    without = traced(traces, traceable, config, target, NONE)
     model = without.flops / without.tokens
     mode = flops_mode(run_mode(cfg.checkpointing))  # offloading moves bytes, not FLOPs
     if mode == NONE:
         return TokenFlops(model=model, hardware=model)
-    recomputed = traced(traces, cfg, config, target, mode)
+    recomputed = traced(traces, traceable, config, target, mode)
     return TokenFlops(model=model, hardware=recomputed.flops / recomputed.tokens)

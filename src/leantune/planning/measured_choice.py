@@ -36,20 +36,20 @@ TIMED_STEPS = 2  # per candidate, the fastest kept: one step alone is at the mer
 MARGIN = 0.05
 
 
-def keep_saved_choice(memory: MemoryPlan, saved: Optional[dict], log=print) -> MemoryPlan:
+def keep_saved_choice(run_plan: MemoryPlan, saved: Optional[dict], log=print) -> MemoryPlan:
     """Resuming: the candidate the saved run trained with (its batch, and its mode when that fits too),
     not timed again: a new timing could pick another batch, which the saved run cannot continue with."""
-    if saved is None or not memory.candidates:
-        return memory
+    if saved is None or not run_plan.candidates:
+        return run_plan
     log("auto: resuming, so the candidates are not timed: the saved run's choice is kept where it still fits")
     was = saved.get("config", {})
-    matching = [(mode, batch, plan) for mode, (batch, plan) in memory.candidates.items()
+    matching = [(mode, batch, plan) for mode, (batch, plan) in run_plan.candidates.items()
                 if batch == was.get("batch_size_training")]
     if not matching:
-        return MemoryPlan(memory.cfg, memory.plan, memory.budget)  # the resume check names the batch
+        return MemoryPlan(run_plan.cfg, run_plan.plan, run_plan.budget)  # the resume check names the batch
     mode, batch, plan = next((m for m in matching if m[0] == (was.get("activation_checkpointing_mode") or "none")),
                              matching[0])
-    return MemoryPlan(with_batch(run_config_for_mode(memory.cfg, mode), batch), plan, memory.budget)
+    return MemoryPlan(with_batch(run_config_for_mode(run_plan.cfg, mode), batch), plan, run_plan.budget)
 
 
 def use_checkpointing_of(model: torch.nn.Module, ac: CheckpointingConfig, precision: Precision) -> None:
@@ -60,20 +60,20 @@ def use_checkpointing_of(model: torch.nn.Module, ac: CheckpointingConfig, precis
         apply_activation_checkpointing(model, policy, precision.device)
 
 
-def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Precision, log=print,
+def choose_by_timing(run_plan: MemoryPlan, model: torch.nn.Module, precision: Precision, log=print,
                      step_for: Callable = confirm_step, clock: Callable[[], float] = time.perf_counter) -> MemoryPlan:
-    """``memory`` with the candidate that ran fastest (the faster of ``TIMED_STEPS`` real steps each, the
-    plan's first choice kept within ``MARGIN``); ``memory`` itself when there is no choice to make
+    """``run_plan`` with the candidate that ran fastest (the faster of ``TIMED_STEPS`` real steps each, the
+    plan's first choice kept within ``MARGIN``); ``run_plan`` itself when there is no choice to make
     (fewer than two candidates).
 
     ``step_for(model, cfg, precision, measured=False)`` gives the candidate's step (a function of
     the batch size); ``clock`` reads seconds. A candidate that runs out of memory is left out.
     """
-    if len(memory.candidates) < 2:
-        return memory
-    cfg, device = memory.cfg, precision.device
-    configs = {mode: with_batch(run_config_for_mode(cfg, mode), batch) for mode, (batch, _) in memory.candidates.items()}
-    smallest = min(batch for batch, _ in memory.candidates.values())
+    if len(run_plan.candidates) < 2:
+        return run_plan
+    cfg, device = run_plan.cfg, precision.device
+    configs = {mode: with_batch(run_config_for_mode(cfg, mode), batch) for mode, (batch, _) in run_plan.candidates.items()}
+    smallest = min(batch for batch, _ in run_plan.candidates.values())
     tokens_per_s: dict[str, Optional[float]] = {}
     for index, (mode, candidate) in enumerate(configs.items()):
         use_checkpointing_of(model, candidate.checkpointing, precision)
@@ -87,12 +87,12 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
         use_checkpointing_of(model, cfg.checkpointing, precision)
         log(f"auto: no candidate's step fitted to be timed; the plan's first choice stands, "
             f"{inspect_checkpointing(model).summary_line()}")
-        return MemoryPlan(cfg, memory.plan, memory.budget)
+        return MemoryPlan(cfg, run_plan.plan, run_plan.budget)
     first = cfg.checkpointing.mode or "none"
     best = max(fitted, key=fitted.get)
     if first in fitted and fitted[best] <= fitted[first] * (1 + MARGIN):
         best = first
-    batch, plan = memory.candidates[best]
+    batch, plan = run_plan.candidates[best]
     use_checkpointing_of(model, configs[best].checkpointing, precision)
     log(f"auto: each mode timed at its largest fitting batch (the faster of {TIMED_STEPS} real steps): " + ", ".join(
         f"{mode} {configs[mode].training.batch_size_training} "
@@ -102,7 +102,7 @@ def choose_by_timing(memory: MemoryPlan, model: torch.nn.Module, precision: Prec
     log(f"activation checkpointing: auto chose {best}, batch {batch} x {cfg.data.context_length}, "
         f"{configs[best].training.gradient_accumulation_steps} batches per optimizer step ({why}); "
         f"{inspect_checkpointing(model).state()}")
-    return MemoryPlan(configs[best], plan, memory.budget, memory.candidates)
+    return MemoryPlan(configs[best], plan, run_plan.budget, run_plan.candidates)
 
 
 def _time(step: Callable[[int], int], batch: int, context: int, device: torch.device, clock,

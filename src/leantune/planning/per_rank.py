@@ -36,7 +36,7 @@ from leantune.models.facts import meta_model
 from leantune.models.image_text import lora_kept_off
 from leantune.models.loading import attach_lora
 from leantune.models.quantized import quantize_linear_layers, run_bnb_config
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 from leantune.optimizers import pinned_size
 from leantune.planning.fake_step import StepTraces, fake_placer, target_precision
 from leantune.planning.plan import FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes

@@ -26,12 +26,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from leantune.config import RunConfig
+from leantune.config import OutputConfig, TrainingConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import reshard
 from leantune.labels import count_targets
 from leantune.memory.monitor import MemoryLog
-from leantune.memory.oom import is_out_of_memory, oom_report
+from leantune.memory.oom import is_out_of_memory
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.compiling import compile_line
 from leantune.precision import Precision
@@ -41,7 +41,7 @@ from leantune.training import lines
 from leantune.training.outputs import MemorySnapshot, RunOutputs, summarise
 from leantune.training.state import Progress, StateParts, TrainingStateStore, set_aside_newer, trainer_state
 from leantune.training.step import StepResult, TrainStep, host_floats, model_inputs, routed
-from leantune.training.stopping import NoStopRequest, OutOfMemory, TrainingInterrupted
+from leantune.training.stopping import NoStopRequest, OutOfMemoryInTraining, TrainingInterrupted
 
 # Memory fields copied from the monitor's record into each step's metrics.
 _MEMORY_FIELDS = ("cpu_rss_mib", "cpu_rss_peak_mib", "allocated_mib", "reserved_mib",
@@ -67,12 +67,17 @@ class TrainingParts:
     peak_tflops: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None  # the plan's, printed next to step 2's measured peak
     predicted_reserved_bytes: Optional[int] = None  # the plan's reservation (its allocator model), beside it
+    outputs: Optional[RunOutputs] = None  # what the run writes to --output_dir (None: nothing, the flags unknown)
+    snapshot: Optional[MemorySnapshot] = None  # --memory_snapshot's recorder (None: off)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, parts: TrainingParts, log: Callable[[str], None] = print,
-                 dist: DistContext = SINGLE_PROCESS, stop=NoStopRequest()):
-        self.cfg, self.parts, self.log, self.dist = cfg, parts, log, dist
+    """Runs the loop with its two sections: ``training`` (epochs, accumulation, limits, validation) and ``output``
+    (when to save); everything else arrives built, in ``parts``."""
+
+    def __init__(self, training: TrainingConfig, output: OutputConfig, parts: TrainingParts,
+                 log: Callable[[str], None] = print, dist: DistContext = SINGLE_PROCESS, stop=NoStopRequest()):
+        self.training, self.output, self.parts, self.log, self.dist = training, output, parts, log, dist
         self.model, self.monitor, self.step = parts.model, parts.monitor, parts.step
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
         self.device = parts.precision.device
@@ -82,8 +87,8 @@ class Trainer:
         self.progress = Progress()
         self.resumed_from: Optional[str] = None
         self._steps_at_start = 0  # steps already in the metrics when this process started (resumed)
-        self.outputs = RunOutputs(cfg, dist, log)
-        self.snapshot = MemorySnapshot(cfg.memory.memory_snapshot, self.device, cfg.output.output_dir, dist, log)
+        self.outputs = parts.outputs or RunOutputs(output, {}, dist, log)
+        self.snapshot = parts.snapshot or MemorySnapshot(False, self.device, output.output_dir, dist, log)
         self.activity = "before the first step"  # what an out-of-memory report says was running
 
     @property
@@ -95,21 +100,21 @@ class Trainer:
         """Every epoch from where ``progress`` stands (the start, or a resumed training state)."""
         self.stop.start_deferring()  # from here a signal waits for the end of the step
         self.snapshot.start(len(self.steps))
-        report = None
+        out_of_memory = None
         try:
             self._train_epochs()
         except Exception as err:
             if not is_out_of_memory(err):
                 raise
-            report = self._oom_report(err)
-        if report is not None:  # raised outside the handler, so the failed step's tensors are freed first
-            raise OutOfMemory(report)
-        if self.cfg.output.save_steps and len(self.steps) > self._steps_at_start:
+            out_of_memory = self._out_of_memory(err)
+        if out_of_memory is not None:  # raised outside the handler, so the failed step's tensors are freed first
+            raise out_of_memory
+        if self.output.save_steps and len(self.steps) > self._steps_at_start:
             self.save_training_state()  # the end state: a later run may resume it with more epochs
         return self.results()
 
     def _train_epochs(self) -> None:
-        tc, progress = self.cfg.training, self.progress
+        tc, progress = self.training, self.progress
         while progress.epoch < tc.num_epochs:
             if progress.batches_in_epoch == 0 and self._batch_budget() == 0:
                 break
@@ -132,7 +137,7 @@ class Trainer:
         # a new, seeded shuffle each epoch, resumed after the batches already trained on
         sampler.set_epoch(epoch, skip=progress.batches_in_epoch)
         total = self._steps_this_epoch()
-        bar = tqdm(total=total, initial=progress.epoch_steps, desc=f"epoch {epoch + 1}/{self.cfg.training.num_epochs}",
+        bar = tqdm(total=total, initial=progress.epoch_steps, desc=f"epoch {epoch + 1}/{self.training.num_epochs}",
                    dynamic_ncols=True, disable=not (sys.stderr.isatty() and self.dist.is_main), mininterval=0.5)
         write = self.log if bar.disable else bar.write  # bar.write keeps a live bar intact
         last = time.perf_counter()
@@ -168,7 +173,7 @@ class Trainer:
         self.model.eval()
         loss_total, targets = torch.zeros((), device=self.device), 0
         router_total = torch.zeros((), device=self.device)  # a mixture of experts' router term, within loss_total
-        limit = self.cfg.training.max_eval_step
+        limit = self.training.max_eval_step
         try:
             for index, batch in enumerate(self.val_loader):
                 if limit and index >= limit:
@@ -200,7 +205,7 @@ class Trainer:
                 break
             window.append(batch)
             taken += 1
-            if len(window) == self.cfg.training.gradient_accumulation_steps:
+            if len(window) == self.training.gradient_accumulation_steps:
                 yield window
                 window = []
         if window:
@@ -220,7 +225,7 @@ class Trainer:
 
     def _after_step(self) -> None:
         """Save the training state every ``--save_steps``; on SIGTERM/SIGINT save it and stop."""
-        step, every = len(self.steps), self.cfg.output.save_steps
+        step, every = len(self.steps), self.output.save_steps
         self.snapshot.after_step(step)
         stopping = self.step.stop_agreed if self.dist.distributed else self.stop.requested
         # the run's last step: the end-of-run save follows at once, and would write the same step again
@@ -255,15 +260,15 @@ class Trainer:
 
     def _run_ends_now(self) -> bool:
         """No step and no validation follow: the end-of-run save comes next."""
-        if self.cfg.training.run_validation and self.val_loader is not None:
+        if self.training.run_validation and self.val_loader is not None:
             return False  # a failure in the last validation must not cost the last step
         if self._batch_budget() == 0:
             return True
         progress = self.progress
-        return progress.epoch == self.cfg.training.num_epochs - 1 and progress.batches_in_epoch >= len(self.train_loader)
+        return progress.epoch == self.training.num_epochs - 1 and progress.batches_in_epoch >= len(self.train_loader)
 
     def _batch_budget(self) -> Optional[int]:
-        limit = self.cfg.training.max_train_step
+        limit = self.training.max_train_step
         return None if limit == 0 else max(0, limit - self.progress.batches_seen)
 
     def _steps_this_epoch(self) -> int:
@@ -272,7 +277,7 @@ class Trainer:
         budget = self._batch_budget()
         if budget is not None:
             batches = min(batches, budget)
-        return self.progress.epoch_steps + math.ceil(max(batches, 0) / self.cfg.training.gradient_accumulation_steps)
+        return self.progress.epoch_steps + math.ceil(max(batches, 0) / self.training.gradient_accumulation_steps)
 
     def _record_step(self, epoch: int, result: StepResult, wall_s: float) -> dict:
         step = len(self.steps) + 1
@@ -294,7 +299,7 @@ class Trainer:
         record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)
-        if step == self._steps_at_start + 1 and self.cfg.training.compile:  # this process's first step compiled
+        if step == self._steps_at_start + 1 and self.training.compile:  # this process's first step compiled
             self.log(compile_line(step, result.step_time_s))
         if step == 2 and parts.predicted_peak_bytes and record.get("peak_allocated_mib"):
             self.log(lines.plan_check_line(record, parts.predicted_peak_bytes, parts.predicted_reserved_bytes))
@@ -308,7 +313,7 @@ class Trainer:
                          warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
 
     def state_parts(self) -> StateParts:
-        return StateParts(self.model, self.cfg.peft.use_peft, self.parts.tokenizer, self.optimizer,
+        return StateParts(self.model, self.outputs.flags.get("use_peft", False), self.parts.tokenizer, self.optimizer,
                           self.parts.scheduler, self.step.scaler, self.step.loss_model, self.dist, self.device,
                           self.step.in_backward)
 
@@ -322,7 +327,7 @@ class Trainer:
         step = len(self.steps)
         self.activity = f"saving the training state of step {step}"
         path = self.parts.state_store.save(step, self.state_parts(),
-                                           trainer_state(step, self.progress, self.steps, self.epochs, self.cfg.flat()))
+                                           trainer_state(step, self.progress, self.steps, self.epochs, self.outputs.flags))
         self.log(f"saved the training state of step {step} to {path}")
         return path
 
@@ -337,13 +342,14 @@ class Trainer:
         self._steps_at_start = len(self.steps)
         self.resumed_from = str(path)
         if self.dist.is_main:
-            set_aside_newer(self.cfg.output.output_dir, state["global_step"], self.log)
+            set_aside_newer(self.output.output_dir, state["global_step"], self.log)
         self.log(f"resumed from {path}: step {state['global_step']}, epoch {self.progress.epoch + 1}, "
                  f"{self.progress.batches_in_epoch} batches into it")
 
-    def _oom_report(self, err: BaseException) -> str:
+    def _out_of_memory(self, err: BaseException) -> OutOfMemoryInTraining:
         last = self.monitor.rows[-1] if self.monitor.rows else None
-        return oom_report(err, self.cfg, self.device, self.activity, last, self.parts.predicted_peak_bytes)
+        return OutOfMemoryInTraining(str(err).strip() or type(err).__name__, self.activity, last,
+                                     self.parts.predicted_peak_bytes)
 
     def write_metrics(self) -> Optional[Path]:
         return self.outputs.write_metrics(self.results(), self.steps, self.epochs)

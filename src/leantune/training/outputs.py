@@ -14,13 +14,13 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.config import RunConfig
+from leantune.config import OutputConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json, staged_directory
 from leantune.memory.oom import dump_snapshot
 from leantune.models.merging import RUN_FACTS
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.report.plots import ReportError, RunData, write_report
 
 SNAPSHOT_STEPS = 3  # --memory_snapshot: the first steps, optimizer state's creation and a steady step included
@@ -65,22 +65,25 @@ class RunOutputs:
 
     try_line: Optional[str] = None  # how to try the saved model: the run's last line
 
-    def __init__(self, cfg: RunConfig, dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print):
-        self.cfg, self.dist, self.log = cfg, dist, log
-        self.output_dir = Path(cfg.output.output_dir)
+    def __init__(self, output: OutputConfig, flags: dict, dist: DistContext = SINGLE_PROCESS,
+                 log: Callable[[str], None] = print):
+        """``flags``: the run's, as planned (``RunConfig.flat()``): written with the metrics and the report, and
+        whether it trained an adapter, and on which base, written with the model."""
+        self.output, self.flags, self.dist, self.log = output, flags, dist, log
+        self.output_dir = Path(output.output_dir)
 
     def write_metrics(self, summary: dict, steps: list[dict], epochs: list[dict]) -> Optional[Path]:
-        if not self.cfg.output.save_metrics or not self.dist.is_main:
+        if not self.output.save_metrics or not self.dist.is_main:
             return None
         path = self.output_dir / "metrics.json"
-        atomic_write_json(path, {"config": self.cfg.flat(), "summary": summary, "train_steps": steps, "epochs": epochs})
+        atomic_write_json(path, {"config": self.flags, "summary": summary, "train_steps": steps, "epochs": epochs})
         return path
 
     def save_model(self, model: torch.nn.Module, tokenizer, loss_model: torch.nn.Module) -> Optional[Path]:
         """Save the adapter (LoRA) or the full model, plus the tokenizer, to ``output_dir``."""
-        if not self.cfg.output.save_model:
+        if not self.output.save_model:
             return None
-        is_peft = self.cfg.peft.use_peft
+        is_peft = self.flags["use_peft"]
         to_save = model if is_peft else unwrap_model(model)
         state_dict = None
         if self.dist.sharded:  # gathered from every rank's shards, written by rank 0 alone
@@ -92,8 +95,8 @@ class RunOutputs:
             tokenizer.save_pretrained(staging)
             if is_peft:  # what `leantune merge` checks the base against, and whether to say it was a 4-bit base
                 atomic_write_json(staging / RUN_FACTS, {
-                    "model_type": unwrap_model(model).config.model_type, "quantization": self.cfg.quant.quantization,
-                    "quant_type": self.cfg.quant.quant_type})
+                    "model_type": unwrap_model(model).config.model_type, "quantization": self.flags["quantization"],
+                    "quant_type": self.flags["quant_type"]})
         self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
         out = shlex.quote(str(self.output_dir))
         merge = f"; fold the adapter into its base: leantune merge {out} {out}-merged" if is_peft else ""
@@ -103,7 +106,7 @@ class RunOutputs:
 
     def write_report(self, steps: list[dict], epochs: list[dict], summary: dict, memory_rows: list[dict]) -> None:
         """report.png and report.md beside memory.jsonl (a run with memory monitoring); never fails the run."""
-        run = RunData(self.output_dir.name, steps, epochs, summary, self.cfg.flat(),
+        run = RunData(self.output_dir.name, steps, epochs, summary, self.flags,
                       [row for row in memory_rows if row.get("phase") == "train"])
         try:
             png, md = write_report([run], self.output_dir)
@@ -114,7 +117,7 @@ class RunOutputs:
             self.log(f"report: not drawn ({type(err).__name__}: {err})")
             return
         # the next step named only where it works: ``leantune report`` reads metrics.json
-        compare = ("leantune report DIR [DIR ...] compares runs" if self.cfg.output.save_metrics else
+        compare = ("leantune report DIR [DIR ...] compares runs" if self.output.save_metrics else
                    "add --save_metrics to compare runs with leantune report DIR [DIR ...]")
         self.log(f"report: {png} and {md} ({compare})")
 

@@ -21,7 +21,7 @@ import torch
 from leantune.config import ConfigError
 from leantune.distributed.fsdp import reshard
 from leantune.labels import IGNORE_INDEX
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.precision import Precision
 
 EXAMPLE_TOKENS = 12

@@ -32,7 +32,7 @@ from leantune.config import ConfigError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.optimizers import loading_into, plain_optimizer_state, restored_optimizer_state, saves_own_state
 from leantune.training.checkpoint_files import load_checkpoint_file
 from leantune.training.in_backward import OptimizerInBackward, create_state_weight_by_weight

@@ -23,8 +23,9 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.labels import count_targets, targets_tensor
 from leantune.loss import causal_lm_loss_sum
 from leantune.models.moe import load_balancing_loss, router_loss_of
-from leantune.models.structure import decoder_of, image_text_base, unwrap_model
-from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS, Segments, segments_of
+from leantune.model_structure import decoder_of, image_text_base, unwrap_model
+from leantune.data.segments import Segments, segments_of
+from leantune.models.varlen_attention import NAME as VARLEN, SEGMENTS
 from leantune.optimizers import step_gradients
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward

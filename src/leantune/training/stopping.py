@@ -46,6 +46,17 @@ class OutOfMemory(RunStopped):
     """The accelerator (or the host) ran out of memory; the message holds the report and the fixes."""
 
 
+class OutOfMemoryInTraining(Exception):
+    """An out-of-memory error in the training loop, raised outside its handler (the failed step's tensors freed
+    first), with what the entry point needs to explain it: the error's own message, what was running, the last
+    memory record, the plan's predicted peak. The advice is the planner's (``leantune.planning.oom_advice``); the
+    loop only recognises the error."""
+
+    def __init__(self, message: str, where: str, last_record: Optional[dict], predicted_peak_bytes: Optional[int]):
+        super().__init__(message)
+        self.where, self.last_record, self.predicted_peak_bytes = where, last_record, predicted_peak_bytes
+
+
 class StopRequest:
     """Turns SIGTERM and SIGINT into a request the training loop honours after the current step.
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from leantune.models.merging import ADAPTER_CONFIG, DTYPE_CHOICES
-from leantune.models.structure import image_text_base, model_class, unwrap_model
+from leantune.model_structure import image_text_base, model_class, unwrap_model
 
 
 def parser() -> argparse.ArgumentParser:
