@@ -28,7 +28,8 @@ from leantune.cli_args import parse_run_config
 from leantune.config import (ConfigError, DataConfig, DistributedConfig, MemoryConfig, RunConfig,
                               TrainingConfig)
 from leantune.data import DatasetError
-from leantune.distributed.context import SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed, tell_the_launcher
+from leantune.distributed.context import (SINGLE_PROCESS, DistContext, RanksDiverged, close_distributed,
+                                          tell_the_launcher)
 from leantune.memory.gpu_constants import measure_gpu_constants, remember_context
 from leantune.memory.host_allocator import return_host_memory
 from leantune.memory.oom import is_out_of_memory, oom_report
@@ -63,7 +64,7 @@ REFUSALS = USER_ERRORS[:4]  # bad input, refused before training: a directory th
 
 
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
-                  stop=NoStopRequest()) -> Trainer:
+                  stop=NoStopRequest()) -> Trainer:  # noqa: B008 - stateless, safe to share
     """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
 
     The model's config is read once (``preflight``), the saved state once, the data tokenized once, and each step
@@ -206,7 +207,8 @@ def _images_needed(vision_only: bool, sharded: bool) -> str:
     a rank whose batch has none would skip the vision tower's collectives."""
     if vision_only:
         return "only the vision side trains: a batch without one trains nothing"
-    return "under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives" if sharded else ""
+    return ("under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives" if sharded
+            else "")
 
 
 def token_flops(cfg: RunConfig, config, device: torch.device, peak_tflops: Optional[float], log=print,

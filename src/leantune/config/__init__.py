@@ -18,7 +18,8 @@ from leantune.optimizers import optimizer_choices, optimizer_entry, optimizer_he
 from leantune.config.checks import ConfigError, _help, _require
 from leantune.config.data import DataConfig
 from leantune.config.memory import MemoryConfig, offload_conflicts
-from leantune.config.peft import ALL_LINEAR, LORA_PARTS, PeftSettings
+# ALL_LINEAR and LORA_PARTS are re-exported: leantune.config's names from before config/peft.py held them
+from leantune.config.peft import ALL_LINEAR, LORA_PARTS, PeftSettings  # noqa: F401
 from leantune.config.quantization import QuantizationConfig, quantization_conflicts
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
@@ -181,7 +182,8 @@ class CheckpointingConfig:
         _require(cap is None or 0 < cap < float("inf"), "activation_offload_max_pinned_gb",
                  f"must be a positive number of GiB (got {cap})")
         self._require_owner("activation_checkpointing_every_n", mode)
-        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n", f"must be at least 1 (got {every_n})")
+        _require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
+                 f"must be at least 1 (got {every_n})")
         self._require_owner("activation_checkpointing_layers", mode)
         _require(mode != LayerMix.name or layers is not None, "activation_checkpointing_layers",
                  "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")
@@ -251,7 +253,8 @@ class OutputConfig:
         _require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
         _require(self.peak_tflops is None or 0 < self.peak_tflops < float("inf"), "peak_tflops",
                  f"must be a positive number of TFLOP/s (got {self.peak_tflops})")
-        _require(self.save_steps >= 0, "save_steps", f"must be 0 (save only when stopped) or more (got {self.save_steps})")
+        _require(self.save_steps >= 0, "save_steps",
+                 f"must be 0 (save only when stopped) or more (got {self.save_steps})")
         _require(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
                  f"must keep at least 1 training state (got {self.save_total_limit})")
         _require(not (self.resume_from_checkpoint and self.overwrite_output_dir), "overwrite_output_dir",
@@ -308,9 +311,11 @@ class RunConfig:
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training
             _require(target % batch == 0, "target_global_batch_size",
-                     f"{target} is not a multiple of --batch_size_training {batch}; pick a multiple or add --auto_batch_size")
+                     f"{target} is not a multiple of --batch_size_training {batch}; pick a multiple or add "
+                     "--auto_batch_size")
             _require(self.training.gradient_accumulation_steps in (1, target // batch), "gradient_accumulation_steps",
-                     f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); drop one")
+                     f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); "
+                     "drop one")
             self.training.gradient_accumulation_steps = target // batch
 
     def _check_optimizer_flags(self) -> None:

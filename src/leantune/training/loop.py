@@ -71,7 +71,7 @@ class TrainingParts:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, parts: TrainingParts, log: Callable[[str], None] = print,
-                 dist: DistContext = SINGLE_PROCESS, stop=NoStopRequest()):
+                 dist: DistContext = SINGLE_PROCESS, stop=NoStopRequest()):  # noqa: B008 - stateless, safe to share
         self.cfg, self.parts, self.log, self.dist = cfg, parts, log, dist
         self.model, self.monitor, self.step = parts.model, parts.monitor, parts.step
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
@@ -249,7 +249,8 @@ class Trainer:
             where = (f"training state saved to {saved}; resume by running the same command with "
                      f"--resume_from_checkpoint {saved} (or latest)")
         else:
-            where = "training state saved by rank 0; resume by running the same command with --resume_from_checkpoint latest"
+            where = ("training state saved by rank 0; resume by running the same command with "
+                     "--resume_from_checkpoint latest")
         raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; "
                                   f"{where}", self.stop.signum or signal.SIGTERM)
 
@@ -260,7 +261,8 @@ class Trainer:
         if self._batch_budget() == 0:
             return True
         progress = self.progress
-        return progress.epoch == self.cfg.training.num_epochs - 1 and progress.batches_in_epoch >= len(self.train_loader)
+        return (progress.epoch == self.cfg.training.num_epochs - 1
+                and progress.batches_in_epoch >= len(self.train_loader))
 
     def _batch_budget(self) -> Optional[int]:
         limit = self.cfg.training.max_train_step
@@ -291,7 +293,8 @@ class Trainer:
             del record["skipped"]
         if result.router_loss is None:  # a dense model's, or a mixture of experts' whose loss has no router term
             del record["router_loss"], record["router_term"]
-        record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
+        record.update({k: None for k in ("loss", "grad_norm")
+                       if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)
         if step == self._steps_at_start + 1 and self.cfg.training.compile:  # this process's first step compiled
