@@ -7,7 +7,8 @@ blank lines), so the mutated module's code objects keep their names and first li
 functions by them and swaps their code. Only what runs when a function is called is mutated: function and
 lambda bodies, not signatures (defaults are evaluated once, at import), annotations, docstrings or module-level
 statements. A string is mutated only where it looks like a key or a name (no spaces): a message's wording is
-not behaviour, what its f-string computes is; for the same reason no ``help=`` or ``description=`` is dropped. A line holding ``# pragma: no mutate`` is left alone.
+not behaviour, what its f-string computes is; for the same reason no ``help=`` or ``description=`` is dropped.
+A line holding ``# pragma: no mutate`` is left alone.
 """
 
 from __future__ import annotations

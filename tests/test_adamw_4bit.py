@@ -123,7 +123,8 @@ def test_its_rungs_sit_by_their_bytes_and_auto_may_take_them():
 
     names = [(rung.optimizer, rung.pure_bf16) for rung in ladder()]
     assert names.index(("adamw_8bit", False)) < names.index(("adamw_4bit", False)) < names.index(("adamw_8bit", True))
-    assert names.index(("adamw_8bit", True)) < names.index(("adamw_4bit", True)) < names.index(("paged_adamw_8bit", True))
+    assert (names.index(("adamw_8bit", True)) < names.index(("adamw_4bit", True))
+            < names.index(("paged_adamw_8bit", True)))
     on_cpu = [rung.optimizer for rung in rungs_for(parse_run_config(["--optimizer", "auto"]), CPU)]
     assert on_cpu.count("adamw_4bit") == 2
 
@@ -317,7 +318,7 @@ def test_building_it_silences_one_warning_of_torch_not_every_warning():
         assert ignored and ignored[0][1].pattern == "OptimState4bit does not implement _stable_hash_for_caching"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
-            warnings.warn("another warning", UserWarning)
+            warnings.warn("another warning", UserWarning, stacklevel=1)
         assert [str(w.message) for w in caught] == ["another warning"]
 
 

@@ -24,8 +24,8 @@ def reserved(sizes_and_frees, expandable=False) -> int:
 
 
 @pytest.mark.parametrize("request_bytes, segment", [
-    (1, 2 * MIB), (MIB, 2 * MIB), (MIB + 1, 20 * MIB), (10 * MIB - 512, 20 * MIB), (10 * MIB - 1, 10 * MIB), (10 * MIB, 10 * MIB),
-    (11 * MIB + 1, 12 * MIB), (101 * MIB, 102 * MIB)])
+    (1, 2 * MIB), (MIB, 2 * MIB), (MIB + 1, 20 * MIB), (10 * MIB - 512, 20 * MIB), (10 * MIB - 1, 10 * MIB),
+    (10 * MIB, 10 * MIB), (11 * MIB + 1, 12 * MIB), (101 * MIB, 102 * MIB)])
 def test_a_new_segment_is_2_mib_small_20_mib_under_10_mib_else_the_request_rounded_to_2_mib(request_bytes, segment):
     """Of the request rounded to 512 bytes first: 10 MiB less one byte is a 10 MiB request."""
     assert segment_bytes(-(-request_bytes // 512) * 512) == segment

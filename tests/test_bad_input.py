@@ -48,7 +48,8 @@ CASES = {
     "4-bit option on 8-bit": (["--quantization", "8bit", "--use_peft", "--quant_type", "fp4"], {}, 2,
                               "--quant_type: applies to --quantization 4bit, not --quantization 8bit; drop it"),
     "4-bit option alone": (["--use_peft", "--quantization_config.quant_type", "fp4"], {}, 2,
-                           "--quant_type: applies to --quantization 4bit, not an unquantized base; add --quantization 4bit"),
+                           "--quant_type: applies to --quantization 4bit, not an unquantized base; add "
+                           "--quantization 4bit"),
     "single quantization on 8-bit": (["--quantization", "8bit", "--use_peft", "--no_use_double_quant"], {}, 2,
                                      "--no_use_double_quant: applies to --quantization 4bit, not --quantization 8bit"),
     "a cookbook section's other field": (["--quantization_config.lr", "0.1"], {}, 2,
@@ -58,7 +59,8 @@ CASES = {
     "not a number": (["--lr", "fast"], {}, 2, "--lr: invalid float value: 'fast'"),
     "zero lr": (["--lr", "0"], {}, 2, "--lr: must be positive (got 0.0)"),
     "zero batch": (["--batch_size_training", "0"], {}, 2, "--batch_size_training: must be at least 1 (got 0)"),
-    "negative accumulation": (["--gradient_accumulation_steps", "-1"], {}, 2, "--gradient_accumulation_steps: must be at least 1"),
+    "negative accumulation": (["--gradient_accumulation_steps", "-1"], {}, 2,
+                              "--gradient_accumulation_steps: must be at least 1"),
     "context of one token": (["--context_length", "1"], {}, 2, "--context_length: must be at least 2 (got 1)"),
     "context beyond the model": (["--context_length", "4096"], {}, 2,
                                  "--context_length 4096: the model handles at most 2,048 positions "
@@ -69,7 +71,8 @@ CASES = {
                                 "--gradient_clipping_threshold: must be positive"),
     "fp16 and bf16 weights": (["--use_fp16", "--model_dtype", "bfloat16"], {}, 2,
                               "--use_fp16: conflicts with --model_dtype bfloat16"),
-    "adapter without peft": (["--from_peft_checkpoint", "somewhere"], {}, 2, "--from_peft_checkpoint: needs --use_peft"),
+    "adapter without peft": (["--from_peft_checkpoint", "somewhere"], {}, 2,
+                             "--from_peft_checkpoint: needs --use_peft"),
     "mode without checkpointing": (["--activation_checkpointing_mode", "selective_ops"], {}, 2,
                                    "selective_ops has no effect without --enable_activation_checkpointing"),
     "negative save steps": (["--save_steps", "-1"], {}, 2, "--save_steps: must be 0"),
@@ -87,20 +90,26 @@ CASES = {
     "flash attention on the CPU": (["--attn_implementation", "flash_attention_2", "--device", "cpu"], {}, 2,
                                    "--attn_implementation flash_attention_2: needs a CUDA GPU"),
     "unknown attention": (["--attn_implementation", "fast"], {}, 2, "--attn_implementation"),
-    "missing tokenizer": (["--tokenizer_name", "./no/such/tokenizer"], {}, 1, "model directory not found: ./no/such/tokenizer"),
-    "custom without file": (["--dataset", "custom_dataset"], {}, 2, "--data_path: custom_dataset needs data: pass --data_path FILE.jsonl, or --custom_dataset.file FILE.py"),
+    "missing tokenizer": (["--tokenizer_name", "./no/such/tokenizer"], {}, 1,
+                          "model directory not found: ./no/such/tokenizer"),
+    "custom without file": (["--dataset", "custom_dataset"], {}, 2,
+                            "--data_path: custom_dataset needs data: pass --data_path FILE.jsonl, or "
+                            "--custom_dataset.file FILE.py"),
     "cookbook dataset file and data path": (["--dataset", "custom_dataset", "--custom_dataset.file", "d.py",
                                              "--data_path", "d.jsonl"], {}, 2,
                                             "--custom_dataset.file: conflicts with --data_path"),
     "cookbook dataset file for alpaca": (["--custom_dataset.file", "d.py"], {}, 2,
-                                         "--custom_dataset.file: applies to --dataset custom_dataset, not alpaca_dataset"),
+                                         "--custom_dataset.file: applies to --dataset custom_dataset, not "
+                                         "alpaca_dataset"),
     "no cookbook dataset file": (["--dataset", "custom_dataset", "--custom_dataset.file", "{tmp}/none.py"], {}, 1,
                                  "--custom_dataset.file {tmp}/none.py: no Python file {tmp}/none.py"),
     "cookbook dataset file without its function": (["--dataset", "custom_dataset", "--custom_dataset.file",
                                                     "{tmp}/empty.py:rows"], {"empty.py": "x = 1\n"}, 1,
-                                                   "empty.py defines no function rows(dataset_config, tokenizer, split)"),
+                                                   "empty.py defines no function rows(dataset_config, tokenizer, "
+                                                   "split)"),
     "cookbook dataset row without ids": (["--dataset", "custom_dataset", "--custom_dataset.file", "{tmp}/rowless.py"],
-                                         {"rowless.py": "def get_custom_dataset(c, t, split):\n    return [{'text': 'x'}]\n"},
+                                         {"rowless.py": "def get_custom_dataset(c, t, split):\n"
+                                                        "    return [{'text': 'x'}]\n"},
                                          1, "rowless.py train row 0: expected a mapping with input_ids (and labels); "
                                          "got ['text']"),
     "chat flag without chat data": (["--assistant_turns", "last"], {}, 2,
@@ -117,7 +126,8 @@ CASES = {
                        {"bad.jsonl": _jsonl([GOOD, GOOD, '{"prompt": "x", "completion": '])}, 1,
                        "bad.jsonl:3: malformed JSON line"),
     "line not an object": (["--dataset", "custom_dataset", "--data_path", "{tmp}/list.jsonl"],
-                           {"list.jsonl": _jsonl([GOOD, "[1, 2]"])}, 1, "list.jsonl:2: expected a JSON object, got list"),
+                           {"list.jsonl": _jsonl([GOOD, "[1, 2]"])}, 1,
+                           "list.jsonl:2: expected a JSON object, got list"),
     "missing field": (["--dataset", "custom_dataset", "--data_path", "{tmp}/half.jsonl"],
                       {"half.jsonl": _jsonl([GOOD, json.dumps({"prompt": "only a prompt"})])}, 1,
                       "half.jsonl:2: field 'completion' is missing"),
@@ -145,7 +155,8 @@ CASES = {
                             "holds another run's model (adapter_model.safetensors). Start over with "
                             "--overwrite_output_dir, or pick another --output_dir"),  # no state: resume not offered
     "nothing to resume": (["--resume_from_checkpoint", "latest"], {}, 2,
-                          "--resume_from_checkpoint latest: {tmp}/out holds no complete checkpoint-STEP training state"),
+                          "--resume_from_checkpoint latest: {tmp}/out holds no complete checkpoint-STEP training "
+                          "state"),
     "resume a final model": (["--resume_from_checkpoint", "{tmp}/final"], {"final/config.json": "{}"}, 2,
                              "no trainer_state.json there, so it is not a complete training state"),
     "missing config file": (["--config", "{tmp}/run.yaml"], {}, 2, "--config: file not found"),

@@ -241,7 +241,8 @@ def test_the_compile_benchmark_times_eager_and_compiled_and_reads_the_heap(tmp_p
     block = torch.empty(8 * 2**20, dtype=torch.uint8)
     assert heap.live_bytes() - before >= block.numel()  # what compiled code allocates is counted too
     out = tmp_path / "compile.json"
-    assert bench.main(["--preset", "tiny", "--kind", "lora", "--modes", "none", "--steps", "1", "--json", str(out)]) == 0
+    assert bench.main(["--preset", "tiny", "--kind", "lora", "--modes", "none", "--steps", "1", "--json",
+                       str(out)]) == 0
     eager, compiled = json.loads(out.read_text())
     assert (eager["case"], compiled["case"]) == ("eager", "compiled")
     assert compiled["compile_s"] > 0 and compiled["speedup"] > 0 and 0 < compiled["activation_ratio"] <= 1.5

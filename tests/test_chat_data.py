@@ -51,7 +51,8 @@ def test_the_labelled_tokens_are_the_assistant_contents_and_end_of_turn(tokenize
                 for a in (answers[-1:] if last_only else answers)]
     labelled = [t for t in example["labels"] if t != IGNORE_INDEX]
     assert labelled == [t for ids in expected for t in ids]
-    assert tokenizer.decode(labelled) == "".join(shown(a) + end_of_turn for a in (answers[-1:] if last_only else answers))
+    assert tokenizer.decode(labelled) == "".join(shown(a) + end_of_turn
+                                                 for a in (answers[-1:] if last_only else answers))
     # the prompt is tokenized as at inference: on its own, ending with the generation prompt
     prompt = tokenizer.apply_chat_template(CHAT["messages"][:2], tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -66,7 +66,8 @@ def test_summary_lines_name_layers_and_policy(load_tiny):
     assert selective.endswith("(save attention + projections; recompute elementwise ops, down_proj)")  # full FT
     lora = apply_activation_checkpointing(with_lora(load_tiny()), SelectiveOps()).summary_line()
     assert lora.endswith("policy selective_ops (save attention + projections; recompute elementwise ops, lora_B)")
-    offload = apply_activation_checkpointing(load_tiny(), OffloadCheckpointing(streams=ImmediateStreams())).summary_line()
+    offload = apply_activation_checkpointing(load_tiny(),
+                                             OffloadCheckpointing(streams=ImmediateStreams())).summary_line()
     assert "policy offload (layer inputs >= 1 MiB to pinned host memory)" in offload
 
 

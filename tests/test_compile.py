@@ -59,7 +59,8 @@ def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(t
     assert line.startswith("compile: torch.compile on each of the 2 decoder layers")
     assert [name for name, _ in model.named_parameters()] == names  # compiled in place: no wrapper, no new prefix
     layers = model.get_base_model().model.layers
-    assert [layer._compiled_call_impl is not None for layer in layers] == [True] * len(layers)  # every one, the last too
+    # every one, the last too
+    assert [layer._compiled_call_impl is not None for layer in layers] == [True] * len(layers)
     assert type(layers[0].self_attn.q_proj.lora_B["default"]) is RecomputedLinear
 
 
@@ -84,7 +85,8 @@ def test_the_compile_line_reports_torchs_time_and_graph_breaks():
 
 def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
     with pytest.raises(ConfigError, match="--compile: not with --activation_checkpointing_mode offload"):
-        parse_run_config(["--compile", "--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload"])
+        parse_run_config(["--compile", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
+                          "offload"])
     from leantune.checkpointing.modes import planned_modes
 
     from leantune.planning.plan import modes_to_plan
@@ -111,7 +113,8 @@ def test_the_out_of_memory_advice_does_not_offer_offload_to_a_compiled_run():
 
     flags = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops"]
     offered = [memory_fixes(parse_run_config([*flags, *extra]), torch.device("cuda")) for extra in ([], ["--compile"])]
-    assert [any("--activation_checkpointing_mode offload" in fix for fix in fixes) for fixes in offered] == [True, False]
+    assert [any("--activation_checkpointing_mode offload" in fix for fix in fixes)
+            for fixes in offered] == [True, False]
 
 
 def test_a_checkpointed_layers_compiled_call_holds_its_checkpoint(tiny_model_dir, monkeypatch):

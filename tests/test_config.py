@@ -119,14 +119,16 @@ FLAG_VALUES = {
                       {"quant_storage": "bfloat16"}),
     "lora_alpha": (["--lora_alpha", "8"], {"lora_alpha": 8}),
     "lora_dropout": (["--lora_dropout", "0.1"], {"lora_dropout": 0.1}),
-    "lora_target_modules": (["--lora_target_modules", "q_proj", "k_proj"], {"lora_target_modules": ["q_proj", "k_proj"]}),
+    "lora_target_modules": (["--lora_target_modules", "q_proj", "k_proj"],
+                            {"lora_target_modules": ["q_proj", "k_proj"]}),
     "enable_activation_checkpointing": (CKPT, {"enable_activation_checkpointing": True}),
     "activation_checkpointing_use_reentrant": ([*CKPT, "--activation_checkpointing_use_reentrant"],
                                                {"activation_checkpointing_use_reentrant": True}),
     "activation_checkpointing_mode": ([*CKPT, "--activation_checkpointing_mode", "selective_ops"],
                                       {"activation_checkpointing_mode": "selective_ops"}),
     "activation_checkpointing_every_n": ([*CKPT, "--activation_checkpointing_every_n", "3"],
-                                         {"activation_checkpointing_every_n": 3, "activation_checkpointing_mode": "every_n"}),
+                                         {"activation_checkpointing_every_n": 3,
+                                          "activation_checkpointing_mode": "every_n"}),
     "activation_checkpointing_layers": ([*CKPT, "--activation_checkpointing_layers", "full=1,selective_ops=1"],
                                         {"activation_checkpointing_layers": "full=1,selective_ops=1",
                                          "activation_checkpointing_mode": "layer_mix"}),
@@ -189,7 +191,8 @@ def test_every_flag_is_accepted_with_a_valid_value(flag, tmp_path):
     assert {name: flat[name] for name in expected} == expected
     defaults = parse_run_config([]).flat()
     if flag not in SAME_AS_DEFAULT:  # the value changed the config: the flag is not silently ignored
-        assert any(defaults[name] != value for name, value in expected.items()), f"--{flag}: {expected} are the defaults"
+        assert any(defaults[name] != value
+                   for name, value in expected.items()), f"--{flag}: {expected} are the defaults"
 
 
 def test_flag_values_lists_only_flags_that_exist():
@@ -199,7 +202,8 @@ def test_flag_values_lists_only_flags_that_exist():
 
 def test_the_listed_flags_are_accepted_together():
     argv = ("--model_name m --tokenizer_name t --batch_size_training 2 --val_batch_size 3 --batching_strategy padding "
-            "--context_length 128 --gradient_accumulation_steps 2 --gradient_clipping --gradient_clipping_threshold 0.5 "
+            "--context_length 128 --gradient_accumulation_steps 2 --gradient_clipping "
+            "--gradient_clipping_threshold 0.5 "
             "--num_epochs 1 --max_train_step 5 --max_eval_step 2 --num_workers_dataloader 0 --lr 0.001 "
             "--weight_decay 0.1 --gamma 0.9 --seed 7 --use_fp16 --mixed_precision false --dataset custom_dataset "
             "--data_path d.jsonl --use_peft --peft_method lora --from_peft_checkpoint ckpt --output_dir o "
@@ -267,13 +271,15 @@ def test_unknown_key_in_config_file_is_an_error(tmp_path):
     (["--dataset", "custom_dataset"], r"--data_path: custom_dataset needs data"),
     (["--from_peft_checkpoint", "x"], r"--from_peft_checkpoint: needs --use_peft"),
     (["stray"], r"unexpected argument"),
-    (["--activation_checkpointing_mode", "offload"], r"offload has no effect without --enable_activation_checkpointing"),
+    (["--activation_checkpointing_mode", "offload"],
+     r"offload has no effect without --enable_activation_checkpointing"),
     (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "selective_ops",
       "--activation_checkpointing_use_reentrant"], r"selective_ops: needs non-reentrant checkpointing"),
     (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "offload",
       "--activation_checkpointing_use_reentrant"], r"offload: needs non-reentrant checkpointing"),
     (["--enable_activation_checkpointing", "--activation_checkpointing_mode", "full",
-      "--activation_checkpointing_every_n", "3"], r"--activation_checkpointing_every_n: applies to .* every_n, not full"),
+      "--activation_checkpointing_every_n", "3"],
+     r"--activation_checkpointing_every_n: applies to .* every_n, not full"),
     (["--enable_activation_checkpointing", "--activation_checkpointing_every_n", "0"], r"must be at least 1"),
     (["--activation_checkpointing_mode", "partial"], r"--activation_checkpointing_mode.*invalid choice"),
     (["--loss_chunk_size", "-1"], r"--loss_chunk_size: must be 0 \(plain loss\) or a positive"),

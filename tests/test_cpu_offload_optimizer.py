@@ -307,7 +307,8 @@ def _run(model_dir, out, *flags, resume=False):
 
 def test_a_run_trains_as_adamw_and_its_resume_gives_the_losses_of_one_never_stopped(
         stood_in_cuda, tiny_model_dir, tmp_path):
-    whole, lines = _run(tiny_model_dir, tmp_path / "whole", "--optimizer_cpu_offload", "--gradient_accumulation_steps", "2")
+    whole, lines = _run(tiny_model_dir, tmp_path / "whole", "--optimizer_cpu_offload",
+                        "--gradient_accumulation_steps", "2")
     assert any(line.startswith("optimizer: torchao's CPUOffloadOptimizer (--optimizer adamw_cpu_offload)")
                for line in lines)
     adamw, _ = _run(tiny_model_dir, tmp_path / "adamw", "--gradient_accumulation_steps", "2")

@@ -62,7 +62,8 @@ class FakeCuda:
         self.used, self.total, self.free = used, total, free
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "memory_stats", self.memory_stats)
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: self.calls.append(("reset", device)))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                            lambda device=None: self.calls.append(("reset", device)))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
         monkeypatch.setattr(torch.cuda, "device_memory_used", self.device_memory_used if nvml else self.no_nvml)
         monkeypatch.setattr(torch.cuda, "get_device_properties",

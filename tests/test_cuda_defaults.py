@@ -102,7 +102,8 @@ def test_the_oom_report_names_the_snapshot_only_when_it_was_written(monkeypatch,
     monkeypatch.setattr(torch.cuda, "memory_summary", lambda device=None, abbreviated=False: "SUMMARY TABLE")
     cfg = parse_run_config(["--output_dir", str(tmp_path)])
     report = oom_report(torch.OutOfMemoryError("CUDA out of memory."), cfg, GPU, "at step 2")
-    assert report.startswith("out of memory on cuda:0 at step 2: CUDA out of memory.\nallocator summary:\nSUMMARY TABLE")
+    assert report.startswith("out of memory on cuda:0 at step 2: CUDA out of memory.\nallocator summary:\n"
+                             "SUMMARY TABLE")
     line = f"memory snapshot: {tmp_path / SNAPSHOT_NAME} (drag it into https://pytorch.org/memory_viz)"
     assert (line in report.splitlines()) is not fails
     assert "to fit, try in this order:" in report  # a failed snapshot never hides the fixes

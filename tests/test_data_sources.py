@@ -203,7 +203,8 @@ def test_a_run_trains_on_a_save_to_disk_directory(tiny_model_dir, tmp_path, caps
     code = finetuning.main(["--model_name", str(tiny_model_dir), "--data_path", str(saved), "--context_length", "64",
                             "--max_train_step", "2", "--num_epochs", "1", "--num_workers_dataloader", "0",
                             "--save_metrics", "--output_dir", str(out)])
-    assert code == 0 and f"data: alpaca_dataset from {saved}: 38 train / 2 validation examples" in capsys.readouterr().out
+    assert code == 0 and (f"data: alpaca_dataset from {saved}: 38 train / 2 validation examples"
+                          in capsys.readouterr().out)
     assert len(json.loads((out / "metrics.json").read_text())["train_steps"]) == 2
 
 

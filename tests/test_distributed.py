@@ -49,7 +49,8 @@ DIST_LOSS_TOL = 2e-6
 DIST_GRAD_NORM_RTOL = 3e-5
 
 
-def torchrun(argv: list[str], processes: int = 2, timeout: int = 240, pythonpath: str = "") -> subprocess.CompletedProcess:
+def torchrun(argv: list[str], processes: int = 2, timeout: int = 240,
+             pythonpath: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH", "")]))
@@ -74,7 +75,8 @@ def step_losses(path, key: str = "loss") -> list[float]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_ranks_give_the_losses_of_one_process(case, tiny_model_dir, tmp_path):
     common = ["--model_name", str(tiny_model_dir), *FAST, *CASES[case]]
-    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]), log=lambda _: None)
+    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
+        log=lambda _: None)
     result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
@@ -205,7 +207,8 @@ def test_two_rank_runs_in_a_row_exit_cleanly(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("size, batch, world", [(10, 2, 2), (9, 2, 2), (7, 2, 3), (5, 2, 2)])
 def test_ranks_see_disjoint_parts_of_the_single_process_batches(size, batch, world):
     one = list(ShuffledBatchSampler(size, batch * world, shuffle=True, seed=3))
-    shards = [RankShard(ShuffledBatchSampler(size, batch * world, shuffle=True, seed=3), r, world) for r in range(world)]
+    shards = [RankShard(ShuffledBatchSampler(size, batch * world, shuffle=True, seed=3), r, world)
+              for r in range(world)]
     per_rank = [list(shard) for shard in shards]
     assert len({len(batches) for batches in per_rank}) == 1 == len({len(shard) for shard in shards})
     for step, parts in enumerate(zip(*per_rank)):
@@ -436,7 +439,8 @@ def test_two_ranks_train_expert_lora_and_the_routers_loss_as_one_process(moe_dir
     common = ["--model_name", str(moe_dir("qwen3_moe")), *FAST, "--use_peft", "--lora_dropout", "0",
               "--lora_target_modules", "all-linear", "--enable_activation_checkpointing", "--max_train_step", "3",
               "--output_router_logits"]
-    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]), log=lambda _: None)
+    run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
+        log=lambda _: None)
     result = torchrun([*common, "--batch_size_training", "2", "--enable_fsdp", "--output_dir", str(tmp_path / "two")])
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")

@@ -165,7 +165,8 @@ def test_overwrite_output_dir_deletes_the_old_run_only_once_the_new_one_is_set_u
     old = sorted(p.name for p in tmp_path.iterdir())
     assert {"checkpoint-1", "checkpoint-2", "adapter_model.safetensors"} <= set(old)
     # refused (a missing data file): nothing of the old run is touched
-    refused = [*argv, "--overwrite_output_dir", "--dataset", "custom_dataset", "--data_path", str(tmp_path / "no.jsonl")]
+    refused = [*argv, "--overwrite_output_dir", "--dataset", "custom_dataset", "--data_path",
+               str(tmp_path / "no.jsonl")]
     assert finetuning.main(refused) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == old
     # set up: the old states and model go, so no stale adapter sits beside the new run's outputs

@@ -125,7 +125,8 @@ def test_a_run_logs_the_check_and_its_first_loss_is_the_models_own(family_dir, f
     argv = ["--model_name", str(path), "--use_peft", "--lora_target_modules", *LORA_TARGETS.get(family, ["q_proj"]),
             "--dataset", "custom_dataset", "--data_path", str(data), "--context_length", "32",
             "--batch_size_training", "1", "--max_train_step", "1", "--num_epochs", "1", "--run_validation", "false",
-            "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false", "--output_dir", str(tmp_path / "out")]
+            "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false", "--output_dir",
+            str(tmp_path / "out")]
     lines: list[str] = []
     finetuning.run(parse_run_config(argv), log=lines.append)
     assert any(line.startswith(f"loss check: {type(unwrap_model(_loaded(path))).__name__}'s own loss reproduced")

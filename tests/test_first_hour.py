@@ -86,7 +86,8 @@ def test_help_gives_each_flag_its_own_text_and_its_true_default():
     assert "(default: None)" not in text and "(full or LoRA) on one device" not in text
     assert "LoRA or QLoRA" in text.split("options:")[0]
     negatives = [action for action in build_parser()._actions if action.option_strings[0].startswith("--no_")]
-    assert negatives and all(action.help == f"The same as --{action.option_strings[0][5:]} false." for action in negatives)
+    assert negatives and all(action.help == f"The same as --{action.option_strings[0][5:]} false."
+                             for action in negatives)
 
 
 def test_importing_leantune_prints_nothing():

@@ -45,7 +45,8 @@ FLAG_WALK = {
     # the tiny model's rows are 64 elements: every weight keeps float32 moments sharded, and the start-up line says so
     "8-bit optimizer": (["--enable_fsdp", "--optimizer", "adamw_8bit"],
                         "runs: keep float32 moments (8 bytes a parameter): their rows are not whole 256-element blocks",
-                        "runs: keep float32 moments (8 bytes a parameter): their rows are not whole 256-element blocks"),
+                        "runs: keep float32 moments (8 bytes a parameter): their rows are not whole 256-element "
+                        "blocks"),
     "in backward": (["--enable_fsdp", "--optimizer_in_backward"], "runs: each weight stepped in backward",
                     "runs: each weight stepped in backward"),
     "auto batch": (["--enable_fsdp", "--auto_batch_size", "--memory_budget_gb", "2", "--target_global_batch_size",
@@ -262,7 +263,8 @@ def test_the_loading_peak_is_read_before_the_memory_monitor_resets_it(tiny_model
     events = []
     build_monitor, shard = finetuning.build_monitor, finetuning.shard
     monkeypatch.setattr(finetuning, "device_peak_bytes", lambda device: (events.append("peak read"), 123)[1])
-    monkeypatch.setattr(finetuning, "build_monitor", lambda *a, **k: (events.append("monitor"), build_monitor(*a, **k))[1])
+    monkeypatch.setattr(finetuning, "build_monitor",
+                        lambda *a, **k: (events.append("monitor"), build_monitor(*a, **k))[1])
     monkeypatch.setattr(finetuning, "shard", lambda *a, **k: (events.append(("shard", k["peak_before"])),
                                                                 shard(*a, **k))[1])
     run(parse_run_config(["--model_name", str(tiny_model_dir), *QUICK, "--enable_fsdp", "--enable_memory_monitoring",

@@ -253,7 +253,8 @@ def test_the_carried_bitsandbytes_wheel_keeps_the_images_cuda_library_and_a_vali
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         record = archive.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
-    kept = {"bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cpu.so"}
+    kept = {"bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cuda130.so",
+            "bitsandbytes/libbitsandbytes_cpu.so"}
     assert names == kept | {"bitsandbytes-0.50.2.dist-info/RECORD"}
     digest = base64.urlsafe_b64encode(hashlib.sha256(b"cuda130" * 100).digest()).rstrip(b"=").decode()
     assert f"bitsandbytes/libbitsandbytes_cuda130.so,sha256={digest},700" in record

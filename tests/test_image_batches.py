@@ -149,9 +149,9 @@ def _finetune(path, out, *extra, function="get_custom_dataset"):
 
 
 def test_a_cookbook_vision_dataset_file_trains_through_its_collator_and_the_processor_is_saved(tiny_vision, tmp_path):
-    summary, lines = _finetune(tiny_vision("mllama"), tmp_path / "out", "--max_train_step", "3", "--batch_size_training",
-                               "4", "--custom_dataset.test_split", "test", "--enable_activation_checkpointing",
-                               "--save_metrics")
+    summary, lines = _finetune(tiny_vision("mllama"), tmp_path / "out", "--max_train_step", "3",
+                               "--batch_size_training", "4", "--custom_dataset.test_split", "test",
+                               "--enable_activation_checkpointing", "--save_metrics")
     assert any(line.startswith("data: examples/image_colors_dataset.py:get_custom_dataset: 360 train / 60 "
                                "validation rows, 90 batches of 4 per epoch, each made by the file's "
                                "get_data_collator") for line in lines)
@@ -351,8 +351,8 @@ def test_two_ranks_give_the_losses_of_one_process_on_an_image_run(tiny_vision, t
 
     from leantune.finetuning import run
 
-    common = ["--model_name", str(tiny_vision("mllama")), "--dataset", "custom_dataset", "--custom_dataset.file", DATASET,
-              "--batching_strategy", "padding", "--context_length", "64", "--num_workers_dataloader", "0",
+    common = ["--model_name", str(tiny_vision("mllama")), "--dataset", "custom_dataset", "--custom_dataset.file",
+              DATASET, "--batching_strategy", "padding", "--context_length", "64", "--num_workers_dataloader", "0",
               "--use_peft", "--lora_dropout", "0", "--enable_activation_checkpointing", "--max_train_step", "3",
               "--save_metrics", "--run_validation", "false"]
     run(parse_run_config([*common, "--batch_size_training", "4", "--output_dir", str(tmp_path / "one")]),
@@ -376,8 +376,8 @@ def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(t
     assert all(p.requires_grad for p in layers[1].parameters()) and model.lm_head.weight.requires_grad
     assert ("frozen: the first 1 of 2 decoder layers (--freeze_layers --num_freeze_layers 1); the rest of the model "
             "trains") in lines
-    too_many = parse_run_config(["--model_name", str(tiny_vision("llava")), "--freeze_layers", "--num_freeze_layers", "3",
-                                 "--output_dir", str(tmp_path / "o"), "--context_length", "64"])
+    too_many = parse_run_config(["--model_name", str(tiny_vision("llava")), "--freeze_layers", "--num_freeze_layers",
+                                 "3", "--output_dir", str(tmp_path / "o"), "--context_length", "64"])
     with pytest.raises(ConfigError, match="--num_freeze_layers 3: LlavaForConditionalGeneration has 2 decoder layers"):
         preflight(too_many, log=lambda line: None)
 
@@ -409,8 +409,9 @@ def test_image_inputs_that_are_not_tensors_are_refused(tiny_vision, tmp_path):
                                     "    def listed(rows):\n        batch = made(rows)\n"
                                     "        batch['pixel_values'] = batch['pixel_values'].tolist()\n"
                                     "        return batch\n    return listed")
-    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file", str(file),
-             "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"), "--context_length", "64"]
+    flags = ["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
+             str(file), "--batching_strategy", "padding", "--output_dir", str(tmp_path / "out"), "--context_length",
+             "64"]
     with pytest.raises(DatasetError, match="the collator returned pixel_values as list, not a tensor"):
         run(parse_run_config(flags), log=lambda line: None)
 

@@ -95,5 +95,6 @@ def test_the_processor_gets_a_pad_token_and_one_without_a_tokenizer_is_refused(t
     with pytest.raises(ModelLoadError) as err:
         load_processor(str(tmp_path / "empty"))
     assert "cannot load the processor of" in str(err.value) and "processor.save_pretrained" in str(err.value)
-    assert re.search(r"\((OSError|ValueError|ImportError): [^)\s]", str(err.value))  # what the library said, its first line
+    # what the library said, its first line
+    assert re.search(r"\((OSError|ValueError|ImportError): [^)\s]", str(err.value))
     assert "\n" not in str(err.value)

@@ -20,8 +20,8 @@ def test_the_plan_equals_the_measured_step_with_its_images(tiny_vision, family, 
     from leantune.models.facts import run_model_facts
     from leantune.planning.fake_step import trace_step
 
-    cfg = parse_run_config(["--model_name", str(tiny_vision(family)), "--context_length", "300", "--batch_size_training",
-                            "2", "--enable_activation_checkpointing", *flags])
+    cfg = parse_run_config(["--model_name", str(tiny_vision(family)), "--context_length", "300",
+                            "--batch_size_training", "2", "--enable_activation_checkpointing", *flags])
     config = run_model_facts(cfg.model).config
     predicted, measured = trace_step(cfg, config, CPU, "full"), trace_step(cfg, config, CPU, "full", fake=False)
     assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
@@ -54,10 +54,11 @@ def test_auto_batch_size_and_the_plan_line_on_an_image_run(tiny_vision, tmp_path
     from leantune.finetuning import run
 
     lines = []
-    run(parse_run_config(["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset", "--custom_dataset.file",
-                          "examples/image_colors_dataset.py", "--batching_strategy", "padding", "--output_dir",
-                          str(tmp_path / "out"), "--context_length", "64", "--num_workers_dataloader", "0",
-                          "--auto_batch_size", "--memory_budget_gb", "1", "--max_train_step", "1"]), log=lines.append)
+    run(parse_run_config(["--model_name", str(tiny_vision("llava")), "--dataset", "custom_dataset",
+                          "--custom_dataset.file", "examples/image_colors_dataset.py", "--batching_strategy", "padding",
+                          "--output_dir", str(tmp_path / "out"), "--context_length", "64", "--num_workers_dataloader",
+                          "0", "--auto_batch_size", "--memory_budget_gb", "1", "--max_train_step", "1"]),
+        log=lines.append)
     assert any(line.startswith("batch size: auto chose ") for line in lines)
     assert any(line.startswith("batch size: confirmed ") and "with one real step" for line in lines)
     assert any(line.startswith("epoch 1 step 1/1") for line in lines)
@@ -140,7 +141,8 @@ def test_the_planned_inputs_match_the_processors(tiny_vision, family, marker):
     assert int((planned["input_ids"] == image_id).sum()) == int((made["input_ids"] == image_id).sum())
 
 
-@pytest.mark.parametrize("family, marker", [("mllama", "<|image|>"), ("gemma3", "<start_of_image>"), ("llava", "<image>")])
+@pytest.mark.parametrize("family, marker", [("mllama", "<|image|>"), ("gemma3", "<start_of_image>"),
+                                            ("llava", "<image>")])
 def test_the_planned_batch_holds_what_the_processor_makes_for_one_image(tiny_vision, family, marker):
     """Key for key: the same image inputs, dtypes and shapes (the text's length aside); the row starts with the
     image's tokens as the processor writes them, each token's masks as the processor sets them at the image and
@@ -167,7 +169,8 @@ def test_the_planned_batch_holds_what_the_processor_makes_for_one_image(tiny_vis
     assert set(planned) - text_keys == set(made) - text_keys
     specials = set(planned["input_ids"][:, :image.tokens].flatten().tolist())
     at_image = [i for i, token in enumerate(made["input_ids"][0].tolist()) if token in specials]
-    assert made["input_ids"][0, at_image].tolist() == image.first_tokens() == planned["input_ids"][0, :image.tokens].tolist()
+    assert (made["input_ids"][0, at_image].tolist() == image.first_tokens()
+            == planned["input_ids"][0, :image.tokens].tolist())
     for key in set(made) - text_keys:
         ours, theirs = planned[key], made[key]
         assert ours.dtype == theirs.dtype and ours.shape[0] == rows * theirs.shape[0], key

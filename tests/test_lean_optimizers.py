@@ -225,7 +225,7 @@ def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
     stepper, real_sync, waits = OptimizerInBackward(optimizers[1]), bnb_optimizer.sync_gpu, []
     bnb_optimizer.sync_gpu = lambda tensor: (waits.append(tensor.shape), real_sync(tensor))[1]
     try:
-        for step in range(3):
+        for _ in range(3):
             x = torch.randn(8, 512, device="cuda")
             models[0](x).square().sum().backward()
             optimizers[0].step()

@@ -76,7 +76,8 @@ def test_varlen_gives_the_masked_sdpa_results_without_a_mask():
 def test_varlen_keeps_each_example_to_itself_exactly():
     (model,) = twin_models(("varlen",))
     generator = torch.Generator().manual_seed(2)
-    first, later = torch.randint(0, 101, (1, 10), generator=generator), torch.randint(0, 101, (1, 9), generator=generator)
+    first, later = (torch.randint(0, 101, (1, 10), generator=generator),
+                    torch.randint(0, 101, (1, 9), generator=generator))
     other = torch.randint(0, 101, (1, 10), generator=generator)
     positions = packed_positions([10, 9], rows=1)
     with torch.no_grad():
@@ -245,7 +246,8 @@ def test_the_plan_sees_the_tiled_mlp_and_varlen_lower_the_peak():
     assert tiled.peak_bytes < varlen.peak_bytes and tiled.flops > varlen.flops  # one more MLP forward
 
 
-@pytest.mark.parametrize("flags, mode", [([], "none"), (["--tiled_mlp", "off"], "full"), (["--tiled_mlp", "300"], "full"),
+@pytest.mark.parametrize("flags, mode", [([], "none"), (["--tiled_mlp", "off"], "full"),
+                                         (["--tiled_mlp", "300"], "full"),
                                          (["--use_peft", "--tiled_mlp", "512"], "full"),
                                          (["--use_peft", "--tiled_mlp", "512"], "selective_ops")],
                          ids=["varlen", "checkpointed", "tiled", "lora-tiled", "lora-tiled-selective"])
@@ -253,7 +255,8 @@ def test_each_lever_is_planned_as_the_same_step_measures(flags, mode):
     """The fake trace (its tiles sampled: first and last) against the same step on real tensors, all tiles run."""
     from leantune.planning.fake_step import trace_step
 
-    checkpointing = [] if mode == "none" else ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode]
+    checkpointing = ([] if mode == "none"
+                     else ["--enable_activation_checkpointing", "--activation_checkpointing_mode", mode])
     cfg = parse_run_config(["--model_name", "tiny", "--context_length", "2048", "--batch_size_training", "1",
                             *flags, *checkpointing])
     config = model_config("tiny")
@@ -298,7 +301,8 @@ def test_max_context_finds_the_longest_context_that_fits():
     best = search.best
     assert best.plan.fits and best.plan.context_length == search.max_context > 2048
     assert best.levers["activation_checkpointing_mode"] == "full"
-    beyond = plan_modes(with_levers(cfg, best.levers, search.max_context + CONTEXT_STEP), config, CPU, ["full"], budget)[0]
+    beyond = plan_modes(with_levers(cfg, best.levers, search.max_context + CONTEXT_STEP), config, CPU, ["full"],
+                        budget)[0]
     assert not beyond.fits  # the next context searched (a multiple of 1024 here) does not fit
 
 
@@ -824,7 +828,7 @@ def test_tiles_sum_a_bfloat16_weights_gradient_in_float32():
     out = _TiledMLPFunction.apply(untiled, 4, x, *weights)
     tiled = torch.autograd.grad(out, weights, grad_out)
     by_tile = [torch.autograd.grad(untiled(x[:, a:a + 4]), weights, grad_out[:, a:a + 4]) for a in range(0, 64, 4)]
-    for index, (weight, grad) in enumerate(zip(weights, tiled)):
+    for index, (_weight, grad) in enumerate(zip(weights, tiled)):
         expected = sum(tile[index].float() for tile in by_tile).to(torch.bfloat16)
         assert grad.dtype == torch.bfloat16 and torch.equal(grad, expected)
     rounded_each_tile = by_tile[0][0].clone()

@@ -143,7 +143,8 @@ def test_the_tiled_mlp_is_left_off_at_the_end_when_the_winner_fits_without_it(mo
     assert search.best.levers["tiled_mlp"] == "off" and search.max_context == 49152
     assert search.best is search.tried[-1] and search.best.contexts == 1 and len(search.tried) == 2
     assert search.best.plan.flops < search.tried[0].plan.flops
-    assert told[-1] == "  --activation_checkpointing_mode full --tiled_mlp off: fits 49,152 tokens too, with less compute"
+    assert told[-1] == ("  --activation_checkpointing_mode full --tiled_mlp off: fits 49,152 tokens too, "
+                        "with less compute")
     assert plans.planned[-1] == ("--activation_checkpointing_mode full --tiled_mlp off", 49152)
     MadeUpPlans(monkeypatch, lambda levers, c: peak(levers, c) + (50 * MB if levers["tiled_mlp"] == "off" else 0))
     assert _search(100 * MB + 1000 * 50_000).best.levers["tiled_mlp"] == "auto"  # untiled it would not fit
@@ -272,7 +273,8 @@ def test_an_offload_winner_names_the_pinned_pool_cap_its_plan_needs():
     levers = {"activation_checkpointing_mode": "offload", "tiled_mlp": "auto", "expandable_segments": True}
     found = ContextSearch(ContextResult(levers, 32768, plan, 33000, 3), [], 4 * GIB, 131072, 1.0).as_json()
     assert found["flags"] == ("--activation_checkpointing_mode offload --tiled_mlp auto "
-                              "--activation_offload_max_pinned_gb 2.51 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                              "--activation_offload_max_pinned_gb 2.51 with "
+                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     flags = found["flags"].split(" with ")[0].split()
     cfg = parse_run_config(["--model_name", "tiny", "--enable_activation_checkpointing", *flags])
     assert offload_cap_bytes(cfg.checkpointing) >= pool

@@ -24,7 +24,8 @@ from leantune.precision import choose_precision
 
 def _lora_model(tiny_model_dir):
     torch.manual_seed(0)
-    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), parse_run_config(["--use_peft", "--lora_dropout", "0"]).peft)
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                        parse_run_config(["--use_peft", "--lora_dropout", "0"]).peft)
     for name, param in model.named_parameters():  # lora_B starts at zero: give it values, so its gradient shows
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)

@@ -323,7 +323,8 @@ def test_generate_takes_bfloat16_on_a_gpu_that_has_it_and_the_dtype_asked_for(mo
     generate.main(["--model_name", "m", "--prompt", "x", "--dtype", "float16"])
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     generate.main(["--model_name", "m", "--prompt", "x"])
-    assert loaded == [(torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.float16, "cuda"), (torch.float32, "cuda")]
+    assert loaded == [(torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.float16, "cuda"),
+                      (torch.float32, "cuda")]
     monkeypatch.setattr(generate, "run", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     assert generate.main(["--model_name", "m", "--chat"]) == 0  # leaving the --chat loop
 

@@ -121,7 +121,8 @@ def test_recompute_counts_in_hfu_only(tiny_model_dir):
     # needs is back, so less than the whole forward: here all but down_proj, 23,068,672 FLOPs)
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    layer_weights = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d + 3 * d * config.intermediate_size
+    layer_weights = (d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d
+                     + 3 * d * config.intermediate_size)
     layer_forward = 2 * layer_weights * SEQ + 2 * 2 * heads * SEQ * SEQ * head_dim
     down_proj = 2 * config.intermediate_size * d * SEQ
     assert layers * (layer_forward - down_proj) <= (full.hardware - full.model) * SEQ <= layers * layer_forward
@@ -149,8 +150,8 @@ def test_traced_flops_equal_flop_counter_mode_on_a_real_step(tiny_model_dir, fla
 def test_a_run_with_a_peak_records_mfu_and_hfu_per_step(tiny_model_dir, tmp_path):
     lines = []
     argv = ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "3", "--num_epochs",
-            "1", "--num_workers_dataloader", "0", "--run_validation", "false", "--save_metrics", "--save_model", "false",
-            "--enable_activation_checkpointing", "--peak_tflops", "1.0", "--output_dir", str(tmp_path)]
+            "1", "--num_workers_dataloader", "0", "--run_validation", "false", "--save_metrics", "--save_model",
+            "false", "--enable_activation_checkpointing", "--peak_tflops", "1.0", "--output_dir", str(tmp_path)]
     results = run(parse_run_config(argv), log=lines.append)
     assert any(line.startswith("mfu: against 1.0 TFLOP/s peak;") for line in lines)
     steps = json.loads((tmp_path / "metrics.json").read_text())["train_steps"]
@@ -170,8 +171,8 @@ def test_a_run_with_a_peak_records_mfu_and_hfu_per_step(tiny_model_dir, tmp_path
 
 def test_no_mfu_on_the_cpu_without_a_peak(tiny_model_dir, tmp_path):
     argv = ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "1", "--num_epochs",
-            "1", "--num_workers_dataloader", "0", "--run_validation", "false", "--save_metrics", "--save_model", "false",
-            "--output_dir", str(tmp_path)]
+            "1", "--num_workers_dataloader", "0", "--run_validation", "false", "--save_metrics", "--save_model",
+            "false", "--output_dir", str(tmp_path)]
     results = run(parse_run_config(argv), log=lambda _line: None)
     assert "mfu" not in json.loads((tmp_path / "metrics.json").read_text())["train_steps"][0]
     assert results["median_mfu"] is None

@@ -127,20 +127,23 @@ REAL_SHAPES = {  # full-size configs (built on the meta device only) of classes 
                                                        long_factor=[1.0] * 48))),
     "deepseek-v3": ("deepseek_v3", {}), "falcon-h1": ("falcon_h1", dict(lm_head_multiplier=0.5)),
     "gemma3-multimodal": ("gemma3", {}), "gemma3n": ("gemma3n_text", {}), "mixtral": ("mixtral", {}),
-    "granite4": ("granitemoehybrid", dict(logits_scaling=4.0)), "hyperclovax": ("hyperclovax", dict(logits_scaling=0.25)),
+    "granite4": ("granitemoehybrid", dict(logits_scaling=4.0)),
+    "hyperclovax": ("hyperclovax", dict(logits_scaling=0.25)),
     "gpt2": ("gpt2", {}), "cwm-strict-token-ids": ("cwm", {}),
 }
 
 
 @pytest.mark.parametrize("model_type, fields", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
 def test_real_shaped_configs_are_checked_at_their_own_size(model_type, fields):
-    """The check never shrinks the decoder (it stands in for it), so configs whose fields depend on their widths pass."""
+    """The check never shrinks the decoder (it stands in for it), so configs whose fields depend on their widths
+    pass."""
     from leantune.builders.own_loss import check_own_loss
     from leantune.models.facts import ModelFacts
 
     check = check_own_loss(TrainingConfig(), ModelFacts(AutoConfig.for_model(model_type, **fields)), sharded=False)
     assert check.loss_difference < 1e-5 and check.gradient_difference < 1e-4
-    assert (model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text")) != check.transform.is_identity
+    assert ((model_type in ("falcon_h1", "granitemoehybrid", "hyperclovax", "gemma3n_text"))
+            != check.transform.is_identity)
 
 
 def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(monkeypatch, family_dir):
@@ -153,8 +156,8 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
     cfg = parse_run_config(["--model_name", str(family_dir("llama")), "--attn_implementation", "flex_attention"])
     facts = run_model_facts(cfg.model, "cuda")
     asked = []
-    monkeypatch.setattr(builders_model, "load_model", lambda _cfg, _dtype, attention, *_quantized, **_config: asked.append(
-        attention) or 1 / 0)
+    monkeypatch.setattr(builders_model, "load_model",
+                        lambda _cfg, _dtype, attention, *_quantized, **_config: asked.append(attention) or 1 / 0)
     monkeypatch.setattr(builders_model, "meta_model", lambda _config, _dtype, cpu_stand_in=True: asked.append(
         cpu_stand_in) or 1 / 0)
     for on_meta in (False, True):
@@ -274,7 +277,8 @@ def _losses(out):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resume_reproduces_the_losses_on_every_family(family_dir, family, tmp_path):
-    """LoRA on every linear layer, dropout on, selective checkpointing: stopped at step 2 and resumed, steps 3-4 equal."""
+    """LoRA on every linear layer, dropout on, selective checkpointing: stopped at step 2 and resumed, steps 3-4
+    equal."""
     argv = ["--model_name", str(family_dir(family)), "--use_peft", "--lora_target_modules", "all-linear",
             "--lora_dropout", "0.1", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
             "selective_ops", "--max_train_step", "4", "--num_epochs", "1", "--context_length", "64", "--lr", "3e-3",

@@ -118,10 +118,10 @@ def test_checkpointing_gives_exactly_the_plain_gradients_with_the_routers_loss(m
 def test_a_run_logs_the_routers_loss_each_step_and_its_first_loss_is_the_models_own(moe_dir, tmp_path, write_jsonl):
     path = moe_dir("mixtral")
     data = write_jsonl([{"text": "The quick brown fox jumps over the lazy dog. " * 3}] * 8)
-    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path", str(data),
-            "--context_length", "48", "--batching_strategy", "padding", "--batch_size_training", "1", "--max_train_step",
-            "2", "--num_epochs", "1", "--run_validation", "false", "--num_workers_dataloader", "0", "--save_metrics",
-            "--save_model", "false", "--output_dir", str(tmp_path / "out")]
+    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path",
+            str(data), "--context_length", "48", "--batching_strategy", "padding", "--batch_size_training", "1",
+            "--max_train_step", "2", "--num_epochs", "1", "--run_validation", "false", "--num_workers_dataloader", "0",
+            "--save_metrics", "--save_model", "false", "--output_dir", str(tmp_path / "out")]
     lines: list[str] = []
     finetuning.run(parse_run_config(argv), log=lines.append)
     assert any("+ router load-balancing loss × 0.001 (4 experts, top 2" in line for line in lines
@@ -197,7 +197,8 @@ def _merged_by_hand(model) -> torch.nn.Module:
     merged = AutoModelForCausalLM.from_config(unwrap_model(model).config, dtype=torch.float32)
     state = {}
     for name, module in model.named_modules():
-        if type(module).__name__ == "Linear" and hasattr(module, "lora_A"):  # a linear layer's (Llama 4's shared expert)
+        # a linear layer's (Llama 4's shared expert)
+        if type(module).__name__ == "Linear" and hasattr(module, "lora_A"):
             lora = module.lora_B["default"].weight @ module.lora_A["default"].weight * module.scaling["default"]
             key = name.replace("base_model.model.", "") + ".weight"
             state[key] = (module.base_layer.weight + lora).detach()
@@ -403,7 +404,8 @@ def test_expert_lora_builds_no_merged_weight_and_frozen_experts_no_gradient(moe_
     weight_grads = []
     monkeypatch.setattr(ParamWrapper, "_activate_lora", lambda *_a: pytest.fail("peft merged an expert tensor"))
     original = experts.grouped_mm_weight_grad
-    monkeypatch.setattr(experts, "grouped_mm_weight_grad", lambda *a: weight_grads.append(original(*a)) or weight_grads[-1])
+    monkeypatch.setattr(experts, "grouped_mm_weight_grad",
+                        lambda *a: weight_grads.append(original(*a)) or weight_grads[-1])
     _, model, loss_model = _lora(moe_dir("qwen3_moe"), "all-linear")
     ids, labels = make_batch(model.config.vocab_size, seq=24)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -418,7 +420,8 @@ def test_the_moe_plan_equals_the_real_steps_count(moe_dir, family):
     from leantune.planning.fake_step import trace_step
 
     cfg = parse_run_config(["--model_name", str(moe_dir(family)), "--use_peft", "--lora_dropout", "0",
-                            "--lora_target_modules", "all-linear", "--batch_size_training", "2", "--context_length", "64"])
+                            "--lora_target_modules", "all-linear", "--batch_size_training", "2",
+                            "--context_length", "64"])
     config = run_model_facts(cfg.model).config
     for mode in ("none", "full"):
         predicted, measured = trace_step(cfg, config, CPU, mode), trace_step(cfg, config, CPU, mode, fake=False)
@@ -462,18 +465,20 @@ def test_accumulated_and_validation_router_losses_and_perplexity_of_the_cross_en
     shutil.copytree(moe_dir("qwen3_moe"), path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.5}))
-    texts = [{"text": "The quick brown fox jumps over the lazy dog." + " Again." * i} for i in range(8)]  # all lengths differ
+    # all lengths differ
+    texts = [{"text": "The quick brown fox jumps over the lazy dog." + " Again." * i} for i in range(8)]
     data = write_jsonl(texts)
-    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path", str(data),
-            "--context_length", "128", "--batching_strategy", "padding", "--batch_size_training", "2",
-            "--gradient_accumulation_steps", "2", "--max_train_step", "2", "--num_epochs", "1", "--val_fraction", "0.25",
-            "--val_batch_size", "2", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
+    argv = ["--model_name", str(path), "--output_router_logits", "--dataset", "custom_dataset", "--data_path",
+            str(data), "--context_length", "128", "--batching_strategy", "padding", "--batch_size_training", "2",
+            "--gradient_accumulation_steps", "2", "--max_train_step", "2", "--num_epochs", "1", "--val_fraction",
+            "0.25", "--val_batch_size", "2", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
             "--attn_implementation", "sdpa", "--lr", "1e-12", "--output_dir", str(tmp_path / "out")]
     lines: list[str] = []
     summary = finetuning.run(parse_run_config(argv), log=lines.append)
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     cfg = parse_run_config(argv)
-    train, val = RunData(cfg.data, cfg.training, load_tokenizer(cfg.model), log=lambda _line: None).loaders(cfg.training)
+    train, val = RunData(cfg.data, cfg.training, load_tokenizer(cfg.model),
+                         log=lambda _line: None).loaders(cfg.training)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     coefficient = model.config.router_aux_loss_coef
 
@@ -611,7 +616,7 @@ def test_4bit_experts_equal_a_model_holding_their_dequantized_weights(moe_dir, f
         return sum(p.numel() * p.element_size() for p in parts)
 
     total = sum(held(t) for t in tensors)
-    assert line.startswith(f"quantization: 4 fused expert tensors, ") and \
+    assert line.startswith("quantization: 4 fused expert tensors, ") and \
         f": {total / 2**20:,.1f} MiB, {total / (weights * 2):.3f} of their bfloat16 bytes;" in line
     cap = "256 MiB" if expert_chunks == "whole" else "0 MiB"  # one expert a chunk: a cap of 1 byte
     assert line.endswith(f"; dequantized at most {cap} of experts at a time for each matmul and again in backward, "
@@ -796,7 +801,8 @@ def test_the_grouped_matmuls_flops_are_counted():
 
 @pytest.mark.parametrize("transpose", [False, True])
 def test_the_4bit_grouped_operator_has_the_shape_and_dtype_on_meta_tensors(transpose):
-    """What a compiled or meta-device trace gets (its fake implementation): the rows by the oriented tensor's outputs."""
+    """What a compiled or meta-device trace gets (its fake implementation): the rows by the oriented tensor's
+    outputs."""
     from leantune.models import quantized_experts  # noqa: F401  (registers leantune::grouped_mm_4bit)
 
     meta = torch.device("meta")

@@ -43,7 +43,8 @@ def test_mutants_are_the_slips_it_claims_and_keep_every_line():
     mutants = mutants_of("toy.py", TOY)
     edits = {(m.unit, m.old, m.new) for m in mutants}
     assert {("clamp", "<", "<="), ("clamp", "x < low", "False"), ("clamp", "min", "max"),
-            ("clamp", "return low", "return None"), ("describe", "not ", ""), ("describe", "0 <= ", ""), ("describe", " <= LIMIT", ""),
+            ("clamp", "return low", "return None"), ("describe", "not ", ""), ("describe", "0 <= ", ""),
+            ("describe", " <= LIMIT", ""),
             ("describe", "-", "+"), ("describe", "\"small\"", "'small_x'"), ("describe", "+=", "="),
             ("describe", "print(x)", "pass"), ("describe", ", reverse=True", ""), ("describe", "True", "False"),
             ("<lambda>", "*", "/"), ("<lambda>", "2", "3")} <= edits

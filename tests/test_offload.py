@@ -26,7 +26,8 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def _offloaded(model, cap=64 * MiB):
-    apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, max_pinned_bytes=cap, streams=ImmediateStreams()))
+    apply_activation_checkpointing(model, OffloadCheckpointing(min_bytes=0, max_pinned_bytes=cap,
+                                                               streams=ImmediateStreams()))
     return model._leantune_checkpoint_policy.offloader
 
 
@@ -204,7 +205,8 @@ def test_copies_back_keep_at_most_the_two_layer_inputs_the_plan_assumes(four_lay
 
 # --------------------------------------------------------- dedup by storage
 def test_views_of_one_storage_share_one_host_copy():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, max_pinned_bytes=64 * MiB, streams=ImmediateStreams())
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=1024, max_pinned_bytes=64 * MiB,
+                                    streams=ImmediateStreams())
     base, small = torch.randn(64, 64), torch.randn(4)
     assert offloader.pack(small) is small  # under min_bytes: stays
     views = [base, base, base[8:40], base.t(), base[:, 3:7]]  # the last two are not contiguous
@@ -218,7 +220,8 @@ def test_views_of_one_storage_share_one_host_copy():
 
 
 def test_views_outside_the_copy_or_changed_since_get_their_own():
-    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=64 * MiB, streams=ImmediateStreams())
+    offloader = ActivationOffloader(torch.device("cpu"), min_bytes=0, max_pinned_bytes=64 * MiB,
+                                    streams=ImmediateStreams())
     base = torch.randn(64, 64)
     top, inside, bottom = (offloader.pack(v) for v in (base[:32], base[4:20], base[40:]))
     assert inside.copy is top.copy and bottom.copy is not top.copy
@@ -241,7 +244,8 @@ def test_the_cap_flag_reaches_the_policy():
     cfg = parse_run_config(OFFLOAD + ["--activation_offload_max_pinned_gb", "2.5"])
     assert cfg.checkpointing.activation_offload_max_pinned_gb == 2.5
     assert policy_from_config(cfg.checkpointing).max_pinned_bytes == int(2.5 * 2**30)
-    assert policy_from_config(parse_run_config(OFFLOAD).checkpointing).max_pinned_bytes is None  # the default, set by bind
+    # the default, set by bind
+    assert policy_from_config(parse_run_config(OFFLOAD).checkpointing).max_pinned_bytes is None
 
 
 @pytest.mark.parametrize("argv, message", [

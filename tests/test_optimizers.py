@@ -1,4 +1,5 @@
-"""``--optimizer`` and ``--pure_bf16``: what each optimizer keeps, how close it stays to AdamW, planned and resumed exactly."""
+"""``--optimizer`` and ``--pure_bf16``: what each optimizer keeps, how close it stays to AdamW, planned and resumed
+exactly."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def test_the_plan_of_anyprecision_equals_the_real_step(flags):
     cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64", *flags])
     predicted, measured = (trace_step(cfg, model_config("tiny"), CPU, "none", fake=fake) for fake in (True, False))
     assert predicted.peak_bytes == measured.peak_bytes and predicted.breakdown == measured.breakdown
-    adamw = trace_step(parse_run_config(["--model_name", "tiny", "--batch_size_training", "2", "--context_length", "64"]),
+    adamw = trace_step(parse_run_config(["--model_name", "tiny", "--batch_size_training", "2",
+                                         "--context_length", "64"]),
                        model_config("tiny"), CPU, "none")
 
     def model_state(trace):  # weights, gradients and optimizer state

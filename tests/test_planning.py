@@ -172,7 +172,8 @@ def _tiny_lora_params():
     from leantune.models.loading import attach_lora
     from leantune.models.facts import meta_model
 
-    return list(attach_lora(meta_model(model_config("tiny"), torch.float32), flags("--use_peft").peft).named_parameters())
+    return list(attach_lora(meta_model(model_config("tiny"), torch.float32),
+                            flags("--use_peft").peft).named_parameters())
 
 
 def test_offload_is_derived_from_full_on_a_gpu_and_refused_on_the_cpu():
@@ -514,7 +515,8 @@ def test_the_step_two_check_under_fsdp_compares_with_one_ranks_plan():
         expected, offload = whole, "--fsdp_cpu_offload" in extra
         if extra:
             expected = per_rank(whole, world, sharding_shapes(cfg, config, CUDA, world, offload), offload)
-        share = RankShare(lambda: sharding_shapes(cfg, config, CUDA, world, offload), world, offload)
+        # the lambda runs within this iteration (predicted_peak below reads it): no late binding
+        share = RankShare(lambda: sharding_shapes(cfg, config, CUDA, world, offload), world, offload)  # noqa: B023
         traces = StepTraces(share=share if extra else None)  # as a run builds it
         predicted, reserved = Planner(config, CUDA, None, traces, lambda _: None).predicted_peak(MemoryPlan(cfg))
         assert predicted == expected.traced_peak_bytes + expected.cublas_workspace_bytes
@@ -726,7 +728,8 @@ def test_shared_traces_answer_what_fresh_traces_would():
     peaks.add(traces.get(one, model_config("small"), CPU, "full").peak_bytes)
     assert len(peaks) == 6  # every one a different step
     budget = 40 * MIB
-    assert largest_batch(one, config, CPU, "full", budget, StepTraces()) == largest_batch(one, config, CPU, "full", budget)
+    assert (largest_batch(one, config, CPU, "full", budget, StepTraces())
+            == largest_batch(one, config, CPU, "full", budget))
     # keyed by what the model config says, not by which object holds it
     assert traces.get(one, model_config("tiny"), CPU, "full") is traces.get(one, config, CPU, "full")
     shallower = model_config("tiny")

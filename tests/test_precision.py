@@ -52,8 +52,8 @@ def _cfg(flags, lora):
 
 
 @pytest.mark.parametrize("device, bf16, flags, lora, expected", TABLE,
-                         ids=[f"{d.type}-bf16{b}-{'_'.join(f) or 'default'}-{'lora' if l else 'full'}"
-                              for d, b, f, l, _ in TABLE])
+                         ids=[f"{d.type}-bf16{b}-{'_'.join(f) or 'default'}-{'lora' if lora else 'full'}"
+                              for d, b, f, lora, _ in TABLE])
 def test_precision_table(device, bf16, flags, lora, expected):
     precision = run_precision(_cfg(flags, lora), device, bf16_supported=bf16)
     assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == expected

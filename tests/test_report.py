@@ -23,7 +23,8 @@ def _train(tiny_model_dir, out, *flags):
     lines = []
     argv = ["--model_name", str(tiny_model_dir), "--context_length", "128", "--max_train_step", "6", "--num_epochs",
             "2", "--val_fraction", "0.99", "--max_eval_step", "2", "--num_workers_dataloader", "0", "--save_metrics",
-            "--save_model", "false", "--enable_memory_monitoring", "--peak_tflops", "1.0", "--output_dir", str(out), *flags]
+            "--save_model", "false", "--enable_memory_monitoring", "--peak_tflops", "1.0", "--output_dir", str(out),
+            *flags]
     run(parse_run_config(argv), log=lines.append)
     return lines
 

@@ -22,7 +22,8 @@ def base_flags(tiny_model_dir, tmp_path_factory) -> list[str]:
     """The tiny model on 40 short records (tokenized in milliseconds): 2 packed batches of 5 x 128 per epoch."""
     path = tmp_path_factory.mktemp("data") / "records.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Reverse the letters of word {i}: ",
-                                        "completion": f"{'abcdefghij'[i % 10::-1]} and more text number {i * 7}"}) + "\n"
+                                        "completion": f"{'abcdefghij'[i % 10::-1]} and more text number "
+                                                      f"{i * 7}"}) + "\n"
                             for i in range(40)))
     return ["--model_name", str(tiny_model_dir), "--dataset", "custom_dataset", "--data_path", str(path),
             "--val_fraction", "0", "--run_validation", "false", "--context_length", "128", "--batch_size_training", "5",
@@ -35,7 +36,8 @@ def train(base_flags):
         lines: list[str] = []
         cfg = parse_run_config([*base_flags, "--output_dir", str(out), *flags])
         results = finetuning.run(cfg, log=lines.append)
-        assert any(line.endswith("2 batches of 5 x 128 (packing, examples apart) per epoch") for line in lines), lines[0]
+        assert any(line.endswith("2 batches of 5 x 128 (packing, examples apart) per epoch")
+                   for line in lines), lines[0]
         return results, lines
 
     return run
@@ -68,7 +70,7 @@ def test_weight_decay_shrinks_every_weight_by_lr_times_wd(train, tiny_model_dir,
     assert weights[0.0].keys() == weights[wd].keys() == start.keys()
     for name, begin in start.items():
         torch.testing.assert_close(weights[wd][name], weights[0.0][name] - lr * wd * begin, rtol=2e-6, atol=1e-7,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m: f"{name}: {m}")  # noqa: B023 - called in this iteration
 
     name = "model.embed_tokens.weight"
     untouched = (weights[0.0][name] == start[name]).all(dim=1)  # rows whose tokens the batch did not hold
@@ -119,7 +121,8 @@ def test_an_output_dir_that_cannot_be_created_is_a_config_error(tiny_model_dir, 
     code = finetuning.main(["--model_name", str(tiny_model_dir), "--output_dir", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err == f"leantune: error: --output_dir {out}: cannot create it (Not a directory); pick a writable directory\n"
+    assert err == (f"leantune: error: --output_dir {out}: cannot create it (Not a directory); pick a writable "
+                   "directory\n")
     assert (tmp_path / "a_file").read_text() == "x"
 
 

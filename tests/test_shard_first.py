@@ -298,7 +298,8 @@ def test_a_streamed_file_starts_its_data_8_byte_aligned_and_loads_as_written(tmp
     assert read_header(path)[0]["__metadata__"] == {"format": "pt", "total": "1"}
     for wrong in (torch.zeros(3, 5, dtype=torch.float64), torch.zeros(5, 3)):  # made unlike its layout: refused
         with pytest.raises(ValueError, match=r"made torch.float\d+ \[\d, \d\], laid out torch.float32 \[3, 5\]"):
-            write_streamed(path, layout, lambda name: wrong if name.startswith("w") else tensors[name])
+            # the lambda runs within write_streamed, in this iteration: no late binding
+            write_streamed(path, layout, lambda name: wrong if name.startswith("w") else tensors[name])  # noqa: B023
 
 
 def test_a_weight_stored_transposed_or_modules_kept_in_float32_under_bf16_load_whole(tiny_model_dir, tmp_path):

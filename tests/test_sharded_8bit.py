@@ -35,7 +35,8 @@ def _sharded_weights(seed: int = 0) -> torch.nn.Module:
 
 
 def _layout(optimizer, params) -> list[dict]:
-    return [{key: (tuple(value.shape), value.dtype) for key, value in optimizer.state[p].items() if torch.is_tensor(value)}
+    return [{key: (tuple(value.shape), value.dtype) for key, value in optimizer.state[p].items()
+             if torch.is_tensor(value)}
             for p in params]
 
 
@@ -75,7 +76,8 @@ def test_each_shard_keeps_the_layout_the_planner_counts_and_steps_as_the_whole_w
 
 
 def _scales_counted(state: dict) -> dict:
-    return {key: (math.prod(shape) if key.startswith("absmax") else shape, dtype) for key, (shape, dtype) in state.items()}
+    return {key: (math.prod(shape) if key.startswith("absmax") else shape, dtype)
+            for key, (shape, dtype) in state.items()}
 
 
 @pytest.mark.parametrize("saved, now", [(["--enable_fsdp"], []), ([], ["--enable_fsdp"])])
@@ -101,7 +103,8 @@ def test_the_plan_of_a_sharded_run_counts_the_layout_its_shards_keep(tiny_model_
     config = AutoConfig.from_pretrained(tiny_model_dir)
     argv = ["--model_name", str(tiny_model_dir), "--batch_size_training", "1", "--context_length", "64",
             "--optimizer", "adamw_8bit"]
-    one, sharded = (trace_step(parse_run_config(flags), config, torch.device("cpu"), "none").breakdown["optimizer_state"]
+    one, sharded = (trace_step(parse_run_config(flags), config, torch.device("cpu"),
+                               "none").breakdown["optimizer_state"]
                     for flags in (argv, [*argv, "--enable_fsdp"]))
     trained = sum(p.numel() for p in torch.nn.Module.parameters(_meta_model(config)))
     assert sharded == 8 * trained and one < sharded / 3

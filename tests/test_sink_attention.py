@@ -74,7 +74,9 @@ def test_sinks_keep_no_score_matrix(moe_dir):
         ids, _ = _batch(model.config.vocab_size, length)
         sizes = []
         with StorageTracker() as tracker:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t, lambda t: t):
+            # the hooks run within this iteration's forward: no late binding
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(tuple(t.shape)) or t,  # noqa: B023
+                                                          lambda t: t):
                 model(input_ids=ids)
         peaks[attention] = tracker.peak_bytes
         heads = model.config.num_attention_heads
@@ -106,7 +108,8 @@ def test_a_gpus_causal_mask_is_the_cpus_without_being_built_and_a_given_mask_gai
     from leantune.models.sink_attention import _with_sink_column
 
     built = _with_sink_column(None, 5, 7, torch.device("cpu"))
-    assert built.dtype == torch.bool and built.tolist()[0] == [True, True, True, False, False, False, False]  # the sink, then keys 0..i
+    # the sink, then keys 0..i
+    assert built.dtype == torch.bool and built.tolist()[0] == [True, True, True, False, False, False, False]
     lazy = _with_sink_column(None, 5, 7, torch.device("cuda"))  # a CausalBias: no CUDA needed to make one
     assert torch.equal(lazy._materialize(torch.device("cpu")), built)
     boolean = torch.tensor([[[[False, True], [True, True]]]])
@@ -126,7 +129,7 @@ def test_on_a_gpu_sinks_run_a_fused_kernel_in_bfloat16_near_eager(moe_dir):
         ids, mask = (t.cuda() for t in _batch(model.config.vocab_size, 256))
         shapes = []
         with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):  # noqa: B023 - called in this iteration
             losses[attention] = float(model(input_ids=ids, attention_mask=mask, labels=ids).loss.detach())
         kept[attention] = [s for s in shapes if len(s) == 4 and s[2] == 256 and s[3] >= 256]
     assert kept["eager"] and not kept[NAME]

@@ -86,7 +86,8 @@ def _rank_saves_and_restores_its_own_rng(rank: int, world: int, store_path: str,
             torch.rand(5), random.random(), numpy.random.rand()
         layer = torch.nn.Linear(2, 2)
         optimizer = torch.optim.AdamW(layer.parameters())
-        parts = StateParts(_Saves(), True, _Saves(), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1),
+        parts = StateParts(_Saves(), True, _Saves(), optimizer,
+                           torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1),
                            None, layer, DistContext(rank=rank, world_size=world))
         state = TrainingStateStore(root, log=lambda _: None)
         state.save(1, parts, {"global_step": 1})

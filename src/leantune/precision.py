@@ -2,8 +2,8 @@
 
 The three are decided together, in ``choose_precision``, so they cannot disagree: frozen LoRA base
 weights are stored in bfloat16 under bf16 autocast and stay float32 under ``--use_fp16`` (an fp16
-base would overflow in the residual stream), never bf16 weights under an fp16 autocast. The device's bf16 capability is an
-argument, so every combination is testable without a GPU.
+base would overflow in the residual stream), never bf16 weights under an fp16 autocast. The device's
+bf16 capability is an argument, so every combination is testable without a GPU.
 """
 
 from __future__ import annotations
@@ -129,4 +129,5 @@ def choose_precision(mc: ModelConfig, tc: TrainingConfig, peft: PeftSettings, de
                           "loss-scaled (GradScaler refuses float16 gradients); use --model_dtype auto with --use_fp16")
     trained = " (the trained parts in float32)" if peft.freeze_LLM_only and explicit is None and \
         weights is torch.bfloat16 else ""
-    return Precision(device, weights, compute, scaling, f"{note}, {str(weights).removeprefix('torch.')} weights{trained}")
+    return Precision(device, weights, compute, scaling,
+                     f"{note}, {str(weights).removeprefix('torch.')} weights{trained}")

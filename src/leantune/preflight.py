@@ -4,7 +4,8 @@ Flag values are checked by the config dataclasses as they are parsed; what needs
 or the model's config is checked here, before the memory plan, the data and the weights load:
 the output directory, the training state to resume, the context length against the model's
 positions, the LoRA target modules against the model's layers, the decoder layers that
-checkpointing needs, the optimizer's library and device, and that leantune's loss is the model's own (``builders.own_loss``).
+checkpointing needs, the optimizer's library and device, and that leantune's loss is the model's
+own (``builders.own_loss``).
 """
 
 from __future__ import annotations
@@ -160,6 +161,6 @@ def check_model_shape(cfg: RunConfig, device_type: str = "cpu") -> ModelFacts:
         facts.check_checkpointable()
     layers = text_config(facts.config).num_hidden_layers
     if cfg.peft.freeze_layers and cfg.peft.num_freeze_layers > layers:
-        raise ConfigError(f"--num_freeze_layers {cfg.peft.num_freeze_layers}: {facts.architecture} has {layers} decoder "
-                          f"layers; freeze at most {layers}")
+        raise ConfigError(f"--num_freeze_layers {cfg.peft.num_freeze_layers}: {facts.architecture} has {layers} "
+                          f"decoder layers; freeze at most {layers}")
     return facts

@@ -110,7 +110,8 @@ class RunData:
         self.collate = None if collator is None else CollatedBatches(collator, data.context_length, images_needed,
                                                                      _image_token_ids(processor))
         if self.collate is None:
-            self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed, validation=tc.run_validation,
+            self.train_examples, self.val_examples = build_datasets(data, tokenizer, tc.seed,
+                                                                    validation=tc.run_validation,
                                                                     log=log, processor=processor)
             return
         if data.batching_strategy == "packing":

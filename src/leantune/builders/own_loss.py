@@ -72,7 +72,8 @@ class OwnLossCheck:
     def summary_line(self) -> str:
         after = "its base, given a pixel batch," if self.images else "the decoder"
         return (f"loss check: {self.architecture}'s own loss reproduced, its forward after {after} run on a "
-                f"stand-in ({_applied(self.transform, self.router_loss, why=False)}; loss {self.loss_difference:.0e}, gradients "
+                f"stand-in ({_applied(self.transform, self.router_loss, why=False)}; "
+                f"loss {self.loss_difference:.0e}, gradients "
                 f"{self.gradient_difference:.0e} relative, {self.seconds:.2f} s)")
 
 
@@ -88,7 +89,8 @@ class StandInDecoder(torch.nn.Module):
         spread = torch.logspace(-0.7, 0.9, VOCAB)[torch.randperm(VOCAB, generator=generator)]
         self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
         self.unexpected: list[str] = []  # what the class's forward handed it that leantune's path would not
-        self.images: dict = {}  # the image inputs the check passes (an image-and-text class must hand them on as they are)
+        # the image inputs the check passes (an image-and-text class must hand them on as they are)
+        self.images: dict = {}
         self.passed_on: dict = {}  # what the class may hand on as it is (its labels: Gemma 3's base takes them)
         self.takes_labels = False  # whether the base it stands in for names labels among its inputs
         with torch.no_grad():
@@ -153,7 +155,7 @@ def small_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
 
 def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
     """Put ``new`` where ``old`` sits in ``model`` (under every name that holds it)."""
-    for name, module in list(model.named_modules(remove_duplicate=False)):
+    for _name, module in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(module.named_children()):
             if child is old:
                 setattr(module, child_name, new)
@@ -239,7 +241,8 @@ def check_own_loss(tc: TrainingConfig, facts: ModelFacts, *, sharded: bool, imag
 
 def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generator: torch.Generator,
              started: float, images: bool = False) -> OwnLossCheck:
-    ids, labels, mask = _batch(generator, routed=bool(getattr(text_config(model.config), "output_router_logits", False)))
+    ids, labels, mask = _batch(generator,
+                               routed=bool(getattr(text_config(model.config), "output_router_logits", False)))
     stand_in = image_text_base(model) if images else decoder_of(model)
     architecture, images = type(model).__name__, _image_inputs(stand_in, generator, labels) if images else {}
     try:
@@ -252,7 +255,8 @@ def _compare(tc: TrainingConfig, sharded: bool, model: torch.nn.Module, generato
                               f"check leantune's loss against it ({type(err).__name__}: {str(err)[:300]}); leantune "
                               "refuses a model whose loss it cannot check") from None
     if stand_in.unexpected:
-        raise OwnLossMismatch(f"{architecture}: its forward hands its decoder {', '.join(sorted(set(stand_in.unexpected)))}, "
+        raise OwnLossMismatch(f"{architecture}: its forward hands its decoder "
+                              f"{', '.join(sorted(set(stand_in.unexpected)))}, "
                               "which leantune's path (the decoder on the token ids alone) does not; leantune refuses "
                               "a model whose loss it cannot reproduce")
     transform = ours_model.loss_fn.transform

@@ -30,7 +30,8 @@ class CheckpointPolicy:
     use_reentrant: bool = False
     # What the rest of leantune reads about a mode, declared once here (see ``leantune.checkpointing.modes``):
     name: ClassVar[str] = "full"
-    summary: ClassVar[str] = "recompute every decoder layer"  # the mode's part of --activation_checkpointing_mode's help
+    # the mode's part of --activation_checkpointing_mode's help
+    summary: ClassVar[str] = "recompute every decoder layer"
     supports_reentrant: ClassVar[bool] = True  # selective checkpointing and offload hooks need the non-reentrant kind
     planned: ClassVar[bool] = True  # in `leantune plan`'s table and among auto's candidates
     gpu_only: ClassVar[bool] = False  # planned (and trained) only with an accelerator
@@ -261,7 +262,8 @@ class LayerMix(CheckpointPolicy):
     def bind(self, model: torch.nn.Module, device: Optional[torch.device] = None) -> "LayerMix":
         count = len(decoder_layers(model))
         if len(self.layers) != count:
-            raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, the model has {count}")
+            raise ValueError(f"--activation_checkpointing_layers names {len(self.layers)} layers, "
+                             f"the model has {count}")
         return replace(self, recomputed=mark_recomputed_linears(model) if "selective_ops" in self.layers else None)
 
     def selects_layer(self, index: int) -> bool:

@@ -7,7 +7,8 @@ shrinks from its top): on the CPU the process's peak grows by whatever the step'
 fragment (462 MiB of 2,090 at 8,192 tokens in docs/long_context.md). Fixing the threshold at
 1 MiB keeps every tensor of that size in its own mapping, unmapped when freed, at the cost of a
 page fault per page touched afresh (8% of that CPU step, but 65% of the tiny quickstart's at 512
-tokens, whose tensors are small and many: ``auto`` turns it on for long rows only). The setting is the process's from then
+tokens, whose tensors are small and many: ``auto`` turns it on for long rows only). The setting is
+the process's from then
 on (forked data-loader workers inherit it); ``off`` leaves glibc's as the process found it. A GPU
 run keeps glibc's default unless asked: its tensors are on the device, and pinned host memory
 comes from CUDA, not from malloc.

@@ -5,7 +5,8 @@ module, so parameter names, saved states, PEFT and FSDP2 see the model they saw 
 Face (transformers 5.25, as tested) checkpoints a layer's ``forward`` inside that call, so the compiled graph
 holds the checkpoint too (older releases checkpointed around ``__call__``, outside what
 ``nn.Module.compile`` compiles: the recompute would run eagerly around an opaque compiled layer,
-so such a layer is refused with checkpointing on, ``check_checkpoint_inside``): full and every-N recompute inside it, and selective_ops' policy is traced (its
+so such a layer is refused with checkpointing on, ``check_checkpoint_inside``): full and every-N
+recompute inside it, and selective_ops' policy is traced (its
 decisions read the op alone, ``leantune.checkpointing.selective``). The layers share their code,
 so one graph serves every layer alike (a checkpointed and an uncheckpointed layer, or training
 and validation, make one each).

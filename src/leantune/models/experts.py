@@ -52,7 +52,8 @@ def kernel_fits(device_type: str, dtype: torch.dtype, shape: torch.Size) -> bool
 
 @torch.library.custom_op("leantune::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``x`` [S, in] (rows sorted by expert; ``offsets``: each expert's cumulative end) times ``weight`` [E, in, out]."""
+    """``x`` [S, in] (rows sorted by expert; ``offsets``: each expert's cumulative end) times ``weight``
+    [E, in, out]."""
     x = x.to(weight.dtype)
     if _native(x, weight):
         return torch.nn.functional.grouped_mm(x, weight, offs=offsets.to(torch.int32))

@@ -204,7 +204,7 @@ def run_model_facts(mc: ModelConfig, device_type: str = "cpu", compiled: bool = 
     facts = ModelFacts(with_attention(config, resolve_attention(config, mc.attn_implementation, device_type,
                                                                 compiled=compiled)))
     try:
-        facts.shape  # built now: a model transformers cannot build is refused before any weight loads
+        facts.shape  # noqa: B018 - built now: a model transformers cannot build is refused before any weight loads
     except Exception as err:  # noqa: BLE001 - a missing package (timm), a config transformers cannot follow, ...
         raise ModelLoadError(f"cannot build {type(config).__name__}'s model from {mc.model_name!r} "
                              f"({type(err).__name__}: {err})") from None

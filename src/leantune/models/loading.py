@@ -220,7 +220,8 @@ def describe_lora(model: torch.nn.Module) -> Optional[str]:
     wrapped = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     routers = [name for name, module in model.named_modules() if is_router(module)]
-    line = f"lora: r {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on modules {modules or '-'}"
+    line = (f"lora: r {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on modules "
+            f"{modules or '-'}")
     if parameters:
         line += f" and parameters {', '.join(parameters)} (each expert its own low-rank pair)"
     line += f": {wrapped} places, {trainable:,} trainable parameters"

@@ -74,8 +74,8 @@ def load_adapter(run_dir: Path) -> tuple[dict, LoraPairs]:
 def _refuse_what_is_not_plain_lora(config: dict) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeRefused(f"the adapter is {config['peft_type']}, not LoRA: merge it with peft's merge_and_unload")
-    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
-                      ("modules_to_save", "modules_to_save")):
+    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"),
+                      ("alpha_pattern", "per-module alphas"), ("modules_to_save", "modules_to_save")):
         if config.get(key):
             raise MergeRefused(f"the adapter uses {what} ({key}), which leantune merge does not fold: merge it with "
                                "peft's merge_and_unload")

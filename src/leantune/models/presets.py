@@ -134,11 +134,13 @@ def model_config(name: str):
     try:
         source = resolve_model_path(name)
     except ModelLoadError as err:
-        raise ModelShapeError(f"{err}; or use a preset: {', '.join([*PRESETS, *MOE_PRESETS, *VISION_PRESETS])}") from None
+        raise ModelShapeError(f"{err}; or use a preset: "
+                              f"{', '.join([*PRESETS, *MOE_PRESETS, *VISION_PRESETS])}") from None
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
         where = "local directory" if Path(source).is_dir() else "hub id"
         raise ModelShapeError(
             f"--model_name {name}: no model shape found ({where}: {str(err).splitlines()[0]}). Use a preset "
-            f"({', '.join([*PRESETS, *MOE_PRESETS, *VISION_PRESETS])}), a known hub id, or a directory with a config.json") from None
+            f"({', '.join([*PRESETS, *MOE_PRESETS, *VISION_PRESETS])}), a known hub id, or a directory with a "
+            "config.json") from None

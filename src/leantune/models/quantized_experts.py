@@ -8,7 +8,8 @@ published shape does), with double quantization as ``--use_double_quant`` says, 
 Linear does.
 
 A quantized tensor is a frozen parameter holding the packed bytes, with its ``quant_state`` (what
-bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_grouped_mm``) dequantizes a few experts at a time (``EXPERT_CHUNK_BYTES``), runs them over
+bitsandbytes' own 4-bit Linear reads too). Its projection (``dequantized_grouped_mm``) dequantizes a
+few experts at a time (``EXPERT_CHUNK_BYTES``), runs them over
 their rows and drops them; backward dequantizes them again rather than keep them, so at most one
 chunk of 16-bit experts exists at a time, in forward, recompute and backward alike (a whole layer's
 tensor is 2.5 GiB in bfloat16 for Llama 4 Scout). The sorted rows' split among the chunks is read
@@ -276,7 +277,7 @@ def offload_experts(model: torch.nn.Module, layers: int) -> None:
         raise ConfigError(f"--offload_experts {layers}: this model has {len(owners)} layers of experts; at most "
                           f"{len(owners)}")
     for module in owners[:layers]:
-        for name, param in list(module.named_parameters(recurse=False)):
+        for _name, param in list(module.named_parameters(recurse=False)):
             if quant_state_of(param) is None:
                 continue
             if param.device.type != "cpu":  # the planner's fake bytes are on the host already

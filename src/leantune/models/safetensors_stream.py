@@ -24,7 +24,8 @@ NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """The header of ``path`` (tensor name -> dtype, shape, data_offsets; ``__metadata__``) and where the data begins."""
+    """The header of ``path`` (tensor name -> dtype, shape, data_offsets; ``__metadata__``) and where the data
+    begins."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))

@@ -11,7 +11,8 @@ from leantune.models.tiny import FAMILIES, MOE_FAMILIES, TINY_SHAPE, make_tiny_m
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="leantune make-tiny-model", description=__doc__.splitlines()[0].replace("``", ""))
+    parser = argparse.ArgumentParser(prog="leantune make-tiny-model",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("dir", help="output directory (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--family", choices=[*FAMILIES, *MOE_FAMILIES], default="llama",

@@ -4,7 +4,8 @@ bitsandbytes' ``AdamW8bit`` keeps each moment of a weight of at least ``MIN_8BIT
 as uint8 codes (one byte an element) plus a float32 scale per ``BLOCK`` elements, and both moments
 of a smaller weight in float32; one 256-entry float32 code book per moment is shared by all
 weights. Its step updates weight and moments in place: one kernel on CUDA; on the CPU (0.50)
-float32 temporaries of the weight stepped (about 24 bytes an element, measured). ``PagedAdamW8bit`` is the same with the 8-bit moments of weights of at least
+float32 temporaries of the weight stepped (about 24 bytes an element, measured). ``PagedAdamW8bit``
+is the same with the 8-bit moments of weights of at least
 ``PAGED_MIN_SIZE`` elements in CUDA unified memory, which the driver moves to the host when the
 device runs short; their scales, the code books and small weights' moments stay in device memory.
 

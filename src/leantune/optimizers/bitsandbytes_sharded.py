@@ -118,7 +118,8 @@ def _placed(value, param, keep_dtype: bool, move: bool):
 
 
 def _block_scales(param: DTensor) -> DTensor:
-    """Zero scales for ``param``'s blocks: ``rows x (row / BLOCK)``, each rank holding its rows' (those of its shard)."""
+    """Zero scales for ``param``'s blocks: ``rows x (row / BLOCK)``, each rank holding its rows' (those of its
+    shard)."""
     rows, row = param.shape
     local = torch.zeros(param.to_local().shape[0], row // BLOCK, dtype=torch.float32, device=param.device)
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,

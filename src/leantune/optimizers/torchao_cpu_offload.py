@@ -167,8 +167,8 @@ register(OptimizerEntry(
 register(OptimizerEntry(
     name="adamw_cpu_offload_gradients",
     summary="torchao's CPU-offloaded AdamW with its gradients offloaded too, also --offload_gradients (each large "
-            "weight's GPU gradient is freed in backward once copied to the host, so the full set never waits on the GPU; "
-            "one batch a step; CUDA only)",
+            "weight's GPU gradient is freed in backward once copied to the host, so the full set never waits on the "
+            "GPU; one batch a step; CUDA only)",
     build=functools.partial(offloaded_adamw, offload_gradients=True),
     stand_in=lambda groups, *, lr, weight_decay, device_type: OffloadedGradientsStandIn(groups, lr, weight_decay),
     **_TORCHAO_ON_CUDA,

@@ -87,7 +87,8 @@ def confirm_batch(run_plan: MemoryPlan, config, device: torch.device, run_step: 
     batch = cfg.training.batch_size_training
     try:
         needed = max(run_step(batch) + plan.optimizer_state_bytes, plan.optimizer_step_peak_bytes)
-        problem = None if needed <= budget else f"needed {format_bytes(needed)} (predicted {format_bytes(plan.peak_bytes)})"
+        problem = (None if needed <= budget
+                   else f"needed {format_bytes(needed)} (predicted {format_bytes(plan.peak_bytes)})")
     except torch.OutOfMemoryError:
         problem = "ran out of memory"
     if problem is None:

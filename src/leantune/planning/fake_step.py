@@ -124,7 +124,8 @@ def fake_placer(mode: FakeTensorMode):
                     elif is_quantized_weight(param):  # packed by bitsandbytes' own code, on a fake weight
                         done[id(param)] = fake_quantized_weight(param, lambda t: convert(mode, t, CPU), mode)
                     else:
-                        done[id(param)] = torch.nn.Parameter(convert(mode, param, CPU), requires_grad=param.requires_grad)
+                        done[id(param)] = torch.nn.Parameter(convert(mode, param, CPU),
+                                                             requires_grad=param.requires_grad)
                     module._parameters[name] = done[id(param)]
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:

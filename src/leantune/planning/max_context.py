@@ -4,7 +4,8 @@ Each combination of the levers the flags leave open is searched (``lever_choices
 checkpointing mode (``full``, and on a GPU ``offload``, whose pinned pool is sized for every layer
 input unless ``--activation_offload_max_pinned_gb`` caps it) and, on a GPU, the caching
 allocator's expandable segments; the tiled MLP as ``--tiled_mlp`` says (``auto``: on at long
-context), and off at the end if the winner fits without it. With no S x S tensor on the path (``varlen`` attention) every byte of a
+context), and off at the end if the winner fits without it. With no S x S tensor on the path
+(``varlen`` attention) every byte of a
 step grows linearly with the context, so two traces at short contexts give a line; the context
 where that line meets the budget is then traced itself, and the search steps down (or up) by the
 line until the longest fitting multiple of ``CONTEXT_STEP`` is bracketed. The combination with the
@@ -69,7 +70,8 @@ class ContextSearch:
         return self.best.max_context
 
     def as_json(self) -> dict:
-        return {"max_context": self.max_context, "levers": self.best.levers, "flags": describe_levers(self.best.levers, self.best.plan), "plan": self.best.as_json()["plan"],
+        return {"max_context": self.max_context, "levers": self.best.levers,
+                "flags": describe_levers(self.best.levers, self.best.plan), "plan": self.best.as_json()["plan"],
                 "memory_allows": self.best.memory_allows, "position_limit": self.position_limit,
                 "budget_gib": self.budget_bytes / GIB, "search_seconds": round(self.seconds, 1),
                 "tried": [r.as_json() for r in self.tried]}
@@ -118,7 +120,8 @@ def find_max_context(cfg: RunConfig, config, target: torch.device, budget: int,
     best = best_of(results)
     untiled = _without_tiling(cfg, config, target, budget, traces, best)
     if untiled is not None:
-        log(f"  {describe_levers(untiled.levers, untiled.plan)}: fits {untiled.max_context:,} tokens too, with less compute")
+        log(f"  {describe_levers(untiled.levers, untiled.plan)}: fits {untiled.max_context:,} tokens too, "
+            "with less compute")
         results.append(untiled)
         best = untiled
     return ContextSearch(best, results, budget, limit, time.perf_counter() - started)

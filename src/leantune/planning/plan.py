@@ -23,7 +23,7 @@ from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES
 from leantune.models.facts import check_context_length, text_config
 from leantune.models.image_inputs import planned_image
-from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, target_precision, traced
+from leantune.planning.fake_step import StepTrace, StepTraces, run_config_for_mode, traced
 
 GIB = 2**30
 MIB = 2**20
@@ -51,8 +51,8 @@ EXTRA_SOURCES = {
                          "NCCL_BUFFSIZE and NCCL_NVLS_ENABLE change it); outside torch.cuda.max_memory_reserved",
     "fragmentation_bytes": "allocator segments beyond the allocations: the caching allocator's 2 MiB / 20 MiB segments "
                            "(or expandable segments' pages, as PYTORCH_CUDA_ALLOC_CONF sets) replayed over the traced "
-                           "step's allocations and frees; under FSDP 10% of the step's activations, loss and temporaries "
-                           "(assumed)",
+                           "step's allocations and frees; under FSDP 10% of the step's activations, loss and "
+                           "temporaries (assumed)",
 }
 
 

@@ -66,15 +66,17 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
     text = text_config(config)  # a composite (image and text) config: its language model's
     image = planned_image(config) if plans_images(cfg.data, config) else None
     images = f"; {image.description} (its tokens within the context)" if image is not None else ""
+    accumulation = cfg.training.gradient_accumulation_steps
     return (f"plan: {cfg.model.model_name} ({text.num_hidden_layers} layers, hidden {text.hidden_size}), {kind}, "
             f"batch {cfg.training.batch_size_training} x {cfg.data.context_length}"
-            f"{f', {cfg.training.gradient_accumulation_steps} batches per step' if cfg.training.gradient_accumulation_steps > 1 else ''}"
+            f"{f', {accumulation} batches per step' if accumulation > 1 else ''}"
             f", for {'a GPU' if target.type == 'cuda' else 'the CPU'} ({precision}){images}")
 
 
 COMPILE_NOTE = ("note: --compile: planned as the eager step (compiled graphs are not traced on fake tensors). "
                 "Compiled layers kept 0.76-1.00 of eager's activations in every case measured on the CPU "
-                "(benchmarks/compile.py, docs/compile.md), so the plan is an upper bound there; on a GPU not yet measured")
+                "(benchmarks/compile.py, docs/compile.md), so the plan is an upper bound there; on a GPU not yet "
+                "measured")
 
 
 def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePlan], budget: Optional[int],

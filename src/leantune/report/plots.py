@@ -17,7 +17,8 @@ from leantune.io import atomic_write_text
 
 MIB_PER_GIB = 1024
 BREAKDOWN = (("parameter_mib", "parameters"), ("gradient_mib", "gradients"),
-             ("optimizer_state_mib", "optimizer state"), ("activations_and_temporaries_peak_mib", "activations + temporaries"))
+             ("optimizer_state_mib", "optimizer state"),
+             ("activations_and_temporaries_peak_mib", "activations + temporaries"))
 
 
 MEMORY_LABELS = {"cpu_rss_peak_mib": "CPU RSS (peak per step)", "peak_allocated_mib": "peak allocated",
@@ -75,7 +76,8 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
 
 def plot_memory(ax, run: RunData, single: bool) -> None:
     rows = run.memory or run.steps
-    keys = [k for k in ("cpu_rss_peak_mib", "peak_allocated_mib", "reserved_mib", "allocated_mib") if _series(rows, k)[0]]
+    keys = [k for k in ("cpu_rss_peak_mib", "peak_allocated_mib", "reserved_mib", "allocated_mib")
+            if _series(rows, k)[0]]
     scale, unit = _unit([v for k in keys for v in _series(rows, k)[1]])
     if single and all(_series(rows, k)[0] for k, _ in BREAKDOWN[:3]):
         steps = _series(rows, BREAKDOWN[0][0])[0]
@@ -170,7 +172,8 @@ def markdown(runs: list[RunData], png: Optional[Path]) -> str:
     lines += ["| run | checkpointing | batch | steps | last loss | tokens/s (median) | MFU | peak allocated | "
               "CPU RSS peak | plan predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['checkpointing']} | {r['batch']} | {r['steps']} | {_num(r['last_loss'], '.4f')} | "
+        lines.append(f"| {r['run']} | {r['checkpointing']} | {r['batch']} | {r['steps']} | "
+                     f"{_num(r['last_loss'], '.4f')} | "
                      f"{_num(r['tokens_per_s'], ',.0f')} | {_pct(r['mfu'])} | {_mib(r['peak_allocated_mib'])} | "
                      f"{_mib(r['cpu_rss_peak_mib'])} | {_mib(r['predicted_peak_mib'])} |")
     for r in rows:

@@ -16,7 +16,8 @@ def plan_check_line(record: dict, predicted_bytes: int, predicted_reserved_bytes
 
 def _against(what: str, measured_mib: float, predicted_bytes: int) -> str:
     predicted = predicted_bytes / 2**20
-    return f"{what} {measured_mib:,.1f} MiB, plan predicted {predicted:,.1f} MiB ({(predicted / measured_mib - 1) * 100:+.1f}%)"
+    return (f"{what} {measured_mib:,.1f} MiB, plan predicted {predicted:,.1f} MiB "
+            f"({(predicted / measured_mib - 1) * 100:+.1f}%)")
 
 
 def describe_sources(sources: list, shown: int = 24) -> str:

@@ -34,8 +34,9 @@ def check_compatible(state: dict, flags: dict, path: Path, world_size: int = 1) 
                           f"so nothing would be trained; give a larger limit (or 0: none)")
     if state["progress"].get("budget_cut") and saved.get("max_train_step") != now["max_train_step"]:
         raise ConfigError(f"--resume_from_checkpoint {path}: the saved run ended its epoch early at --max_train_step "
-                          f"{saved.get('max_train_step')} (the epoch's scheduler step and validation ran), so it cannot "
-                          "continue exactly with another limit. Resume an earlier checkpoint-STEP, or keep the limit")
+                          f"{saved.get('max_train_step')} (the epoch's scheduler step and validation ran), so it "
+                          "cannot continue exactly with another limit. Resume an earlier checkpoint-STEP, or keep "
+                          "the limit")
     # a flag newer than the saved state: that run had its default (e.g. no --optimizer: AdamW)
     defaults = RunConfig().flat()
     was = {name: saved_value(saved, name, defaults) for name in TRAJECTORY_FLAGS}

@@ -201,7 +201,8 @@ class TrainingStateStore:
         state = read_state(path)
         distributed = parts.dist.sharded
         reads = parts.dist.is_main or not distributed  # under FSDP rank 0 reads and broadcasts
-        optimizer = restored_optimizer_state(parts.optimizer, load_checkpoint_file(path / "optimizer.pt") if reads else {})
+        optimizer = restored_optimizer_state(parts.optimizer,
+                                             load_checkpoint_file(path / "optimizer.pt") if reads else {})
         if not parts.optimizer.state and parts.in_backward is not None:
             create_state_weight_by_weight(parts.optimizer)  # else torch makes every gradient at once first
         with loading_into(parts.optimizer):

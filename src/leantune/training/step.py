@@ -156,7 +156,8 @@ def loss_and_backward(loss_model: torch.nn.Module, input_ids: torch.Tensor, labe
     ``real_tokens``: the attention mask, for a router's loss; ``images``: the batch's image inputs.
     """
     with precision.autocast():
-        loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens, images)  # its activations are referenced by the graph alone
+        # its activations are referenced by the graph alone
+        loss_sum = loss_model(input_ids, labels, position_ids, segments, real_tokens, images)
     if not loss_sum.requires_grad:  # only the vision side trains and the batch has no image, say
         raise NothingTrains("its loss reaches no weight that trains")
     if after_forward is not None:

@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top_k", type=int)
     p.add_argument("--repetition_penalty", type=float)
     p.add_argument("--seed", type=int, default=0, help="for --do_sample")
-    p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), help="default: bfloat16 on a GPU that has it, else float32")
+    p.add_argument("--dtype", choices=sorted(DTYPE_CHOICES),
+                   help="default: bfloat16 on a GPU that has it, else float32")
     return p
 
 
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace, lines=None, out=None) -> None:
             messages.append({"role": "user", "content": turn})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         answer = generate(model, tokenizer, text, args, out, image)
-        messages.append({"role": "assistant", "content": answer if image is None else [{"type": "text", "text": answer}]})
+        messages.append({"role": "assistant",
+                         "content": answer if image is None else [{"type": "text", "text": answer}]})
 
 
 def read_image(path: str):
@@ -139,7 +141,8 @@ def read_image(path: str):
         with Image.open(path) as image:
             return image.convert("RGB")
     except (FileNotFoundError, UnidentifiedImageError) as err:
-        raise OSError(f"--image {path}: {'no such file' if isinstance(err, FileNotFoundError) else 'not an image'}") from None
+        raise OSError(f"--image {path}: "
+                      f"{'no such file' if isinstance(err, FileNotFoundError) else 'not an image'}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
