@@ -193,7 +193,6 @@ def _hf_case(tiny_model_dir, tmp_path):
     from budget_hf_trainer import HFTrainerCase
 
     from leantune.cli_args import parse_run_config
-    from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--context_length", "64", "--device",
                             "cpu", "--output_dir", str(tmp_path / "hf")])

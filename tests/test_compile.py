@@ -53,7 +53,8 @@ def test_compiled_layers_keep_their_names_and_selective_ops_its_marked_linears(t
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"], "--compile"])
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lambda _: None)
     names = [name for name, _ in model.named_parameters()]
     line = compiling.compile_decoder_layers(model)
     assert line.startswith("compile: torch.compile on each of the 2 decoder layers")
@@ -126,7 +127,8 @@ def test_a_checkpointed_layers_compiled_call_holds_its_checkpoint(tiny_model_dir
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), *CASES["lora, selective_ops, dropout"],
                             "--attn_implementation", "sdpa", "--tiled_mlp", "off"])
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lambda _: None)
     layer = decoder_layers(model)[0]
     compiling.check_checkpoint_inside(decoder_layers(model))  # this transformers checkpoints the forward
     seen = {}

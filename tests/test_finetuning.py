@@ -148,7 +148,8 @@ def test_saved_adapter_reloads_to_the_same_model(tiny_model_dir, tmp_path):
     from leantune.precision import choose_precision
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--from_peft_checkpoint", str(out)])
-    resumed, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _line: None)
+    resumed, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                             log=lambda _line: None)
     assert torch.equal(_logits(resumed, ids), after)
     assert {n for n, p in resumed.named_parameters() if p.requires_grad} == {
         n for n, _ in reloaded.named_parameters() if "lora_" in n}

@@ -227,7 +227,8 @@ def test_under_fsdp_the_model_waits_on_the_host_for_sharding(tiny_model_dir, mon
              "--activation_checkpointing_mode", "offload"]
     for fsdp in (["--enable_fsdp"], []):
         cfg = parse_run_config([*flags, *fsdp])
-        on_gpu = dataclasses.replace(choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), device=torch.device("cuda"))
+        on_gpu = dataclasses.replace(choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                                     device=torch.device("cuda"))
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         if fsdp:
             model, _ = prepare_model(model, cfg, on_gpu)

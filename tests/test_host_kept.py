@@ -85,7 +85,8 @@ def test_on_a_gpu_the_embedding_stays_on_the_host_and_its_rows_reach_the_gpu(moe
     for flags in ([], ["--offload_embedding"]):
         cfg = parse_run_config(["--model_name", str(moe_dir("gpt_oss")), *LORA, *flags])
         torch.manual_seed(0)
-        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")), log=lambda _line: None)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")),
+                               log=lambda _line: None)
         ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
         loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
         loss.backward()
@@ -180,7 +181,8 @@ def test_on_a_gpu_kept_experts_are_pinned_host_memory_and_the_loss_is_unchanged(
     losses = []
     for flags in ([], ["--offload_experts", "1"]):
         cfg = parse_run_config(["--model_name", str(moe_dir("qwen3_moe")), *QLORA, *flags])
-        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")), log=lambda _line: None)
+        model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cuda")),
+                               log=lambda _line: None)
         ids, labels = make_batch(unwrap_model(model).config.vocab_size, seq=24)
         loss = loss_model_for(model, cfg.training, sharded=False)(ids.cuda(), labels.cuda())
         loss.backward()

@@ -168,7 +168,8 @@ def test_freeze_llm_only_trains_the_vision_encoder_and_the_cross_attention_layer
 
     cfg = parse_run_config(["--model_name", str(tiny_vision("mllama")), "--freeze_LLM_only"])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lines.append)
     trained = {name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
                for name, p in model.named_parameters() if p.requires_grad}
     assert trained == {"vision_model", "multi_modal_projector", "language_model"}
@@ -260,7 +261,8 @@ def test_checkpointing_reaches_llama_vision_encoder_layers_and_leaves_the_gradie
     results = []
     for flags in ([], ["--enable_activation_checkpointing"]):
         cfg = parse_run_config(["--model_name", str(path), *flags])
-        model, report = prepare_model(_model(path), cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")))
+        model, report = prepare_model(_model(path), cfg,
+                                      choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")))
         loss_model = CausalLMLoss(model, loss_function(model, 16, sharded=False))
         loss_model(batch["input_ids"], batch["labels"], images=images).backward()
         results.append((report, _grads(model)))
@@ -278,7 +280,8 @@ def _lora_places(path, *flags, images=True) -> tuple[list[str], str]:
     data = ["--dataset", "custom_dataset", "--custom_dataset.file", DATASET] if images else []
     cfg = parse_run_config(["--model_name", str(path), "--use_peft", *data, *flags])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lines.append)
     places = [name.removeprefix("base_model.model.").removesuffix(".lora_A") for name, _ in model.named_modules()
               if name.endswith(".lora_A")]
     return places, next(line for line in lines if line.startswith("lora:"))
@@ -370,7 +373,8 @@ def test_freeze_layers_freezes_the_first_decoder_layers_as_llama_cookbook_does(t
 
     cfg = parse_run_config(["--model_name", str(tiny_vision("llava")), "--freeze_layers", "--num_freeze_layers", "1"])
     lines = []
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lines.append)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lines.append)
     layers = model.model.language_model.layers
     assert not any(p.requires_grad for p in layers[0].parameters())
     assert all(p.requires_grad for p in layers[1].parameters()) and model.lm_head.weight.requires_grad

@@ -82,7 +82,8 @@ GRAPH = {name: sorted({target for target, _, _ in imports_of(path) if target != 
 
 
 def layer_of(module: str) -> int:
-    """The layer of the longest prefix that names ``module`` (``leantune.model_structure`` before ``leantune.models``)."""
+    ("The layer of the longest prefix that names ``module`` "
+     "(``leantune.model_structure`` before ``leantune.models``).")
     matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
                if module == prefix or module.startswith(prefix + ".")]
     if matches:

@@ -98,8 +98,8 @@ def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir)
     memory = MemoryPlan(cfg, plans["none"], 2**30, {"none": (2, plans["none"]), "full": (4, plans["full"])})
     fake = _SlowOnPurpose({"none": 1.0, "full": 1.0, slow: 5.0})  # per row: the slow one loses whatever its batch
     lines: list[str] = []
-    timed = choose_by_timing(memory, model, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), lines.append,
-                             step_for=fake.step_for, clock=fake.clock)
+    timed = choose_by_timing(memory, model, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                             lines.append, step_for=fake.step_for, clock=fake.clock)
     # the warm-up at the smallest batch, then each candidate's timed steps
     assert fake.calls == [("none", 2)] + [("none", 2)] * TIMED_STEPS + [("full", 4)] * TIMED_STEPS
     assert (timed.cfg.checkpointing.mode or "none") == chosen and timed.plan is plans[chosen]
@@ -118,7 +118,8 @@ def _choose(tiny_model_dir, candidates: dict, fake: "_SlowOnPurpose", first: str
     cfg = parse_run_config(["--use_peft", *checkpointing])
     plans = {mode: SimpleNamespace(mode=mode) for mode in candidates}
     memory = MemoryPlan(cfg, plans[first], 2**30, {m: (b, plans[m]) for m, b in candidates.items()})
-    return choose_by_timing(memory, _lora_model(tiny_model_dir), choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+    return choose_by_timing(memory, _lora_model(tiny_model_dir),
+                            choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
                             lambda _: None, step_for=fake.step_for, clock=fake.clock)
 
 

@@ -55,7 +55,8 @@ def _real_step_flops(cfg) -> tuple[int, dict]:
             lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
         aten.addmm_: lambda self, a, b, *args, out_shape=None, **kwargs: addmm_flop(self, a, b),
     }
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lambda _line: None)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     ids = torch.randint(3, vocab, (1, cfg.data.context_length), generator=torch.Generator().manual_seed(0))

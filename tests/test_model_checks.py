@@ -162,7 +162,8 @@ def test_the_run_builds_the_attention_it_resolved_and_the_planner_its_stand_in(m
         cpu_stand_in) or 1 / 0)
     for on_meta in (False, True):
         with pytest.raises(ZeroDivisionError):
-            build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None, facts=facts, on_meta=on_meta)
+            build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, CPU), log=lambda _line: None,
+                        facts=facts, on_meta=on_meta)
     assert asked == ["flex_attention", False]
     assert meta_model(facts.config, torch.float32).config._attn_implementation == "varlen"
 

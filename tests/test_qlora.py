@@ -212,7 +212,8 @@ def test_validation_does_not_switch_the_base_to_an_inference_kernel(tiny_model_d
 def _run(tiny_model_dir, out, *extra, steps=8, save_steps=0, resume=False, quant=QLORA):
     argv = ["--model_name", str(tiny_model_dir), *quant, *extra, "--max_train_step", str(steps), "--num_epochs", "1",
             "--context_length", "64", "--lr", "3e-3", "--batch_size_training", "2", "--run_validation", "false",
-            "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", str(save_steps), "--output_dir", str(out)]
+            "--num_workers_dataloader", "0", "--save_metrics", "--save_steps", str(save_steps),
+            "--output_dir", str(out)]
     if resume:
         argv += ["--resume_from_checkpoint", "latest"]
     finetuning.run(parse_run_config(argv), log=lambda _line: None)
@@ -243,10 +244,10 @@ def test_the_seed_command_with_4bit_trains_and_its_adapter_loads_on_the_unquanti
 
     out = tmp_path / "out"
     code = finetuning.main(["--model_name", str(tiny_model_dir), "--enable_activation_checkpointing",
-                            "--enable_memory_monitoring", "--use_peft", "--peft_method", "lora", "--batch_size_training",
-                            "4", "--dataset", "alpaca_dataset", "--output_dir", str(out), "--quantization", "4bit",
-                            "--context_length", "128", "--max_train_step", "30", "--num_epochs", "1", "--lr", "3e-3",
-                            "--save_metrics", "--num_workers_dataloader", "0"])
+                            "--enable_memory_monitoring", "--use_peft", "--peft_method", "lora",
+                            "--batch_size_training", "4", "--dataset", "alpaca_dataset", "--output_dir", str(out),
+                            "--quantization", "4bit", "--context_length", "128", "--max_train_step", "30",
+                            "--num_epochs", "1", "--lr", "3e-3", "--save_metrics", "--num_workers_dataloader", "0"])
     printed = capsys.readouterr().out
     assert code == 0 and "quantization: 14 Linear layers in 4bit (nf4 blocks of 64, double quantization" in printed
     losses = [s["loss"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]]
@@ -279,8 +280,9 @@ def test_auto_mode_and_batch_plan_a_quantized_base(tiny_model_dir, tmp_path):
     quantized layers (the batch one larger does not fit). A small budget keeps the batches searched small (11 to 19
     rows a mode) and the test short."""
     budget = 0.012
-    losses = _run(tiny_model_dir, tmp_path / "auto", "--enable_activation_checkpointing", "--activation_checkpointing_mode",
-                  "auto", "--auto_batch_size", "--memory_budget_gb", str(budget), steps=2)
+    losses = _run(tiny_model_dir, tmp_path / "auto", "--enable_activation_checkpointing",
+                  "--activation_checkpointing_mode", "auto", "--auto_batch_size", "--memory_budget_gb", str(budget),
+                  steps=2)
     metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
     config = metrics["config"]
     mode = config["activation_checkpointing_mode"] if config["enable_activation_checkpointing"] else "none"
@@ -305,19 +307,23 @@ def _fits(tiny_model_dir, mode: str, batch: int, budget_gb: float) -> bool:
 def test_compute_dtype_refuses_a_dtype_the_rest_of_the_step_does_not_compute_in():
     cfg = parse_run_config([*QLORA, "--compute_dtype", "float32"])
     on_gpu = choose_precision(cfg.model, cfg.training, cfg.peft, CUDA, bf16_supported=True)
-    with pytest.raises(ConfigError, match="--compute_dtype float32: this run computes in bfloat16 .autocast., and bitsandbytes' matmul "
-                       "would run apart from it in float32; use --compute_dtype auto or bfloat16"):
+    with pytest.raises(ConfigError, match="--compute_dtype float32: this run computes in bfloat16 .autocast., and "
+                       "bitsandbytes' matmul would run apart from it in float32; use --compute_dtype auto or bfloat16"):
         quantized.compute_dtype(cfg.quant, on_gpu)
     assert quantized.compute_dtype(parse_run_config(list(QLORA)).quant, on_gpu) is torch.bfloat16
     fp16 = parse_run_config([*QLORA, "--use_fp16", "--compute_dtype", "bfloat16"])
-    with pytest.raises(ConfigError, match="this run computes in float16 .autocast.*use --compute_dtype auto or float16"):
-        quantized.compute_dtype(fp16.quant, choose_precision(fp16.model, fp16.training, fp16.peft, CUDA, bf16_supported=False))
+    with pytest.raises(ConfigError,
+                       match="this run computes in float16 .autocast.*use --compute_dtype auto or float16"):
+        quantized.compute_dtype(fp16.quant,
+                                choose_precision(fp16.model, fp16.training, fp16.peft, CUDA, bf16_supported=False))
     for half in ("bfloat16", "float16"):  # a float32 GPU run: no bf16 on the GPU, or mixed precision off
         no_bf16 = parse_run_config([*QLORA, "--compute_dtype", half])
         with pytest.raises(ConfigError, match=f"--compute_dtype {half}: this GPU run computes in float32"):
-            quantized.compute_dtype(no_bf16.quant, choose_precision(no_bf16.model, no_bf16.training, no_bf16.peft, CUDA, bf16_supported=False))
+            quantized.compute_dtype(no_bf16.quant, choose_precision(no_bf16.model, no_bf16.training, no_bf16.peft, CUDA,
+                                                                    bf16_supported=False))
     on_cpu = parse_run_config([*QLORA, "--compute_dtype", "bfloat16"])
-    assert quantized.compute_dtype(on_cpu.quant, choose_precision(on_cpu.model, on_cpu.training, on_cpu.peft, CPU)) is torch.bfloat16
+    assert quantized.compute_dtype(
+        on_cpu.quant, choose_precision(on_cpu.model, on_cpu.training, on_cpu.peft, CPU)) is torch.bfloat16
 
 
 @pytest.mark.parametrize("target, asked", [(CUDA, True), (CPU, False)], ids=["gpu", "cpu"])

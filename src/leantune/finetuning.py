@@ -56,7 +56,7 @@ REFUSALS = USER_ERRORS[:4]  # bad input, refused before training: a directory th
 
 
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
-                  stop=NoStopRequest()) -> Trainer:
+                  stop=NoStopRequest()) -> Trainer:  # noqa: B008 - stateless, safe to share
     """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
 
     The model's config is read once (``preflight``), the saved state once, the data tokenized once, and each step
@@ -201,7 +201,8 @@ def _images_needed(vision_only: bool, sharded: bool) -> str:
     a rank whose batch has none would skip the vision tower's collectives."""
     if vision_only:
         return "only the vision side trains: a batch without one trains nothing"
-    return "under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives" if sharded else ""
+    return ("under --enable_fsdp a rank whose batch has none would skip the vision tower's collectives"
+            if sharded else "")
 
 
 def run(cfg: RunConfig, log=print) -> dict:

@@ -94,7 +94,8 @@ def check_optimizer(cfg: RunConfig, device_type: str) -> None:
         check_can_compile(device_type, entry.flag, entry.alternative.removeprefix("or "))
     if cfg.quant.enabled:
         require_bitsandbytes(f"--quantization {cfg.quant.quantization}", "or drop --quantization (a bfloat16 base)")
-        compute_dtype(cfg.quant, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device(device_type)))  # refuses a mismatched one
+        # refuses a mismatched one
+        compute_dtype(cfg.quant, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device(device_type)))
 
 
 def check_output_dir(output: OutputConfig, reads: tuple[Optional[str], ...] = ()) -> None:

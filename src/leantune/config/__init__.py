@@ -172,7 +172,8 @@ class OutputConfig:
         require(bool(self.output_dir.strip()), "output_dir", "must not be empty")
         require(self.peak_tflops is None or 0 < self.peak_tflops < float("inf"), "peak_tflops",
                  f"must be a positive number of TFLOP/s (got {self.peak_tflops})")
-        require(self.save_steps >= 0, "save_steps", f"must be 0 (save only when stopped) or more (got {self.save_steps})")
+        require(self.save_steps >= 0, "save_steps",
+                 f"must be 0 (save only when stopped) or more (got {self.save_steps})")
         require(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
                  f"must keep at least 1 training state (got {self.save_total_limit})")
         require(not (self.resume_from_checkpoint and self.overwrite_output_dir), "overwrite_output_dir",
@@ -231,9 +232,11 @@ class RunConfig:
         if target is not None and not self.memory.auto_batch_size:
             batch = self.training.batch_size_training
             require(target % batch == 0, "target_global_batch_size",
-                     f"{target} is not a multiple of --batch_size_training {batch}; pick a multiple or add --auto_batch_size")
+                     f"{target} is not a multiple of --batch_size_training {batch}; pick a multiple or add "
+                     f"--auto_batch_size")
             require(self.training.gradient_accumulation_steps in (1, target // batch), "gradient_accumulation_steps",
-                     f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); drop one")
+                     f"conflicts with --target_global_batch_size {target} (which sets it to {target // batch}); "
+                     f"drop one")
             settle(self, "training", replace(self.training, gradient_accumulation_steps=target // batch))
 
     def _check_optimizer_flags(self) -> None:
@@ -289,6 +292,6 @@ def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str,
     return found
 
 
-__all__ = ["ALL_LINEAR", "DEFAULT_MODEL_NAME", "LORA_PARTS", "SECTIONS", "CheckpointingConfig", "ConfigError", "DataConfig",
-           "DistributedConfig", "MemoryConfig", "ModelConfig", "OutputConfig", "PeftSettings", "QuantizationConfig",
-           "RunConfig", "TrainingConfig", "optimizer_conflicts"]
+__all__ = ["ALL_LINEAR", "DEFAULT_MODEL_NAME", "LORA_PARTS", "SECTIONS", "CheckpointingConfig", "ConfigError",
+           "DataConfig", "DistributedConfig", "MemoryConfig", "ModelConfig", "OutputConfig", "PeftSettings",
+           "QuantizationConfig", "RunConfig", "TrainingConfig", "optimizer_conflicts"]

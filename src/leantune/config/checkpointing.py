@@ -69,7 +69,8 @@ class CheckpointingConfig:
         require(cap is None or 0 < cap < float("inf"), "activation_offload_max_pinned_gb",
                  f"must be a positive number of GiB (got {cap})")
         self._require_owner("activation_checkpointing_every_n", mode)
-        require(every_n is None or every_n >= 1, "activation_checkpointing_every_n", f"must be at least 1 (got {every_n})")
+        require(every_n is None or every_n >= 1, "activation_checkpointing_every_n",
+                 f"must be at least 1 (got {every_n})")
         self._require_owner("activation_checkpointing_layers", mode)
         require(mode != LayerMix.name or layers is not None, "activation_checkpointing_layers",
                  "layer_mix needs the choice per layer, e.g. --activation_checkpointing_layers full=4,selective_ops=12")

@@ -16,7 +16,8 @@ class MemoryConfig:
         "Seconds the sampling thread sleeps between CPU RSS samples."))
     memory_budget_gb: Optional[float] = field(default=None, metadata=flag_help(
         "Memory the run may use, in GiB (2**30 bytes), for --activation_checkpointing_mode auto, "
-        "--auto_batch_size and leantune plan. Default on a GPU: its free memory less 5%%; on the CPU it must be given."))
+        "--auto_batch_size and leantune plan. Default on a GPU: its free memory less 5%%; "
+        "on the CPU it must be given."))
     memory_snapshot: bool = field(default=False, metadata=flag_help(
         "CUDA: record the allocator's history over the first 3 steps and write OUTPUT_DIR/memory_snapshot.pickle "
         "(open it in https://pytorch.org/memory_viz); an out-of-memory error also writes one."))
@@ -44,7 +45,8 @@ class MemoryConfig:
         "stay on the device. leantune plan shows what each layer takes off."))
 
     def __post_init__(self):
-        require(self.offload_experts >= 0, "offload_experts", f"a number of layers, 0 or more (got {self.offload_experts})")
+        require(self.offload_experts >= 0, "offload_experts",
+                 f"a number of layers, 0 or more (got {self.offload_experts})")
         require(self.memory_monitoring_interval > 0, "memory_monitoring_interval",
                  f"must be positive seconds (got {self.memory_monitoring_interval})")
         require(self.memory_budget_gb is None or 0 < self.memory_budget_gb < float("inf"), "memory_budget_gb",

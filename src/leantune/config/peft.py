@@ -24,7 +24,8 @@ class PeftSettings:
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata=flag_help(
         "Module names to adapt, space- or comma-separated (e.g. q_proj v_proj or q_proj,k_proj), or all-linear: "
         "every linear layer but the output head (peft's meaning: Phi-3's fused qkv_proj and gate_up_proj too; in an "
-        "image-and-text model, those of the parts --lora_parts allows). A mixture of experts: its fused expert tensors by name too "
+        "image-and-text model, those of the parts --lora_parts allows). A mixture of experts: its fused expert tensors "
+        "by name too "
         "(gate_up_proj, down_proj), and all-linear takes them, not its routers (--lora_router)."))
     lora_router: bool = field(default=False, metadata=flag_help(
         "A mixture of experts: LoRA on its routers too (left frozen by default, as Unsloth does)."))
@@ -69,8 +70,8 @@ class PeftSettings:
         require(self.lora_parts == ["auto"] or self.use_peft, "lora_parts", "chooses where LoRA goes: needs --use_peft")
         require(self.num_freeze_layers >= 1, "num_freeze_layers", f"must be at least 1 (got {self.num_freeze_layers})")
         require(not (self.freeze_layers and self.use_peft), "freeze_layers",
-                 "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it there); "
-                 "drop one")
+                 "chooses what a full fine-tune trains; with --use_peft LoRA decides (llama-cookbook ignores it "
+                 "there); drop one")
         require(not (self.freeze_layers and self.freeze_LLM_only), "freeze_layers",
                  "conflicts with --freeze_LLM_only (each chooses what trains); drop one")
         require(not (self.freeze_LLM_only and self.use_peft), "freeze_LLM_only",

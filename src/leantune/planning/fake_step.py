@@ -98,7 +98,8 @@ def assumes_bf16(target: torch.device) -> bool:
 def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
     """The precision a run would use on ``target``: this machine's GPU is asked whether it has bf16;
     a GPU planned from a machine without one is taken to have it (Ampere or later)."""
-    return choose_precision(cfg.model, cfg.training, cfg.peft, target, bf16_supported=True if assumes_bf16(target) else None)
+    return choose_precision(cfg.model, cfg.training, cfg.peft, target,
+                            bf16_supported=True if assumes_bf16(target) else None)
 
 
 def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:

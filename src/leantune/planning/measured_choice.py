@@ -23,7 +23,7 @@ import torch
 
 from leantune.checkpointing import (apply_activation_checkpointing, inspect_checkpointing, policy_from_config,
                                     remove_activation_checkpointing)
-from leantune.config import CheckpointingConfig, RunConfig
+from leantune.config import CheckpointingConfig
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.confirm import confirm_step
 from leantune.planning.fake_step import run_config_for_mode
@@ -72,7 +72,8 @@ def choose_by_timing(run_plan: MemoryPlan, model: torch.nn.Module, precision: Pr
     if len(run_plan.candidates) < 2:
         return run_plan
     cfg, device = run_plan.cfg, precision.device
-    configs = {mode: with_batch(run_config_for_mode(cfg, mode), batch) for mode, (batch, _) in run_plan.candidates.items()}
+    configs = {mode: with_batch(run_config_for_mode(cfg, mode), batch)
+               for mode, (batch, _) in run_plan.candidates.items()}
     smallest = min(batch for batch, _ in run_plan.candidates.values())
     tokens_per_s: dict[str, Optional[float]] = {}
     for index, (mode, candidate) in enumerate(configs.items()):

@@ -39,7 +39,8 @@ from leantune.models.quantized import quantize_linear_layers, run_bnb_config
 from leantune.model_structure import decoder_layers
 from leantune.optimizers import pinned_size
 from leantune.planning.fake_step import StepTraces, fake_placer, target_precision
-from leantune.planning.plan import FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes, plan_modes
+from leantune.planning.plan import (FRAGMENTATION_SHARE, NCCL_BUFFER_BYTES, TRANSIENT_KINDS, ModePlan, format_bytes,
+                                    plan_modes)
 
 _SHARDED = ("parameter", "gradient", "optimizer_state")
 
@@ -49,7 +50,8 @@ class ShardingShapes:
     """What FSDP2 holds on a rank's device beyond its shares of the trace, from the meta-device model."""
 
     gathered_bytes: int  # the root's parameters and two decoder layers, as gathered
-    loss_gathered_bytes: int  # in the loss: the root's, and the last layer's all-gather output (kept to the next gather)
+    # in the loss: the root's, and the last layer's all-gather output (kept to the next gather)
+    loss_gathered_bytes: int
     layer_in_flight_bytes: int  # a layer being gathered, beyond its gathered parameters (``_Sizes.in_flight``)
     root_gather_bytes: int  # the root gathered at the start of the forward, with what is in flight for it
     layer_reduce_bytes: int  # a layer's gradients in flight while reduced (``_Sizes.reduced``)
@@ -209,7 +211,8 @@ def per_rank(plan: ModePlan, world_size: int, shapes: ShardingShapes, cpu_offloa
         nccl_buffer_bytes=nccl,
         parameter_bytes=b["parameter"], gradient_bytes=b["gradient"], optimizer_state_bytes=b["optimizer_state"],
         activation_bytes=b["activation"], loss_bytes=b["loss"], temporary_bytes=b["temporary"],
-        other_bytes=b["buffer"] + b["input"], optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,
+        other_bytes=b["buffer"] + b["input"],
+        optimizer_step_peak_bytes=sum(stages.get("optimizer", {}).values()) + extras,
         host_bytes=host, pinned_host_bytes=pinned, stage_breakdowns=stages,
         checkpointing=f"{plan.checkpointing}, per rank of {world_size} ({how}, derived; peak in {stage})")
 
@@ -241,8 +244,11 @@ def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
         return None
     try:
         offloaded = dataclasses.replace(
-            cfg, training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False, optimizer_in_backward=False),
-            checkpointing=CheckpointingConfig(enable_activation_checkpointing=True, activation_checkpointing_mode="full"),
+            cfg,
+            training=dataclasses.replace(cfg.training, optimizer="adamw", pure_bf16=False,
+                                         optimizer_in_backward=False),
+            checkpointing=CheckpointingConfig(enable_activation_checkpointing=True,
+                                              activation_checkpointing_mode="full"),
             memory=dataclasses.replace(cfg.memory, auto_batch_size=False, target_global_batch_size=None),
             distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
     except ConfigError:  # a flag FSDP refuses: the lever is not there to name (the caller's error stands)

@@ -76,7 +76,8 @@ class Trainer:
     (when to save); everything else arrives built, in ``parts``."""
 
     def __init__(self, training: TrainingConfig, output: OutputConfig, parts: TrainingParts,
-                 log: Callable[[str], None] = print, dist: DistContext = SINGLE_PROCESS, stop=NoStopRequest()):
+                 log: Callable[[str], None] = print, dist: DistContext = SINGLE_PROCESS,
+                 stop=NoStopRequest()):  # noqa: B008 - stateless, safe to share
         self.training, self.output, self.parts, self.log, self.dist = training, output, parts, log, dist
         self.model, self.monitor, self.step = parts.model, parts.monitor, parts.step
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
@@ -254,7 +255,8 @@ class Trainer:
             where = (f"training state saved to {saved}; resume by running the same command with "
                      f"--resume_from_checkpoint {saved} (or latest)")
         else:
-            where = "training state saved by rank 0; resume by running the same command with --resume_from_checkpoint latest"
+            where = ("training state saved by rank 0; resume by running the same command with "
+                     "--resume_from_checkpoint latest")
         raise TrainingInterrupted(f"stopped by {self.stop.name or 'a signal to another rank'} after step {step}; "
                                   f"{where}", self.stop.signum or signal.SIGTERM)
 
@@ -296,7 +298,8 @@ class Trainer:
             del record["skipped"]
         if result.router_loss is None:  # a dense model's, or a mixture of experts' whose loss has no router term
             del record["router_loss"], record["router_term"]
-        record.update({k: None for k in ("loss", "grad_norm") if record[k] is not None and not math.isfinite(record[k])})
+        record.update({k: None for k in ("loss", "grad_norm")
+                       if record[k] is not None and not math.isfinite(record[k])})
         self.steps.append(record)
         parts.loggers.log_step(record)
         if step == self._steps_at_start + 1 and self.training.compile:  # this process's first step compiled
@@ -326,8 +329,8 @@ class Trainer:
             return None
         step = len(self.steps)
         self.activity = f"saving the training state of step {step}"
-        path = self.parts.state_store.save(step, self.state_parts(),
-                                           trainer_state(step, self.progress, self.steps, self.epochs, self.outputs.flags))
+        path = self.parts.state_store.save(
+            step, self.state_parts(), trainer_state(step, self.progress, self.steps, self.epochs, self.outputs.flags))
         self.log(f"saved the training state of step {step} to {path}")
         return path
 
