@@ -24,7 +24,7 @@ from leantune.cli_args import parse_run_config
 from leantune.builders.model import build_model, loss_function
 from leantune.finetuning import run
 from leantune.memory.meter import ActivationMeter
-from leantune.models.structure import unwrap_model
+from leantune.model_structure import unwrap_model
 from leantune.precision import choose_precision
 from leantune.training.step import forward_backward
 

@@ -99,7 +99,7 @@ def test_its_bf16_rung_trains_under_bf16_autocast_and_resumes_exactly(tiny_model
     flags = ("--optimizer", "adamw_4bit", "--optimizer_in_backward")
     reference, _ = _run(tiny_model_dir, tmp_path / "float32", *flags, save_steps=0)
     stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  stand_in)
     whole, _ = _run(tiny_model_dir, tmp_path / "whole", *flags, "--pure_bf16")
     assert len(whole) == 6 and whole == pytest.approx(reference, rel=1e-2)
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")

@@ -92,7 +92,7 @@ def test_benchmark_weights_and_autocast_come_from_choose_precision(monkeypatch):
     bench = _load("benchmarks/activation_checkpointing.py")
     decided = []
 
-    def bf16_everywhere(cfg, device, bf16_supported=None):
+    def bf16_everywhere(mc, tc, peft, device, bf16_supported=None):
         decided.append(Precision(device, torch.bfloat16, torch.bfloat16, False, "bf16 for the test"))
         return decided[-1]
 

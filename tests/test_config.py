@@ -296,3 +296,21 @@ def test_main_reports_config_errors_without_a_traceback(capsys):
     err = capsys.readouterr().err
     assert "leantune: error: --batch_size_training: must be at least 1 (got 0)" in err
     assert "Traceback" not in err
+
+
+def test_a_flag_that_implies_another_sections_value_never_changes_a_shared_section():
+    """--pure_bf16, --compile and --target_global_batch_size settle a value of another section: the run gets a copy
+    with it, and the section the caller passed (which another config may share) is what it was."""
+    import dataclasses
+
+    from leantune.config import MemoryConfig, ModelConfig, RunConfig, TrainingConfig
+
+    model, training = ModelConfig(), TrainingConfig(pure_bf16=True, compile=True)
+    memory = MemoryConfig(target_global_batch_size=8)
+    run = RunConfig(model=model, training=training, memory=memory)
+    assert (run.model.model_dtype, run.training.tiled_mlp, run.training.gradient_accumulation_steps) == (
+        "bfloat16", "off", 2)
+    assert (model.model_dtype, training.tiled_mlp, training.gradient_accumulation_steps) == ("auto", "auto", 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.training.lr = 1.0  # a changed run is a new one: dataclasses.replace
+    assert parse_run_config(["--optimizer", "AdamW", "--tiled_mlp", " AUTO "]).training.optimizer == "adamw"

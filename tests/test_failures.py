@@ -197,7 +197,7 @@ FP16 = Precision(torch.device("cpu"), torch.float32, torch.float16, True, "CPU s
 def test_fp16_scaler_state_resumes_exactly_and_a_skipped_step_lowers_the_scale(tiny_model_dir, tmp_path, monkeypatch):
     """The --use_fp16 path (float16 autocast + GradScaler) on its CPU stand-in: scaler.pt is saved and
     restored, and a skipped non-finite step with clipping leaves the scaler ready for the next step."""
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: FP16)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  FP16)
     argv = ["--model_name", str(tiny_model_dir), *FAST, "--max_train_step", "6", "--num_epochs", "2", "--use_peft",
             "--lora_dropout", "0.1", "--lr", "3e-3", "--gradient_clipping", "--save_steps", "3"]
     finetuning.run(parse_run_config([*argv, "--output_dir", str(tmp_path / "a")]), log=lambda _line: None)
@@ -288,7 +288,7 @@ def test_an_overflow_under_the_grad_scaler_is_routine_not_a_bad_step(tiny_model_
     """With --use_fp16 an infinite gradient (the loss finite) is the GradScaler's business: it skips that
     update and halves its scale; the run neither warns nor counts a non-finite step nor stops (the
     allowance is 0)."""
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: FP16)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  FP16)
     forward_backward, calls = TrainStep.forward_backward, []
 
     def overflowing(self, batch, normaliser):

@@ -29,7 +29,7 @@ STAND_INS = {
 def _losses(tiny_model_dir, tmp_path, monkeypatch, precision, flags, seen=None):
     """The run's step losses, validation loss and log; ``seen`` collects what its forwards and its GradScaler did."""
     if precision is not None:
-        monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: precision)
+        monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  precision)
     if seen is not None:
         _observe(monkeypatch, seen)
     out = tmp_path / ("run-" + (precision.note if precision else "fp32")).replace(" ", "_").replace(":", "")

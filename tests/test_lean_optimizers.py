@@ -395,7 +395,7 @@ def test_the_leanest_rung_trains_under_bf16_autocast(tiny_model_dir, tmp_path, m
     from leantune.precision import Precision
 
     stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  stand_in)
     losses = _run(tiny_model_dir, tmp_path, "--optimizer", "adamw_8bit", "--pure_bf16", "--optimizer_in_backward",
                   steps=8, save_steps=0)
     # the same on float32 weights: uncompensated bfloat16 follows it step by step (measured: within 0.15%)
@@ -544,7 +544,7 @@ def test_stepping_in_backward_a_tied_head_under_checkpointing_and_bf16_autocast(
     tied = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     stand_in = Precision(CPU, torch.float32, torch.bfloat16, False, "CPU stand-in: bf16 autocast")
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  stand_in)
     ckpt = ["--enable_activation_checkpointing", "--activation_checkpointing_mode", "full"]
     after = _run(tied, tmp_path / "after", *ckpt, steps=4, save_steps=0)
     during = _run(tied, tmp_path / "during", *ckpt, "--optimizer_in_backward", steps=4, save_steps=0)

@@ -175,7 +175,7 @@ def test_pure_bf16_with_anyprecision_trains_under_bf16_autocast(tiny_model_dir, 
     from leantune.precision import Precision
 
     stand_in = Precision(CPU, torch.bfloat16, torch.bfloat16, False, "CPU stand-in: bf16 GPU, --pure_bf16")
-    monkeypatch.setattr(finetuning, "choose_precision", lambda cfg, device: stand_in)
+    monkeypatch.setattr(finetuning, "choose_precision", lambda *_sections_and_device, **_:  stand_in)
     argv = ["--model_name", str(tiny_model_dir), "--optimizer", "anyprecision", "--pure_bf16", "--max_train_step", "8",
             "--num_epochs", "1", "--context_length", "64", "--lr", "3e-3", "--batch_size_training", "2",
             "--run_validation", "false", "--num_workers_dataloader", "0", "--save_metrics", "--save_model", "false",
