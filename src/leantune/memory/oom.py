@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
+from leantune.checkpointing import FullCheckpointing, OffloadCheckpointing
 from leantune.checkpointing.modes import MODES
-from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
 from leantune.config import ConfigError, DistributedConfig, RunConfig, optimizer_conflicts
 from leantune.optimizers import AUTO, ENTRIES, SHARDED, optimizer_entry
 from leantune.precision import pure_bf16_allowed
