@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -9,8 +11,8 @@ import torch
 
 from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckpointing, LayerMix,
                                     OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing)
-from leantune.checkpointing.modes import (MODES, mode_choices, planned_modes, policy_class, policy_from_config,
-                                         recompute_rank)
+from leantune.checkpointing.modes import (MODES, declared_flags, mode_choices, planned_modes, policy_class,
+                                         policy_from_config, recompute_rank)
 from leantune.cli_args import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
@@ -124,7 +126,7 @@ def test_a_layer_mix_sits_between_its_parts(load_tiny, use_lora):
 
 
 def test_layer_mix_flags_and_errors(load_tiny):
-    from leantune.checkpointing.policies import format_layer_mix, parse_layer_mix
+    from leantune.checkpointing.modes.layer_mix import format_layer_mix, parse_layer_mix
     from leantune.config import ConfigError
 
     assert parse_layer_mix("full=2, selective_ops=1,none=1") == ("full", "full", "selective_ops", "none")
@@ -153,36 +155,57 @@ def test_every_registered_mode_is_offered_documented_and_built_from_its_flags():
     assert tuple(choices) == mode_choices() == (*MODES, "auto")
     for name, cls in MODES.items():
         assert f"| `{name}`" in docs, f"{name}: add its row to docs/activation_checkpointing_modes.md"
-        flags = [f for flag in cls.own_flags for f in (f"--{flag}", OWN_FLAG_VALUES[flag])]
+        flags = [f for flag in cls.flags for f in (f"--{flag.name}", OWN_FLAG_VALUES[flag.name])]
         cfg = parse_run_config(["--enable_activation_checkpointing", "--activation_checkpointing_mode", name, *flags])
         policy = policy_from_config(cfg.checkpointing)
         assert type(policy) is cls and policy.name == name
         assert (name in planned_modes(on_gpu=True)) == cls.planned
         assert (name in planned_modes(on_gpu=False)) == (cls.planned and not cls.gpu_only)
     assert planned_modes(on_gpu=True) == ["none", "full", "every_n", "selective_ops", "offload"]
-    # the config checks each mode's own flag (whose it is, and its value): every one the registry declares
-    from leantune.config import CheckpointingConfig
+    # each mode's own flags are its module's alone: the config's section names none of them (nor any mode)
+    from leantune.config import checkpointing as section
 
-    assert sorted(CheckpointingConfig.MODE_FLAGS) == sorted(f for cls in MODES.values() for f in cls.own_flags)
+    assert sorted(OWN_FLAG_VALUES) == sorted(declared_flags())
+    assert [name for name in (*declared_flags(), *MODES) if name in _code_words(Path(section.__file__))] == []
+
+
+def _code_words(path: Path) -> set[str]:
+    """The names and the words of the strings in a module's code (its docstrings and comments left out)."""
+    tree = ast.parse(path.read_text())
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, documented)
+                  and ast.get_docstring(node) is not None}
+    words = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    words |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words |= set(re.findall(r"\w+", node.value))
+    return words
 
 
 def test_a_policy_class_registers_its_mode_as_it_is_defined(monkeypatch):
-    """Adding a mode is its class alone: defining it puts it in the registry, in definition order; a name
-    defined twice is refused; a subclass without a name of its own stays its parent's mode."""
-    from leantune.checkpointing import policies
+    """Adding a mode is its class alone: defining it puts it in the registry, listed by its ``order`` (last
+    without one); a name defined twice is refused, and so is a flag another mode declares; a subclass without a
+    name of its own stays its parent's mode."""
+    from leantune.checkpointing import ModeFlag, registry
 
-    monkeypatch.setattr(policies, "MODES", dict(MODES))
-    every_third = type("EveryThird", (policies.CheckpointPolicy,), {"name": "every_third", "summary": "one in 3",
+    monkeypatch.setattr(registry, "MODES", dict(MODES))
+    every_third = type("EveryThird", (registry.CheckpointPolicy,), {"name": "every_third", "summary": "one in 3",
                                                                     "selects_layer": lambda self, i: i % 3 == 0})
-    assert list(policies.MODES)[-1] == "every_third" and policies.MODES["every_third"] is every_third
+    assert list(registry.MODES)[-1] == "every_third" and registry.MODES["every_third"] is every_third
     type("Quieter", (every_third,), {})
-    assert policies.MODES["every_third"] is every_third
+    assert registry.MODES["every_third"] is every_third
     with pytest.raises(ValueError, match="'every_third' defined twice"):
-        type("Again", (policies.CheckpointPolicy,), {"name": "every_third"})
+        type("Again", (registry.CheckpointPolicy,), {"name": "every_third"})
+    type("Second", (registry.CheckpointPolicy,), {"name": "second", "order": 1})
+    assert list(registry.MODES)[:3] == ["full", "every_n", "second"]  # ties: as registered
+    with pytest.raises(ValueError, match="declares --activation_checkpointing_every_n, which mode 'every_n' declares"):
+        type("Thief", (registry.CheckpointPolicy,), {"name": "thief", "flags": (ModeFlag(
+            "activation_checkpointing_every_n", int, "taken"),)})
 
 
 def _mode_config(name: str):
-    own = [f for flag in MODES[name].own_flags for f in (f"--{flag}", OWN_FLAG_VALUES[flag])]
+    own = [f for flag in MODES[name].flags for f in (f"--{flag.name}", OWN_FLAG_VALUES[flag.name])]
     return parse_run_config(["--model_name", "tiny", "--context_length", "128", "--batch_size_training", "2",
                              "--enable_activation_checkpointing", "--activation_checkpointing_mode", name, *own])
 

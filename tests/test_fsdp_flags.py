@@ -217,12 +217,12 @@ def test_under_fsdp_the_model_waits_on_the_host_for_sharding(tiny_model_dir, mon
     """The model is not moved to the device before sharding (the whole model may not fit it); the
     checkpointing policy is bound to the device it will train on, not to the host it waits on."""
     from leantune.builders.model import prepare_model
-    from leantune.checkpointing import policies
+    from leantune.checkpointing.modes import offload
     from leantune.precision import choose_precision
     from transformers import AutoModelForCausalLM
 
     bound_to = []
-    monkeypatch.setattr(policies, "ActivationOffloader", lambda device, *a, **k: bound_to.append(device))
+    monkeypatch.setattr(offload, "ActivationOffloader", lambda device, *a, **k: bound_to.append(device))
     flags = ["--model_name", str(tiny_model_dir), "--enable_activation_checkpointing",
              "--activation_checkpointing_mode", "offload"]
     for fsdp in (["--enable_fsdp"], []):

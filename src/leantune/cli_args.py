@@ -83,8 +83,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _parsed_sections() -> list[type]:
+    """What the parser builds each section's flags from: the section, or the dataclass it makes for the parser
+    now (``CheckpointingConfig.parser_section``: the registered checkpointing modes' flags, a test's included)."""
+    return [section.parser_section() if hasattr(section, "parser_section") else section for section in SECTIONS]
+
+
 def build_parser(prog: str = "leantune finetune") -> HfArgumentParser:
-    parser = _Parser(SECTIONS, prog=prog, allow_abbrev=False, formatter_class=_HelpFormatter,
+    parser = _Parser(_parsed_sections(), prog=prog, allow_abbrev=False, formatter_class=_HelpFormatter,
                      description="Fine-tune a Hugging Face decoder (full fine-tuning, LoRA or QLoRA) with as little "
                                  "accelerator memory as it can: on one GPU or the CPU, or sharded over several GPUs "
                                  "with FSDP2 under torchrun (--enable_fsdp).")
@@ -121,6 +127,8 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     if remaining:
         raise ConfigError(_unknown_flags_message(remaining, parser))
     sections, extras = sections[:len(SECTIONS)], sections[len(SECTIONS):]
+    sections = [parsed if isinstance(parsed, section) else section(**vars(parsed))  # a section's parser dataclass
+                for section, parsed in zip(SECTIONS, sections)]
     sections = [_with_optimizer_switches(s, *extras) if isinstance(s, TrainingConfig) else s for s in sections]
     return RunConfig(*sections)
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from leantune.checkpointing.policies import CheckpointPolicy
+from leantune.checkpointing.registry import CheckpointPolicy
 from leantune.checkpointing.selective import unmark_recomputed_linears
 from leantune.model_structure import decoder_layers, unwrap_model
 

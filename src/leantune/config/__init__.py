@@ -274,7 +274,14 @@ class RunConfig:
 
     def flat(self) -> dict:
         """All flags and their values, for logs and the metrics file."""
-        return {f.name: getattr(section, f.name) for section in vars(self).values() for f in fields(section)}
+        return {name: value for section in vars(self).values() for name, value in _flag_values(section).items()}
+
+
+def _flag_values(section) -> dict:
+    """A section's flags by name: its fields, or what it lists (the checkpointing modes' flags are no fields)."""
+    if hasattr(type(section), "flag_values"):
+        return section.flag_values()
+    return {f.name: getattr(section, f.name) for f in fields(section)}
 
 
 def optimizer_conflicts(entry, tc: TrainingConfig, model_dtype: str,

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
+from leantune.checkpointing import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.checkpointing.modes import AUTO, NONE, recompute_rank
-from leantune.checkpointing.policies import EveryNLayers, FullCheckpointing, SelectiveOps
 from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig, TrainingConfig
 from leantune.distributed.context import RanksDiverged
 from leantune.planning.context import PlanContext

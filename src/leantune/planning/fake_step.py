@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from leantune.builders.loaders import plans_images
 from leantune.builders.model import prepare_model
 from leantune.builders.step import build_train_step, loss_model_for
-from leantune.checkpointing.modes import MODES, NONE, policy_from_config
+from leantune.checkpointing.modes import NONE, declared_flags, flag_names, policy_from_config
 from leantune.config import DataConfig, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
@@ -81,8 +81,8 @@ def run_config_for_mode(cfg: RunConfig, mode: str | None, layers: str | None = N
     """
     off = mode in (None, NONE)
     ac = cfg.checkpointing
-    own = () if off else MODES[mode].own_flags
-    flags = {flag: getattr(ac, flag) if flag in own else None for cls in MODES.values() for flag in cls.own_flags}
+    own = () if off else flag_names(mode)
+    flags = {name: getattr(ac, name) if name in own else flag.default for name, (_, flag) in declared_flags().items()}
     if layers is not None and "activation_checkpointing_layers" in own:
         flags["activation_checkpointing_layers"] = layers
     checkpointing = dataclasses.replace(ac, enable_activation_checkpointing=not off,

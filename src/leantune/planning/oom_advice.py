@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
+from leantune.checkpointing import FullCheckpointing, OffloadCheckpointing
 from leantune.checkpointing.modes import MODES
-from leantune.checkpointing.policies import FullCheckpointing, OffloadCheckpointing
 from leantune.config import ConfigError, DistributedConfig, RunConfig, optimizer_conflicts
 from leantune.memory.oom import dump_snapshot, is_out_of_memory
 from leantune.optimizers import AUTO, ENTRIES, SHARDED, optimizer_entry

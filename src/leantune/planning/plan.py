@@ -15,9 +15,10 @@ import torch
 
 from leantune.builders.loaders import plans_images
 from leantune.checkpointing.modes import AUTO, NONE, planned_modes, recompute_rank
+from leantune.checkpointing.modes.layer_mix import format_layer_mix
+from leantune.checkpointing.modes.offload import OffloadCheckpointing
 from leantune.checkpointing.offload import MIN_OFFLOAD_BYTES, default_max_pinned_bytes
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
-from leantune.checkpointing.policies import OffloadCheckpointing, format_layer_mix
 from leantune.config import CheckpointingConfig, ConfigError, MemoryConfig, RunConfig
 from leantune.memory.gpu_constants import context_bytes
 from leantune.memory.stats import CUBLAS_WORKSPACE_BYTES

@@ -1,19 +1,26 @@
 """The checkpointing modes, in one registry: ``--activation_checkpointing_mode NAME`` → its policy class.
 
-Each policy class declares what the rest of leantune needs to know about its mode (its name and
-help, whether the planner plans it and for which targets, how much it recomputes by design, whose
-FLOPs it has, which flags it reads and how it is built from the config). The config's checks, the
-planner, the OOM advice and the FLOP count read these declarations; none of them lists the modes
-again. Adding a mode is one class in ``policies.py``: it registers itself as it is defined.
+Each module of this package is one mode: its policy class declares what the rest of leantune needs
+to know about it (its name and help, where it is listed, whether the planner plans it and for which
+targets, how much it recomputes by design, whose FLOPs it has, the flags only it reads with their
+type, default, help and check, and how it is built from the config). The config, the parser, the
+planner, the OOM advice and the FLOP count read these declarations; none of them lists the modes or
+their flags again. Adding a mode is one module here (and its test): the package imports each of its
+modules once, and the class registers itself as it is defined (``registry.CheckpointPolicy``).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Optional
 
-from leantune.checkpointing.policies import MODES, CheckpointPolicy, FullCheckpointing
+from leantune.checkpointing.registry import MODES, CheckpointPolicy, ModeFlag, declared_flags
 
-DEFAULT = FullCheckpointing.name  # what --enable_activation_checkpointing alone turns on
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+DEFAULT = CheckpointPolicy.name  # the base policy's mode (full): what --enable_activation_checkpointing alone turns on
 NONE = "none"  # no checkpointing: what the planner calls the run without it
 AUTO = "auto"  # not a policy: the planner picks one of the others (``leantune.planning.choose``)
 
@@ -61,6 +68,11 @@ def flops_mode(mode: str) -> str:
     return mode if mode == NONE else policy_class(mode).flops_as or mode
 
 
-def owner_of_flag(flag: str) -> Optional[str]:
-    """The mode that reads a mode-specific checkpointing flag, or None for a flag every mode reads."""
-    return next((name for name, cls in MODES.items() if flag in cls.own_flags), None)
+def flag_names(mode: str) -> tuple[str, ...]:
+    """The flags only ``mode`` reads (none for none)."""
+    return () if mode == NONE else tuple(flag.name for flag in policy_class(mode).flags)
+
+
+__all__ = ["AUTO", "DEFAULT", "MODES", "NONE", "CheckpointPolicy", "ModeFlag", "declared_flags", "flag_names",
+           "flops_mode", "mode_choices", "mode_help", "planned_modes", "policy_class", "policy_from_config",
+           "recompute_rank"]
