@@ -20,7 +20,7 @@ from leantune.cli_args import build_parser, parse_run_config
 from leantune.config import ConfigError
 from leantune.finetuning import run
 from leantune.models.presets import model_config
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 from leantune.planning.plan import plan_modes
 
 NAME, FLAG = "last_layers", "last_layers_checkpointed"

@@ -11,7 +11,7 @@ import torch
 
 from leantune.checkpointing.registry import CheckpointPolicy, ModeFlag
 from leantune.checkpointing.selective import mark_recomputed_linears, selective_contexts
-from leantune.models.structure import decoder_layers
+from leantune.model_structure import decoder_layers
 
 LAYER_CHOICES = ("none", "selective_ops", "full")
 
