@@ -280,3 +280,24 @@ def test_no_two_folders_depend_on_each_other():
                 uses.setdefault(pair, f"{module} -> {target}")
     both = [f"{a} <-> {b}: {uses[(a, b)]}; {uses[(b, a)]}" for (a, b) in uses if (b, a) in uses and a < b]
     assert both == []
+
+
+def test_no_runtime_module_asks_whether_it_runs_on_fake_tensors():
+    """Only the planner knows that it traces a step on fake tensors. A module outside ``leantune.planning`` that
+    checks ``is_fake`` (or takes, or passes, a ``planned`` flag) would run planner code inside training code: what
+    the planner needs differently (its optimizer stand-in, its sampled loss chunks and MLP tiles, its reading of
+    values fakes lack) is passed in by the planner or declared by an optimizer's entry. Read from the source: the
+    text ``is_fake`` anywhere, and ``planned`` as a parameter or keyword argument (``ast``). A class attribute named
+    so (a checkpointing mode's ``planned``: whether it is a column of the plan) says what is planned, not who runs."""
+    found = []
+    for name, path in MODULES.items():
+        if name == "leantune.planning" or name.startswith("leantune.planning."):
+            continue
+        source = path.read_text()
+        found += [f"{name}: is_fake"] * ("is_fake" in source)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.arg) and node.arg == "planned":
+                found.append(f"{name}:{node.lineno}: a parameter named planned")
+            elif isinstance(node, ast.keyword) and node.arg == "planned":
+                found.append(f"{name}:{node.lineno}: planned= passed")
+    assert found == [], "pass what the planner needs in from planning/, or declare it on the optimizer's entry"

@@ -12,7 +12,7 @@ from leantune import finetuning
 from leantune.cli_args import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
-from leantune.optimizers import ENTRIES, optimizer_entry
+from leantune.optimizers import ENTRIES, build, optimizer_entry
 from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw
 from leantune.planning.fake_step import trace_step
 from leantune.planning.optimizer_choice import _runs_here
@@ -159,7 +159,8 @@ def test_eight_bit_weights_stepped_in_backward_never_wait_for_the_device(monkeyp
         after.param_groups = groups
     assert len(waits) == 4 * waits_a_weight  # where bitsandbytes waits
     waits.clear()
-    during = bitsandbytes_adamw(name, [{"params": [p]} for p in model.parameters()], 1e-2, 0.0)
+    # built through the registry: the wait is left out by what the optimizer's entry declares
+    during = build(name, [{"params": [p]} for p in model.parameters()], lr=1e-2, weight_decay=0.0, device_type="cpu")
     stepper = OptimizerInBackward(during)
     stepper.start_step()
     before = [p.detach().clone() for p in model.parameters()]
@@ -219,7 +220,8 @@ def test_eight_bit_steps_in_backward_on_cuda_equal_the_steps_after_it(name):
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)).cuda() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    optimizers = [bitsandbytes_adamw(name, [{"params": [p]} for p in m.parameters()], 1e-2, 0.0) for m in models]
+    optimizers = [build(name, [{"params": [p]} for p in m.parameters()], lr=1e-2, weight_decay=0.0, device_type="cuda")
+                  for m in models]  # through the registry, whose entry leaves the waits out in backward
     import bitsandbytes.optim.optimizer as bnb_optimizer
 
     stepper, real_sync, waits = OptimizerInBackward(optimizers[1]), bnb_optimizer.sync_gpu, []

@@ -813,7 +813,8 @@ def test_varlen_is_a_name_transformers_takes_and_uses_torchs_varlen_kernel_where
 def test_tiles_sum_a_bfloat16_weights_gradient_in_float32():
     """Under --pure_bf16 or FSDP2's mixed precision the MLP's weights are bfloat16: the tiles' weight gradients
     are summed in float32 and rounded once at the end, never at every tile."""
-    from leantune.models.tiled_mlp import _TiledMLPFunction
+    from leantune.loss import every_piece
+    from leantune.models.tiled_mlp import _TiledMLPFunction, _Tiling
 
     generator = torch.Generator().manual_seed(3)
     up = torch.nn.Linear(16, 32, bias=False).bfloat16()
@@ -825,7 +826,7 @@ def test_tiles_sum_a_bfloat16_weights_gradient_in_float32():
     x = torch.randn(1, 64, 16, generator=generator).bfloat16()
     grad_out = torch.randn(1, 64, 16, generator=generator).bfloat16()
     weights = [up.weight, down.weight]
-    out = _TiledMLPFunction.apply(untiled, 4, x, *weights)
+    out = _TiledMLPFunction.apply(untiled, _Tiling(4, every_piece), x, *weights)
     tiled = torch.autograd.grad(out, weights, grad_out)
     by_tile = [torch.autograd.grad(untiled(x[:, a:a + 4]), weights, grad_out[:, a:a + 4]) for a in range(0, 64, 4)]
     for index, (_weight, grad) in enumerate(zip(weights, tiled)):

@@ -70,11 +70,11 @@ def test_a_trace_that_samples_the_loss_chunks_predicts_what_running_them_all_mea
 
 def test_sampling_the_loss_chunks_changes_no_byte_or_flop_of_a_gpu_plan(monkeypatch):
     """For a GPU target (bf16 autocast, float32 head summed chunk by chunk), sampled against every chunk run."""
-    from leantune.planning import fake_step
+    from leantune.planning.stand_ins import SampledPieces
 
     cfg = flags("--loss_chunk_size", "40")
     sampled = trace_step(cfg, model_config("tiny"), CUDA, "selective_ops")
-    monkeypatch.setattr(fake_step, "sampled_chunks", lambda tracker: contextlib.nullcontext())
+    monkeypatch.setattr(SampledPieces, "counting", lambda self, counter: contextlib.nullcontext())
     every = trace_step(cfg, model_config("tiny"), CUDA, "selective_ops")
     assert (sampled.peak_bytes, sampled.stage_breakdowns, sampled.flops) == (every.peak_bytes, every.stage_breakdowns,
                                                                             every.flops)

@@ -20,6 +20,7 @@ from transformers.hf_argparser import string_to_bool
 
 from leantune.config import SECTIONS, ConfigError, QuantizationConfig, RunConfig, TrainingConfig
 from leantune.optimizers import ENTRIES as OPTIMIZERS
+from leantune.optimizers import optimizer_choices, optimizer_help
 
 # llama-cookbook flags a migrating user may pass that leantune does not implement (yet). Saying so
 # beats "unknown flag", and silently accepting them would make a run mean something else.
@@ -95,6 +96,9 @@ def build_parser(prog: str = "leantune finetune") -> HfArgumentParser:
                                  "accelerator memory as it can: on one GPU or the CPU, or sharded over several GPUs "
                                  "with FSDP2 under torchrun (--enable_fsdp).")
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of flag: value pairs; flags override it.")
+    optimizer = next(action for action in parser._actions if "--optimizer" in action.option_strings)
+    # the registry as it is now, not as it was when the config was imported: an entry registered since is a choice
+    optimizer.choices, optimizer.help = optimizer_choices(), optimizer_help()
     for entry in OPTIMIZERS.values():
         if entry.switch:  # a switch of the optimizer's own, e.g. --optimizer_cpu_offload
             parser.add_argument(f"--{entry.switch}", type=string_to_bool, nargs="?", const=True, default=False,

@@ -34,53 +34,27 @@ chunk, with its exact gradient, so no full-vocabulary logits appear for these mo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
 from leantune.labels import IGNORE_INDEX, shifted_targets
 
 # Auto chunk size: about this many bytes of float32 logits per chunk.
 _CHUNK_LOGITS_BYTES = 64 << 20
-# Set by ``sampled_chunks`` while a planner traces a step on fake tensors (a global, not a context variable:
-# backward may run on autograd's device thread).
-_sampling: list = []
+# How a loop over pieces of a length walks them: (length, piece size) -> the start of each piece it runs. A run runs
+# every piece (``every_piece``); the planner, tracing a step on fake tensors, passes one that runs a sample of them
+# and counts the FLOPs of the rest (``leantune.planning.stand_ins.SampledPieces``). The fused loss's chunks and
+# vocabulary blocks and the tiled MLP's tiles are walked so.
+Pieces = Callable[[int, int], Iterable[int]]
 
 
-@contextlib.contextmanager
-def sampled_chunks(counter):
-    """For a planner tracing a step on fake tensors: the fused loss runs only the first, second and last of
-    its chunks (and of its backward's vocabulary blocks; the tiled MLP of its tiles), adding the FLOPs of
-    those between, each a copy of the second, to ``counter.flops``. Every full chunk allocates, frees and
-    keeps the same bytes, so the peak and what stays are those of running them all; only the skipped
-    chunks' values are missing, which fake tensors do not have. Never for real tensors."""
-    _sampling.append(counter)
-    try:
-        yield
-    finally:
-        _sampling.pop()
-
-
-def sampled_pieces(length: int, step: int, of: torch.Tensor):
-    """The starts of ``step``-sized pieces of ``length``: all of them, or under ``sampled_chunks`` (and only for
-    fake tensors ``of``: a real loss always runs every chunk) the first, the second and the last, with the
-    FLOPs the second counted standing in for each one between. The second, not the first: what a piece keeps
-    for the next (a running sum) is alive only from the second on, and the last may be shorter."""
-    starts = range(0, length, step)
-    if not _sampling or not is_fake(of) or len(starts) <= 3:
-        yield from starts
-        return
-    counter = _sampling[-1]
-    yield starts[0]
-    before = counter.flops
-    yield starts[1]  # a piece after the first, as every one between is: what the first left is alive in it
-    counter.flops += (counter.flops - before) * (len(starts) - 3)
-    yield starts[-1]
+def every_piece(length: int, step: int) -> range:
+    """The start of every ``step``-sized piece of ``length`` (the last may be shorter): how a run walks them."""
+    return range(0, length, step)
 
 
 @dataclass(frozen=True)
@@ -222,7 +196,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, dtype, want_grads, transform):
+    def forward(ctx, hidden, weight, targets, chunk_size, dtype, want_grads, transform, pieces):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight if weight.dtype == dtype else weight.to(dtype)
             want_hidden_grad = want_grads and hidden.requires_grad
@@ -236,7 +210,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if want_weight_grad and not by_blocks else None
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_blocks else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in sampled_pieces(hidden.shape[0], chunk_size, hidden):
+            for start in pieces(hidden.shape[0], chunk_size):
                 end = start + chunk_size
                 h = hidden[start:end].to(dtype)
                 grad_logits = _chunk_loss(h, w, targets[start:end], total, want_hidden_grad or grad_weight is not None,
@@ -253,7 +227,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     _add_weight_grad(grad_weight, grad_logits, h)
                 del grad_logits  # before the next chunk's logits exist, not after
         ctx.grads = (grad_hidden, grad_weight)  # not save_for_backward: scaled in place, used once
-        ctx.blocks = (hidden, weight, targets, lse, dtype, transform, chunk_size) if by_blocks else None
+        ctx.blocks = (hidden, weight, targets, lse, dtype, transform, chunk_size, pieces) if by_blocks else None
         return total
 
     @staticmethod
@@ -271,11 +245,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             with torch.autocast(grad_output.device.type, enabled=False):
                 grad_weight = _weight_grad_by_vocab_blocks(*ctx.blocks, scale=grad_output)
             ctx.blocks = None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform: LogitTransform, chunk_size: int,
-                                 scale: torch.Tensor) -> torch.Tensor:
+                                 pieces: Pieces, scale: torch.Tensor) -> torch.Tensor:
     """``scale`` x d(sum CE)/d(weight) in the weight's dtype, one block of vocabulary rows at a time.
 
     Each block's logits over all tokens are recomputed (one more pass of the head's matmul) and
@@ -290,7 +264,7 @@ def _weight_grad_by_vocab_blocks(hidden, weight, targets, lse, dtype, transform:
     safe_t = torch.where(valid, targets, 0)
     rows = torch.arange(len(targets), device=targets.device)
     block = max(1, chunk_size * weight.shape[0] // max(1, len(targets)))
-    for start in sampled_pieces(weight.shape[0], block, h):
+    for start in pieces(weight.shape[0], block):
         end = min(start + block, weight.shape[0])
         logits = (h @ w[start:end].t()).float()
         slope = transform.apply_(logits, with_slope=True)
@@ -353,11 +327,14 @@ class ChunkedCrossEntropy:
     which recomputes each chunk's logits in backward instead.
     """
 
-    def __init__(self, chunk_size: int, transform: LogitTransform = IDENTITY):
+    def __init__(self, chunk_size: int, transform: LogitTransform = IDENTITY, pieces: Pieces = every_piece):
+        """``pieces``: how the fused path walks its chunks and vocabulary blocks (every one, unless the planner
+        passes its sampling)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
         self.transform = transform
+        self.pieces = pieces
 
     def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
         targets = shifted_targets(labels.to(hidden.device)).reshape(-1)
@@ -368,7 +345,7 @@ class ChunkedCrossEntropy:
             # reaches backward) and underflow; the recomputing path gets the scaled gradient.
             if dtype != torch.float16:
                 return _FusedLinearCrossEntropy.apply(flat, lm_head.weight, targets, self.chunk_size, dtype,
-                                                      torch.is_grad_enabled(), self.transform)
+                                                      torch.is_grad_enabled(), self.transform, self.pieces)
         return self._checkpointed_chunks(flat, lm_head, targets)
 
     def _checkpointed_chunks(self, flat, lm_head, targets) -> torch.Tensor:

@@ -17,7 +17,7 @@ from leantune.builders.loaders import image_batches
 from leantune.checkpointing import (CheckpointingReport, apply_activation_checkpointing, inspect_checkpointing,
                                     policy_from_config)
 from leantune.config import PeftSettings, RunConfig
-from leantune.loss import IDENTITY, ChunkedCrossEntropy, PlainCrossEntropy, effective_chunk_size
+from leantune.loss import IDENTITY, ChunkedCrossEntropy, Pieces, PlainCrossEntropy, effective_chunk_size, every_piece
 from leantune.models.attention import describe_attention
 from leantune.models.experts import use_leantune_experts
 from leantune.models.facts import (ModelFacts, logit_transform, meta_model, position_limit, run_model_facts,
@@ -37,10 +37,11 @@ from leantune.models.tiled_mlp import mlp_of, tile_mlps, tile_tokens, tiled_toke
 from leantune.precision import Precision
 
 
-def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], *, sharded: bool):
+def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], *, sharded: bool,
+                  pieces: Pieces = every_piece):
     """``model``'s loss: chunked cross-entropy of ``--loss_chunk_size`` tokens (None: sized to the head) unless 0
     asks for the plain loss, either applying what the model's forward does to its logits (read from its config).
-    ``sharded``: under FSDP."""
+    ``sharded``: under FSDP; ``pieces``: how the chunks are walked (every one; the planner passes its sampling)."""
     hf_model = unwrap_model(model)
     head = hf_model.get_output_embeddings().weight
     transform = logit_transform(hf_model.config)
@@ -50,7 +51,7 @@ def loss_function(model: torch.nn.Module, loss_chunk_size: Optional[int], *, sha
     summed = head.numel() * 4 if (head.requires_grad and head.dtype == torch.float32
                                   and not sharded) else 0
     chunk = effective_chunk_size(loss_chunk_size, head.shape[0], summed)
-    return ChunkedCrossEntropy(chunk, transform) if chunk > 0 else PlainCrossEntropy(transform)
+    return ChunkedCrossEntropy(chunk, transform, pieces) if chunk > 0 else PlainCrossEntropy(transform)
 
 
 def describe_loss(loss_fn, router_loss: Optional[RouterLoss] = None) -> str:
@@ -67,15 +68,16 @@ def describe_loss(loss_fn, router_loss: Optional[RouterLoss] = None) -> str:
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
-                  place: Optional[Callable[[torch.nn.Module], None]] = None
+                  place: Optional[Callable[[torch.nn.Module], None]] = None, pieces: Pieces = every_piece
                   ) -> tuple[torch.nn.Module, CheckpointingReport]:
     """Make a Hugging Face causal LM, already in the precision's weight dtype, ready to train as ``cfg`` says.
 
     LoRA attached (with ``--use_peft``), moved to the precision's device (left on the host under
     ``--enable_fsdp``, whose sharding moves it; or placed by ``place``:
     the planner turns a meta-device model into fake tensors there), activation checkpointing
-    applied (the registry's policy for ``cfg``), in train mode. Returns the model to train (the
-    PEFT wrapper with LoRA) and what inspection of its layers finds.
+    applied (the registry's policy for ``cfg``), in train mode; ``pieces``: how a tiled MLP walks its tiles
+    (every one; the planner passes its sampling). Returns the model to train (the PEFT wrapper with LoRA) and
+    what inspection of its layers finds.
     """
     if cfg.peft.use_peft:
         kept_off = lora_kept_off(model, cfg.peft.lora_parts, image_batches(cfg.data, model.config))
@@ -106,7 +108,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     # inside the layers, so every checkpointing mode wraps the layer around it; not yet under image batches (an
     # image-and-text model's text rows are tiled: its vision layers never run on them)
     if tokens and not image_batches(cfg.data, unwrap_model(model).config):
-        tile_mlps(model, tokens)
+        tile_mlps(model, tokens, pieces)
     if image_text_base(model) is not None:
         checkpointable_vision_layers(model)  # Llama 3.2 Vision's encoder layers, checkpointed as the decoder's
     policy = policy_from_config(cfg.checkpointing)

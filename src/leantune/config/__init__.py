@@ -23,7 +23,6 @@ from leantune.config.quantization import QuantizationConfig, quantization_confli
 
 # The default --model_name: a tiny Llama that ``leantune.models.tiny`` builds locally on first use.
 DEFAULT_MODEL_NAME = "leantune-tiny-llama"
-OptimizerName = Literal[optimizer_choices()]
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,9 @@ class TrainingConfig:
     max_eval_step: int = field(default=0, metadata=flag_help("Validation batches per evaluation (0: all)."))
     lr: float = field(default=1e-4, metadata=flag_help("The optimizer's learning rate."))
     weight_decay: float = field(default=0.0, metadata=flag_help("The optimizer's decoupled weight decay."))
-    optimizer: OptimizerName = field(default="adamw", metadata=flag_help(optimizer_help()))
+    # a name the registry holds when the section is built (not a Literal fixed at import: an entry registered
+    # later, from a test, is a choice too); ``cli_args`` gives --optimizer the registry's choices and help
+    optimizer: str = field(default="adamw", metadata=flag_help(optimizer_help()))
     optimizer_in_backward: bool = field(default=False, metadata=flag_help(
         "Step each weight as soon as its gradient is complete in backward and free that gradient, so the "
         "full set of gradients never exists. Needs one batch per step (no gradient accumulation), no "
@@ -108,6 +109,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         settle(self, "optimizer", OPTIMIZER_ALIASES.get(self.optimizer, self.optimizer))  # the cookbook: AdamW
+        require(self.optimizer in optimizer_choices(), "optimizer",
+                f"invalid choice: {self.optimizer!r} (choose from {', '.join(optimizer_choices())})")
         for name in ("batch_size_training", "val_batch_size", "gradient_accumulation_steps", "num_epochs"):
             value = getattr(self, name)
             require(value >= 1, name, f"must be at least 1 (got {value})")

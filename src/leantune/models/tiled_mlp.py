@@ -24,6 +24,7 @@ random generator (LoRA dropout) is replayed in backward from the state the forwa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 from typing import Callable, Optional
@@ -31,11 +32,12 @@ from typing import Callable, Optional
 import torch
 
 from leantune.checkpointing.selective import recompute_everything
-from leantune.loss import sampled_pieces
+from leantune.loss import Pieces, every_piece
 from leantune.models.moe import is_router
 from leantune.model_structure import decoder_layers
 
 _TOKENS = "_leantune_tile_tokens"  # set on a tiled module: its tile size
+_PIECES = "_leantune_tile_pieces"  # and how its tiles are walked (``loss.Pieces``)
 
 
 def tile_tokens(setting: str, context_length: int, hidden_size: int) -> Optional[int]:
@@ -72,9 +74,10 @@ def tiled_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [mlp, *norms] if mlp is not None else norms
 
 
-def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
+def tile_mlps(model: torch.nn.Module, tokens: int, pieces: Pieces = every_piece) -> int:
     """Make every decoder layer's MLP and norms run in tiles of ``tokens`` along the sequence; returns the
     layers tiled. Applied once: a module tiled already is re-tiled with the new size, never wrapped twice.
+    ``pieces``: how the tiles are walked (every one; the planner passes its sampling).
 
     The tiled forward is a method bound to the module (``copy.deepcopy`` binds the copy's to the copy)
     that runs the module's own class ``forward``; a module whose forward something else replaced on the
@@ -87,6 +90,7 @@ def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
                 raise TypeError(f"{type(module).__name__}'s forward is replaced on the instance already (by another "
                                 "library's hook); leantune will not tile over it: use --tiled_mlp off")
             setattr(module, _TOKENS, tokens)
+            setattr(module, _PIECES, pieces)
             module.forward = types.MethodType(_tiled_forward, module)
         count += 1
     return count
@@ -99,6 +103,7 @@ def untile_mlps(model: torch.nn.Module) -> None:
             if hasattr(module, _TOKENS):
                 del module.forward
                 delattr(module, _TOKENS)
+                delattr(module, _PIECES)
 
 
 def tiled_tokens(model: torch.nn.Module) -> Optional[int]:
@@ -110,26 +115,40 @@ def tiled_tokens(model: torch.nn.Module) -> Optional[int]:
 
 @torch._dynamo.disable  # compiled layers run it as it is: autograd inside backward cannot be traced
 def _tiled_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    tokens = getattr(module, _TOKENS)
+    tiling = _Tiling(getattr(module, _TOKENS), getattr(module, _PIECES))
     untiled = functools.partial(type(module).forward, module)
-    if x.dim() < 2 or x.shape[-2] <= tokens:
+    if x.dim() < 2 or x.shape[-2] <= tiling.tokens:
         return untiled(x)
     weights = [p for p in module.parameters() if p.requires_grad]
-    return _TiledMLPFunction.apply(untiled, tokens, x, *weights)
+    return _TiledMLPFunction.apply(untiled, tiling, x, *weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """A module's tile size and how its tiles are walked."""
+
+    tokens: int
+    pieces: Pieces
+
+    def of(self, x: torch.Tensor):
+        """Each tile's start and tokens along ``x``'s sequence (dimension -2)."""
+        length = x.shape[-2]
+        for start in self.pieces(length, self.tokens):
+            yield start, x.narrow(-2, start, min(self.tokens, length - start))
 
 
 class _TiledMLPFunction(torch.autograd.Function):
     """``untiled`` over tiles of the sequence (dimension -2), its intermediates recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, untiled: Callable, tokens: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.untiled, ctx.tokens, ctx.weight_count = untiled, tokens, len(weights)
+    def forward(ctx, untiled: Callable, tiling: _Tiling, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.untiled, ctx.tiling, ctx.weight_count = untiled, tiling, len(weights)
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _rng_state(x.device)
         ctx.save_for_backward(x, *weights)
         out = None
         with recompute_everything():  # selective checkpointing must not keep a tile's intermediates
-            for start, part in _tiles(x, tokens):
+            for start, part in tiling.of(x):
                 y = untiled(part)
                 if out is None:
                     out = y.new_empty((*x.shape[:-1], y.shape[-1]))
@@ -142,7 +161,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
         summed: list[Optional[torch.Tensor]] = [None] * len(weights)
         with _replayed_rng(x.device, ctx.rng), torch.autocast(**ctx.autocast), torch.enable_grad():
-            for start, part in _tiles(x, ctx.tokens):
+            for start, part in ctx.tiling.of(x):
                 summed = _tile_backward(ctx.untiled, part, grad_out.narrow(-2, start, part.shape[-2]), weights,
                                         None if grad_x is None else grad_x.narrow(-2, start, part.shape[-2]), summed)
         return (None, None, grad_x, *(None if s is None else s.to(w.dtype) for s, w in zip(summed, weights)))
@@ -170,13 +189,6 @@ def _widened(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if grad is None or grad.dtype not in (torch.bfloat16, torch.float16):
         return grad
     return grad.float()
-
-
-def _tiles(x: torch.Tensor, tokens: int):
-    """Each tile's start and tokens (a planner's fake step runs the first and last: ``loss.sampled_chunks``)."""
-    length = x.shape[-2]
-    for start in sampled_pieces(length, tokens, x):
-        yield start, x.narrow(-2, start, min(tokens, length - start))
 
 
 def _autocast_state(device_type: str) -> dict:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from leantune.optimizers.registry import (ALIASES, ENTRIES, SHARDED, Advice, OptimizerEntry, Rung, build, entry_of,
-                                          ladder, loading_into, optimizer_entry, plain_optimizer_state, register,
-                                          pinned_size, restored_optimizer_state, saves_own_state,
-                                          step_gradients)
+from leantune.optimizers.registry import (ALIASES, ENTRIES, SHARDED, Advice, OptimizerEntry, Rung, build,
+                                          build_stand_in, entry_of, host_state_bytes, ladder, layout_note, loading_into,
+                                          optimizer_entry, paged_state, plain_optimizer_state, register, pinned_size,
+                                          restored_optimizer_state, saves_own_state, step_gradients,
+                                          stepping_in_backward, unregister)
 
 AUTO = "auto"  # not an optimizer: the planner picks a rung of the ladder (``leantune.planning.optimizer_choice``)
 
@@ -35,7 +36,7 @@ def optimizer_help() -> str:
     return "; ".join(clauses) + "."
 
 
-__all__ = ["ALIASES", "AUTO", "ENTRIES", "SHARDED", "Advice", "OptimizerEntry", "Rung", "build", "entry_of", "ladder",
-           "loading_into", "optimizer_choices", "optimizer_entry", "optimizer_help", "plain_optimizer_state",
-           "pinned_size", "register", "restored_optimizer_state", "saves_own_state",
-           "step_gradients"]
+__all__ = ["ALIASES", "AUTO", "ENTRIES", "SHARDED", "Advice", "OptimizerEntry", "Rung", "build", "build_stand_in",
+           "entry_of", "host_state_bytes", "ladder", "layout_note", "loading_into", "optimizer_choices",
+           "optimizer_entry", "optimizer_help", "paged_state", "plain_optimizer_state", "pinned_size", "register",
+           "restored_optimizer_state", "saves_own_state", "step_gradients", "stepping_in_backward", "unregister"]

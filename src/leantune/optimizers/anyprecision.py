@@ -27,7 +27,6 @@ weight (Llama-3's 128k x 4096 embedding).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from leantune.optimizers.registry import Advice, OptimizerEntry, Rung, register
@@ -77,10 +76,14 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                     self._step_one(param, group)
         return loss
 
+    def _step_number(self, count: torch.Tensor) -> float:
+        """The weight's step count, for the bias corrections (a CPU tensor: no device sync)."""
+        return float(count)
+
     def _step_one(self, param: torch.Tensor, group: dict) -> None:
         state = self._state_of(param)
         state["step"] += 1
-        step = 1.0 if is_fake(state["step"]) else float(state["step"])  # a CPU tensor: no device sync
+        step = self._step_number(state["step"])
         beta1, beta2 = group["betas"]
         scale = -group["lr"] / (1 - beta1 ** step)
         tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
@@ -122,8 +125,21 @@ def _adamw_chunk(weight, grad, exp_avg, exp_avg_sq, compensation, beta1, beta2, 
     compensation.copy_(update.sub_(weight.float().sub_(old)))
 
 
+class AnyPrecisionAdamWStandIn(AnyPrecisionAdamW):
+    """What the planner steps on fake tensors: the same state and the same step, with the step count taken as 1
+    (a fake count holds no value to read; the bias corrections it sets change no byte the step holds)."""
+
+    def _step_number(self, count: torch.Tensor) -> float:
+        return 1.0
+
+
 def build_anyprecision(groups: list, *, lr: float, weight_decay: float, device_type: str) -> AnyPrecisionAdamW:
     return AnyPrecisionAdamW(groups, lr=lr, weight_decay=weight_decay)
+
+
+def build_anyprecision_stand_in(groups: list, *, lr: float, weight_decay: float,
+                                device_type: str) -> AnyPrecisionAdamWStandIn:
+    return AnyPrecisionAdamWStandIn(groups, lr=lr, weight_decay=weight_decay)
 
 
 register(OptimizerEntry(
@@ -131,6 +147,7 @@ register(OptimizerEntry(
     summary="AdamW with bfloat16 moment states (4 bytes a parameter instead of 8) and, for bfloat16 weights "
             "(--pure_bf16), a Kahan-compensated update (2 bytes more) so that small updates are not rounded away",
     build=build_anyprecision,
+    stand_in=build_anyprecision_stand_in,
     state_bytes=4,
     sharded=True,
     rungs=(Rung("anyprecision, bfloat16 weights", "anyprecision", True, True, 8),),

@@ -12,15 +12,22 @@ device runs short; their scales, the code books and small weights' moments stay 
 bitsandbytes cannot run on fake tensors (its step reads values on the host), so the planner
 traces ``EightBitAdamWStandIn``: the same state tensors, the same in-place step, no arithmetic.
 A test holds the two states to the same tensors (shapes, dtypes, bytes) on real tensors.
+
+The entries also declare what the planner reads of the stand-in (the paged optimizer's moments in
+unified memory), what a weight's step from backward leaves out (bitsandbytes' device-wide wait),
+and the note the start-up line adds for a sharded run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from typing import Iterator
 
 import torch
 
-from leantune.optimizers.bitsandbytes_sharded import BLOCK, MIN_8BIT_SIZE, eight_bit_when_sharded, sharded_adamw_8bit
+from leantune.optimizers.bitsandbytes_sharded import (BLOCK, MIN_8BIT_SIZE, eight_bit_when_sharded, sharded_adamw_8bit,
+                                                      sharded_layout_note)
 from leantune.optimizers.registry import Advice, OptimizerEntry, PlannedStep, Rung, register
 from leantune.optional import import_bitsandbytes
 
@@ -48,17 +55,6 @@ class EightBitAdamWStandIn(PlannedStep):
         self.paged, self.sharded = paged, sharded
         self._code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def paged_state(self) -> list[torch.Tensor]:
-        """The state tensors a paged optimizer keeps in unified memory (none unless ``paged``).
-
-        bitsandbytes pages any state buffer of ``PAGED_MIN_SIZE`` elements or more; with its
-        8-bit threshold at ``MIN_8BIT_SIZE`` only the uint8 moments can be that large.
-        """
-        if not self.paged:
-            return []
-        return [state[key] for param, state in self.state.items() if param.numel() >= PAGED_MIN_SIZE
-                for key in ("state1", "state2") if state.get(key) is not None and state[key].dtype == torch.uint8]
-
     def new_state(self, param: torch.Tensor) -> dict:
         if param.numel() < MIN_8BIT_SIZE or (self.sharded and not eight_bit_when_sharded(param.shape)):
             return dict(step=0, state1=torch.zeros_like(param, dtype=torch.float32),
@@ -70,6 +66,47 @@ class EightBitAdamWStandIn(PlannedStep):
         return dict(step=0, state1=torch.zeros_like(param, dtype=torch.uint8), qmap1=qmap1,
                     state2=torch.zeros_like(param, dtype=torch.uint8), qmap2=qmap2,
                     absmax1=torch.zeros(blocks, device=param.device), absmax2=torch.zeros(blocks, device=param.device))
+
+
+def planned_paged_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors the planner's paged stand-in keeps in unified memory (paged_adamw_8bit's entry declares it).
+
+    bitsandbytes pages any state buffer of ``PAGED_MIN_SIZE`` elements or more; with its 8-bit threshold at
+    ``MIN_8BIT_SIZE`` only the uint8 moments can be that large. Only the stand-in's: a step measured with the
+    library's own optimizer is left as it was measured.
+    """
+    if not (isinstance(optimizer, EightBitAdamWStandIn) and optimizer.paged):
+        return []
+    return [state[key] for param, state in optimizer.state.items() if param.numel() >= PAGED_MIN_SIZE
+            for key in ("state1", "state2") if state.get(key) is not None and state[key].dtype == torch.uint8]
+
+
+@contextlib.contextmanager
+def without_bitsandbytes_sync() -> Iterator[None]:
+    """Around a weight's step from backward (``--optimizer_in_backward``; both entries declare it): bitsandbytes'
+    8-bit optimizers end each weight's update with ``torch.cuda.synchronize()`` (``sync_gpu``, bitsandbytes >= 0.47;
+    a paged one waits once more). Stepped from backward, that drains the GPU's queue once per weight in the middle
+    of backward, so the wait is left out, on every stream. Nothing needs it there: the step runs on the default
+    stream, where bitsandbytes launches, ordered after the gradient and before the gradient's memory is reused
+    (``optimizers.streams.on_the_default_stream``, around it in the hook: event waits where FSDP2 calls the hook on
+    its reduce-scatter stream); and the host reads no optimizer state (a paged moment is host-addressable memory)
+    before the step's own wait for the device after backward (``TrainStep.run``: the loss and norm copied to the
+    host).
+    """
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    original = getattr(module, "sync_gpu", None)
+    if original is None:
+        yield
+        return
+    module.sync_gpu = _no_sync
+    try:
+        yield
+    finally:
+        module.sync_gpu = original
+
+
+def _no_sync(_tensor: torch.Tensor) -> None:
+    """In place of bitsandbytes' per-weight ``sync_gpu`` while a weight steps in backward."""
 
 
 @contextlib.contextmanager
@@ -118,7 +155,7 @@ def _entry(name: str, summary: str, paged: bool, rungs: tuple[Rung, ...], **more
         return EightBitAdamWStandIn(groups, lr=lr, weight_decay=weight_decay, paged=paged)
 
     return OptimizerEntry(name=name, summary=summary, build=build, stand_in=stand_in, rungs=rungs, state_bytes=2,
-                          **INSTALL, **more)
+                          stepping_in_backward=without_bitsandbytes_sync, **INSTALL, **more)
 
 
 def _sharded_stand_in(groups, *, lr, weight_decay, device_type):
@@ -136,6 +173,7 @@ register(_entry(
     sharded=True,
     sharded_build=lambda groups, *, lr, weight_decay, device_type: sharded_adamw_8bit(groups, lr, weight_decay),
     sharded_stand_in=_sharded_stand_in,
+    layout_note=sharded_layout_note,
     rungs=(Rung("8-bit AdamW", "adamw_8bit", False, True, 6),
            Rung("8-bit AdamW, bfloat16 weights (not compensated)", "adamw_8bit", True, True, 4, BF16_UNCOMPENSATED)),
     advice=(Advice(text=_advice, applies=lambda current, pure_bf16, bf16_allowed: current.state_bytes > 2,
@@ -146,4 +184,5 @@ register(_entry(
     (Rung("paged 8-bit AdamW, bfloat16 weights", "paged_adamw_8bit", True, True, 2, BF16_UNCOMPENSATED),),
     devices=("cuda",), devices_why="pages its state through CUDA unified memory",
     elsewhere="use --optimizer adamw_8bit",
-    loading=paged_loading))
+    loading=paged_loading,
+    paged_state=planned_paged_state))

@@ -50,8 +50,7 @@ def _sharded_class() -> type:
     """The subclass, made on first use: bitsandbytes is an optional dependency."""
     base = import_bitsandbytes().optim.AdamW8bit
     return type("ShardedAdamW8bit", (base,), {"init_state": _init_state, "update_step": _update_step,
-                                               "load_state_dict": _load_state_dict, "layout_note": _layout_note,
-                                               "__module__": __name__,
+                                               "load_state_dict": _load_state_dict, "__module__": __name__,
                                                "__doc__": __doc__})
 
 
@@ -74,9 +73,12 @@ def _init_state(self, group: dict, param, gindex: int, pindex: int) -> None:
     state["absmax1"], state["absmax2"] = _block_scales(param), _block_scales(param)
 
 
-def _layout_note(self) -> str:
-    """How many trained parameters keep 8-bit moments on the shards, said where some do not (the start-up line)."""
-    params = [p for group in self.param_groups for p in group["params"]]
+def sharded_layout_note(optimizer: torch.optim.Optimizer) -> str:
+    """How many trained parameters keep 8-bit moments on the shards, said where some do not (the start-up line;
+    adamw_8bit's entry declares it). Nothing for one process's ``AdamW8bit``, which keeps bitsandbytes' layout."""
+    if not isinstance(optimizer, _sharded_class()):
+        return ""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     big = sum(p.numel() for p in params if p.numel() >= MIN_8BIT_SIZE)
     fallback = sum(p.numel() for p in params if p.numel() >= MIN_8BIT_SIZE and not eight_bit_when_sharded(p.shape))
     if not fallback:

@@ -2,12 +2,15 @@
 
 An entry says all that the rest of leantune needs to know of its optimizer: how to build it over
 parameter groups, what the planner steps in its place on fake tensors (when the library cannot
-run on them), the library it needs and where it runs, whether it trains FSDP2's sharded
-parameters, its rungs on ``--optimizer auto``'s ladder, its clause in the out-of-memory advice, how
-its state is saved when it is more than plain tensors, and how a saved state loads into it, the
-flags it cannot work with, and a switch of its own. The
-config's choices and help, ``training.optim``, preflight's checks, the ladder, the advice and the
-training state read these; none of them names an optimizer.
+run on them) and what the planner reads of that stand-in beside the bytes it traced (state paged
+to unified memory, state in host memory), the library it needs and where it runs, whether it
+trains FSDP2's sharded parameters, its rungs on ``--optimizer auto``'s ladder, its clause in the
+out-of-memory advice, how its state is saved when it is more than plain tensors, and how a saved
+state loads into it, what it needs around a weight's step in backward, its note on the start-up
+line, the flags it cannot work with, and a switch of its own. The config's choices and help,
+``training.optim``, the planner, preflight's checks, the ladder, the advice and the training state
+read these, from the entry (``entry_of``), never from attributes of the optimizer object; none of
+them names an optimizer. An entry registered from anywhere (a test) is all of that at once.
 
 Like the checkpointing modes' registry, it sits below the config and knows no flag type: what an
 entry reads of a run comes as plain values.
@@ -23,6 +26,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 Build = Callable[..., torch.optim.Optimizer]  # (groups, *, lr, weight_decay, device_type) -> optimizer
+Tensors = Callable[[torch.optim.Optimizer], list[torch.Tensor]]
 ENTRY_ATTRIBUTE = "leantune_optimizer"  # set on every optimizer built here: its entry's name
 SHARDED = "sharded"  # what an advice's text is given for an FSDP run, in place of the device type
 
@@ -80,11 +84,28 @@ class OptimizerEntry:
     held_gradients: Optional[Callable[[torch.optim.Optimizer], list[torch.Tensor]]] = None
     # the weights whose GPU gradient it frees in backward: a step measured without it (the batch check) frees them too
     frees_gradient: Optional[Callable[[torch.Tensor], bool]] = None
+    # Read by the planner of the optimizer it stepped (the stand-in, on fake tensors), beside the bytes it traced:
+    # the state tensors kept in CUDA unified memory, which the driver pages to the host (not in the GPU's peak),
+    paged_state: Optional[Tensors] = None
+    # and the state kept in host memory: (bytes, of which pinned)
+    host_state_bytes: Optional[Callable[[torch.optim.Optimizer], tuple[int, int]]] = None
+    # around each weight's step from backward (--optimizer_in_backward): what the library must not do there
+    stepping_in_backward: Optional[Callable[[], ContextManager]] = None
+    # what the start-up line adds of the optimizer built (where its layout differs from what --optimizer says)
+    layout_note: Optional[Callable[[torch.optim.Optimizer], str]] = None
 
     @property
     def flag(self) -> str:
         """How error lines name it: its switch where it has one (``--optimizer NAME`` means the same)."""
         return f"--{self.switch}" if self.switch else f"--optimizer {self.name}"
+
+    def builder(self, sharded: bool) -> Build:
+        """What builds it for a run: over FSDP2's shards (``sharded``) its sharded builder, where it has one."""
+        return (self.sharded_build if sharded else None) or self.build
+
+    def stand_in_builder(self, sharded: bool) -> Build:
+        """What the planner steps in its place on fake tensors: its (sharded) stand-in, else what a run builds."""
+        return (self.sharded_stand_in if sharded else None) or self.stand_in or self.builder(sharded)
 
     def conflicts_in(self, training: Any) -> list[tuple[str, str]]:
         """Its ``conflicts`` that are set in ``training`` (a dataclass section whose fields are the flags): set
@@ -140,6 +161,11 @@ def register(entry: OptimizerEntry) -> OptimizerEntry:
     return entry
 
 
+def unregister(name: str) -> None:
+    """Remove an entry registered for a while (a test's own)."""
+    del ENTRIES[name]
+
+
 def optimizer_entry(name: str) -> OptimizerEntry:
     try:
         return ENTRIES[ALIASES.get(name, name)]
@@ -153,14 +179,24 @@ def entry_of(optimizer: torch.optim.Optimizer) -> OptimizerEntry:
 
 
 def build(name: str, groups: list, *, lr: float, weight_decay: float, device_type: str,
-          planned: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
-    """``name``'s optimizer over ``groups``; ``planned``: the planner's, on fake tensors (its stand-in, if any);
-    ``sharded``: over FSDP2's shards (the entry's sharded builder or stand-in, where it has one)."""
+          sharded: bool = False) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``groups`` for a run; ``sharded``: over FSDP2's shards (the entry's sharded
+    builder, where it has one)."""
     entry = optimizer_entry(name)
-    real = (entry.sharded_build if sharded else None) or entry.build
-    stand_in = (entry.sharded_stand_in if sharded else None) or entry.stand_in
-    maker = (stand_in if planned else None) or real
-    optimizer = maker(groups, lr=lr, weight_decay=weight_decay, device_type=device_type)
+    return _tagged(entry.builder(sharded)(groups, lr=lr, weight_decay=weight_decay, device_type=device_type), entry)
+
+
+def build_stand_in(name: str, groups: list, *, lr: float, weight_decay: float, device_type: str,
+                   sharded: bool = False) -> torch.optim.Optimizer:
+    """What the planner steps in place of ``name``'s optimizer on fake tensors (``build``'s signature): the entry's
+    stand-in, where it has one."""
+    entry = optimizer_entry(name)
+    return _tagged(entry.stand_in_builder(sharded)(groups, lr=lr, weight_decay=weight_decay, device_type=device_type),
+                   entry)
+
+
+def _tagged(optimizer: torch.optim.Optimizer, entry: OptimizerEntry) -> torch.optim.Optimizer:
+    """``optimizer`` marked with its entry's name: ``entry_of`` finds the entry from it."""
     setattr(optimizer, ENTRY_ATTRIBUTE, entry.name)
     return optimizer
 
@@ -206,6 +242,30 @@ def loading_into(optimizer: torch.optim.Optimizer) -> ContextManager:
     """What the entry needs around loading a saved state into ``optimizer`` (nothing for most)."""
     loading = entry_of(optimizer).loading
     return contextlib.nullcontext() if loading is None else loading(optimizer)
+
+
+def stepping_in_backward(optimizer: torch.optim.Optimizer) -> ContextManager:
+    """What the entry needs around one weight's step of ``optimizer`` from backward (nothing for most)."""
+    around = entry_of(optimizer).stepping_in_backward
+    return contextlib.nullcontext() if around is None else around()
+
+
+def paged_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors ``optimizer`` keeps in CUDA unified memory, as its entry declares them (none for most)."""
+    paged = entry_of(optimizer).paged_state
+    return [] if paged is None else paged(optimizer)
+
+
+def host_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """The bytes of state ``optimizer`` keeps in host memory, of which pinned, as its entry declares them."""
+    host = entry_of(optimizer).host_state_bytes
+    return (0, 0) if host is None else host(optimizer)
+
+
+def layout_note(optimizer: torch.optim.Optimizer) -> str:
+    """The entry's note on the start-up line about ``optimizer`` ("" for most)."""
+    note = entry_of(optimizer).layout_note
+    return "" if note is None else note(optimizer)
 
 
 def _map_state(state_dict: dict, convert: Callable[[Any], Any]) -> dict:

@@ -86,7 +86,8 @@ def _rebinding_groups(optimizer):
 class OffloadedAdamWStandIn(PlannedStep):
     """What the planner steps instead of ``CPUOffloadOptimizer``: AdamW's moments on the device for the weights
     it keeps there, none for the offloaded ones, and the in-place copy back of every weight; the host memory
-    the offloaded ones take it states (``host_state_bytes``)."""
+    the offloaded ones take it states (``host_state_bytes``, which the entries declare through
+    ``planned_host_state_bytes``)."""
 
     def host_state_bytes(self) -> tuple[int, int]:
         """(host bytes, of which pinned) for the offloaded weights: each one's copy and gradient copy, pinned
@@ -119,6 +120,12 @@ class OffloadedGradientsStandIn(OffloadedAdamWStandIn):
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
 
 
+def planned_host_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(host bytes, of which pinned) of the planner's stand-in (both entries declare it); a step measured with
+    torchao's own optimizer is left as it was measured."""
+    return optimizer.host_state_bytes() if isinstance(optimizer, OffloadedAdamWStandIn) else (0, 0)
+
+
 def offloaded(param: torch.Tensor) -> bool:
     """Whether torchao steps ``param`` on the host (the rest step on the device)."""
     return param.numel() >= MIN_OFFLOADED_SIZE
@@ -133,11 +140,12 @@ _CONFLICTS = (("gradient_clipping", "each gradient is copied to the host as soon
               ("use_fp16", "the loss scaler unscales the GPU's gradients after they were copied; use bfloat16"),
               ("optimizer_in_backward", "its own hooks copy each gradient out in backward already"))
 
-# what both entries share: the library, where it runs, and no optimizer state on the device
+# what both entries share: the library, where it runs, no optimizer state on the device, and the host memory
+# the planner counts for their stand-ins
 _TORCHAO_ON_CUDA = dict(package="torchao", install="pip install 'leantune[lowbit]', or pip install torchao",
                         devices=("cuda",),
                         devices_why="torchao's CPUOffloadOptimizer copies gradients and weights on a CUDA stream",
-                        state_bytes=0)
+                        state_bytes=0, host_state_bytes=planned_host_state_bytes)
 
 register(OptimizerEntry(
     name="adamw_cpu_offload",

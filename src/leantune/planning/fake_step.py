@@ -34,17 +34,18 @@ from leantune.checkpointing.modes import NONE, declared_flags, flag_names, polic
 from leantune.config import DataConfig, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
-from leantune.loss import sampled_chunks
+from leantune.loss import every_piece
 from leantune.memory.allocator_model import AllocatorPair, expandable_segments_on
 from leantune.memory.tracker import ON_HOST
 from leantune.models.facts import attention_of, meta_model, model_from_config
 from leantune.models.image_inputs import PlannedImage, planned_image, with_planned_images
 from leantune.models.quantized import fake_quantized_weight, is_quantized_weight, quantize_linear_layers, run_bnb_config
 from leantune.model_structure import decoder_layers, decoder_of, unwrap_model
-from leantune.optimizers import pinned_size
+from leantune.optimizers import build, build_stand_in, host_state_bytes, paged_state, pinned_size
 from leantune.planning.flop_tracker import FlopCountingTracker
+from leantune.planning.stand_ins import SampledPieces, planned_floats
 from leantune.precision import Precision, choose_precision
-from leantune.training.step import TEXT_KEYS, TrainStep
+from leantune.training.step import TEXT_KEYS, TrainStep, host_floats
 
 CPU = torch.device("cpu")
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -166,7 +167,8 @@ class PreparedStep:
     total_layers: int
     checkpointing: str
     cuda_autocast_stand_in: bool = False  # a GPU's autocast traced as the CPU's
-    fake: bool = True  # on fake tensors the loss's chunks are sampled (``leantune.loss.sampled_chunks``)
+    # on fake tensors: how the loss's chunks and the MLP's tiles are walked (sampled while traced); None on real ones
+    sampled: Optional[SampledPieces] = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -214,11 +216,14 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     quantized = run_bnb_config(run_cfg.quant, on_target, config, run_cfg.peft.freeze_LLM_only)
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
-    model, report = prepare_model(model, run_cfg, precision, place=place)
+    # on fakes: the pieces of loops sampled, the optimizer's stand-in, no values read; real: as a run does
+    sampled = SampledPieces() if fake else None
+    make, read = (build_stand_in, planned_floats) if fake else (build, host_floats)
+    model, report = prepare_model(model, run_cfg, precision, place=place, pieces=sampled or every_piece)
     sharded = run_cfg.distributed.enable_fsdp
-    loss_model = loss_model_for(model, run_cfg.training, sharded=sharded)
+    loss_model = loss_model_for(model, run_cfg.training, sharded=sharded, pieces=sampled or every_piece)
     train_step = build_train_step(run_cfg.training, loss_model, precision, check_finite=False,
-                                  device_type=target.type, planned=fake, sharded=sharded)
+                                  device_type=target.type, sharded=sharded, make_optimizer=make, read_floats=read)
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     tc = run_cfg.training
@@ -227,7 +232,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
               for _ in range(min(tc.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
     return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
-                        cuda_autocast_stand_in=target.type == "cuda" and precision.device.type == "cpu", fake=fake)
+                        cuda_autocast_stand_in=target.type == "cuda" and precision.device.type == "cpu",
+                        sampled=sampled)
 
 
 def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
@@ -306,13 +312,13 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
     try:
         # Sampled chunks: the same bytes and FLOPs in a time that does not grow with the batch (Llama 3's
         # vocabulary makes a 128-token chunk; a 32 x 2048 LoRA step spent 45% of its trace in 512 of them).
-        with tracker, sampled_chunks(tracker) if step.fake else contextlib.nullcontext():
+        with tracker, step.sampled.counting(tracker) if step.sampled else contextlib.nullcontext():
             step.run()
     finally:
         tracker.close()
         for hook in hooks:
             hook.remove()
-    paged = getattr(optimizer, "paged_state", lambda: [])()
+    paged = paged_state(optimizer)  # what the optimizer's entry declares of the stand-in it stepped
     return StepTrace(tracker.peak_bytes, dict(tracker.peak_breakdown), tracker.flops,
                      layer_input[0] if layer_input else 0, step.total_layers, step.checkpointing,
                      dict(tracker.stage_peaks), dict(tracker.stage_breakdowns),
@@ -320,7 +326,7 @@ def _trace(step: PreparedStep, target: torch.device) -> StepTrace:
                      sum(tracker.rounded(t.untyped_storage().nbytes()) for t in paged),
                      tracker.allocator.reserved if tracker.allocator is not None else 0, _by_stage(tracker.moments),
                      tracker.allocator.reserved_expandable if tracker.allocator is not None else 0,
-                     _plus(getattr(optimizer, "host_state_bytes", lambda: (0, 0))(), _host_kept(model, on_gpu)))
+                     _plus(host_state_bytes(optimizer), _host_kept(model, on_gpu)))
 
 
 def _host_kept(model: torch.nn.Module, on_gpu: bool) -> tuple[int, int]:

@@ -15,13 +15,12 @@ those flags with it).
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from leantune.optimizers import stepping_in_backward
 from leantune.optimizers.streams import on_the_default_stream
 
 
@@ -65,7 +64,8 @@ class OptimizerInBackward:
             grad, self._sharded = grad.to_local(), True
         squares = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._squares = squares if self._squares is None else self._squares + squares
-        with without_bitsandbytes_sync(), on_the_default_stream(param.device):
+        # what the entry needs around a step from backward (bitsandbytes: its device-wide wait left out)
+        with stepping_in_backward(self.optimizer), on_the_default_stream(param.device):
             step_group(self.optimizer, self._group_of[param])
         param.grad = None
 
@@ -90,34 +90,6 @@ def step_group(optimizer: torch.optim.Optimizer, group: dict) -> None:
         optimizer.step()
     finally:
         optimizer.param_groups = groups
-
-
-@contextlib.contextmanager
-def without_bitsandbytes_sync() -> Iterator[None]:
-    """bitsandbytes' 8-bit optimizers end each weight's update with ``torch.cuda.synchronize()``
-    (``sync_gpu``, bitsandbytes >= 0.47; a paged one waits once more). Stepped from backward, that
-    drains the GPU's queue once per weight in the middle of backward, so the wait is left out, on
-    every stream. Nothing needs it there: the step runs on the default stream, where bitsandbytes
-    launches, ordered after the gradient and before the gradient's memory is reused
-    (``optimizers.streams.on_the_default_stream``, around it in the hook: event waits where FSDP2
-    calls the hook on its reduce-scatter stream); and the host reads no optimizer state (a paged
-    moment is host-addressable memory) before the step's own wait for the device after backward
-    (``TrainStep.run``: the loss and norm copied to the host).
-    """
-    module = sys.modules.get("bitsandbytes.optim.optimizer")
-    original = getattr(module, "sync_gpu", None)
-    if original is None:
-        yield
-        return
-    module.sync_gpu = _no_sync
-    try:
-        yield
-    finally:
-        module.sync_gpu = original
-
-
-def _no_sync(_tensor: torch.Tensor) -> None:
-    """In place of bitsandbytes' per-weight ``sync_gpu`` while a weight steps in backward."""
 
 
 def create_state_weight_by_weight(optimizer: torch.optim.Optimizer) -> None:

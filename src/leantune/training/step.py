@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
@@ -215,12 +214,15 @@ def model_inputs(batch: dict, device: torch.device, real_tokens: bool = False
             image_inputs(batch, device))
 
 
+# (scalar tensors or None, ...) -> their values, None staying None: how a step reads its loss and norm on the host
+ReadFloats = Callable[..., list[Optional[float]]]
+
+
 def host_floats(*values: Optional[torch.Tensor]) -> list[Optional[float]]:
-    """Several scalar tensors' values with one wait for the device (None stays None; fakes give NaN)."""
+    """Several scalar tensors' values with one wait for the device (None stays None)."""
     tensors = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values if v is not None]
-    if not tensors or any(is_fake(t) for t in tensors):
-        floats = [float("nan")] * len(tensors)
-    else:
+    floats = []
+    if tensors:
         device = tensors[0].device
         floats = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist()
     found = iter(floats)
@@ -270,12 +272,16 @@ class TrainStep:
     ``clip``: the gradient-norm threshold with ``--gradient_clipping``, else None. ``nonfinite``:
     the finite check (None where the step only measures memory: random weights, fake tensors).
     ``in_backward``: the hooks that step each weight during backward (then there is no step after it).
+    ``read_floats``: how the loss and the norm are read on the host (the planner's step on fake tensors, whose
+    values do not exist, passes its own).
     """
 
     def __init__(self, loss_model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                  clip: Optional[float] = None, dist: DistContext = SINGLE_PROCESS,
-                 nonfinite: Optional[NonFiniteCheck] = None, in_backward: Optional[OptimizerInBackward] = None):
+                 nonfinite: Optional[NonFiniteCheck] = None, in_backward: Optional[OptimizerInBackward] = None,
+                 read_floats: ReadFloats = host_floats):
         self.loss_model, self.optimizer, self.precision = loss_model, optimizer, precision
+        self.read_floats = read_floats
         self.in_backward = in_backward  # --optimizer_in_backward: the weights step during backward
         self.device = precision.device
         self.scaler = precision.make_scaler()
@@ -306,7 +312,7 @@ class TrainStep:
             if router_total is not None:
                 router_total += self.loss_model.router_loss_sum
         # one wait for the device, before the optimizer may apply what is checked
-        loss_sum, grad_norm, router_sum = host_floats(loss_total, self.gradient_norm(), router_total)
+        loss_sum, grad_norm, router_sum = self.read_floats(loss_total, self.gradient_norm(), router_total)
         input_tokens = sum(int(batch["attention_mask"].sum()) for batch in window)  # host tensors
         stop_requested = float(stop is not None and stop())
         loss_sum, input_tokens, stops, router_sum = self.dist.sum_all(
