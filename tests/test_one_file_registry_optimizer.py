@@ -3,9 +3,9 @@ resumed with no line of leantune changed.
 
 ``test_sgd`` is SGD with momentum whose step count lives beside the weight and is read on the host (as a library's
 kernel reads values), so on fake tensors only its stand-in can be stepped: the planner must take the stand-in the
-entry declares, and read from the entry (not from the optimizer object) the state it pages and the state it keeps in host memory. Its
-saved state goes through the entry's codec, its steps from backward through the entry's context, and the
-out-of-memory advice and ``--optimizer auto``'s ladder carry its clause and rung.
+entry declares, and read from the entry (not from the optimizer object) the state it pages and the state it keeps in
+host memory. Its saved state goes through the entry's codec, its steps from backward through the entry's context,
+and the out-of-memory advice and ``--optimizer auto``'s ladder carry its clause and rung.
 """
 
 from __future__ import annotations
