@@ -38,7 +38,7 @@ import torch
 
 from leantune.builders.model import loss_function, prepare_model
 from leantune.checkpointing.modes import planned_modes
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, RunConfig
 from leantune.loss import auto_chunk_size
 from leantune.memory.meter import ActivationMeter

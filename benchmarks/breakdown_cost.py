@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import prepare_step

@@ -72,7 +72,7 @@ def _second_step_peak(flags: list[str]) -> int:
     import torch
 
     from leantune.builders.sharding import start_distributed
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.distributed.context import close_distributed
     from leantune.finetuning import build_trainer
     from leantune.memory.allocator_peak import HostAllocatorPeak

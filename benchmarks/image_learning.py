@@ -41,7 +41,7 @@ def colors_module():
 
 def finetune(model_dir: Path, out: Path, function: str, epochs: int, extra: list[str]) -> dict:
     """``leantune finetune`` on the colours file (``function``: its images or its blank control); its summary."""
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.finetuning import run
 
     flags = ["--model_name", str(model_dir), "--dataset", "custom_dataset", "--custom_dataset.file",

@@ -81,8 +81,8 @@ def one_row(context: int, vocab: int) -> dict:
 def run_leantune(model_dir: str, context: int, flags: list[str], steps: int) -> dict:
     """In this process: leantune's step as ``leantune finetune`` builds it, on the row, ``steps`` times."""
     from leantune.builders.model import build_model
-    from leantune.builders.step import build_train_step, loss_model_for
-    from leantune.cli_args import parse_run_config
+    from leantune.builders.loss_and_optimizer import build_train_step, loss_model_for
+    from leantune.flags import parse_run_config
     from leantune.memory.host_allocator import return_host_memory
     from leantune.precision import choose_precision
 
@@ -167,7 +167,7 @@ def measure_processes(context: int, steps: int) -> list[dict]:
 
 
 def measure_plans(context: int) -> list[dict]:
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.models.attention import resolve_attention
     from leantune.models.presets import model_config
     from leantune.planning.fake_step import trace_step

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # budget_hf_trainer, n
 
 from budget_hf_trainer import HFTrainerCase, release  # noqa: E402
 from budget_report import check_targets, plot, print_table  # noqa: E402
-from leantune.cli_args import parse_run_config  # noqa: E402
+from leantune.flags import parse_run_config  # noqa: E402
 from leantune.config import ConfigError, RunConfig  # noqa: E402
 from leantune.memory.oom import is_out_of_memory  # noqa: E402
 from leantune.memory.step_peak import DOESNT_FIT, StepPeakMeter  # noqa: E402

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from leantune.builders.own_loss import check_own_loss
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.facts import plan_model_facts, run_model_facts
 from leantune.models.loading import ModelLoadError, linear_layer_names
 from leantune.models.tiny import FAMILIES, make_tiny_model

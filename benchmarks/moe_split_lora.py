@@ -41,7 +41,7 @@ def _model_dir(root: Path) -> Path:
 
 def _step_seconds(cfg) -> float:
     from leantune.builders.model import build_model
-    from leantune.builders.step import loss_model_for
+    from leantune.builders.loss_and_optimizer import loss_model_for
     from leantune.precision import choose_precision
 
     model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _line: None)
@@ -58,7 +58,7 @@ def _step_seconds(cfg) -> float:
 
 def measure(split: bool, path: Path) -> dict:
     import leantune.builders.model as builders
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.models.experts import use_leantune_experts
     from leantune.models.facts import run_model_facts
     from leantune.planning.fake_step import trace_step

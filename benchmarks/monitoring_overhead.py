@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import build_trainer
 from leantune.memory.monitor import CurrentMemoryProbe, MemoryMonitor
 from leantune.memory.stats import cpu_rss_bytes

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.presets import model_config
 from leantune.planning.optimizer_choice import LADDER, Rung, with_rung
 from leantune.planning.per_rank import host_offload_alternative

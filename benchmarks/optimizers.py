@@ -30,7 +30,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloaded: bitsandbytes' import would fetch a CPU kernel
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import run
 from leantune.models.facts import run_model_facts
 from leantune.planning.fake_step import trace_step

@@ -31,7 +31,7 @@ import torch
 
 from monitoring_overhead import endless_windows  # this directory's: the trainer's windows, epoch after epoch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import build_trainer
 from leantune.models.facts import plan_model_facts
 from leantune.planning.plan import MIB, plan_modes

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import target_precision, trace_step
 from measure_peak import profiled_peak_bytes

@@ -101,7 +101,7 @@ def plan_case(case: Case, offload_pinned_gb: float = OFFLOAD_PINNED_GB) -> dict:
 
     import leantune.checkpointing.offload as offload
 
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.config import ConfigError
     from leantune.models.presets import ModelShapeError, model_config
     from leantune.planning.plan import plan_modes

@@ -28,8 +28,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloaded: bitsandbytes' import would fetch a CPU kernel
 
 from leantune.builders.model import build_model
-from leantune.builders.step import build_train_step, loss_model_for
-from leantune.cli_args import parse_run_config
+from leantune.builders.loss_and_optimizer import build_train_step, loss_model_for
+from leantune.flags import parse_run_config
 from leantune.finetuning import run
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.facts import run_model_facts

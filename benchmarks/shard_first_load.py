@@ -47,7 +47,7 @@ def worker(folder: str, flags: list[str]) -> None:
     import contextlib
 
     from leantune.builders.sharding import start_distributed
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.distributed.context import close_distributed
     from leantune.finetuning import build_trainer
 

@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.builders.model import build_model, loss_function
 from leantune.finetuning import run
 from leantune.memory.meter import ActivationMeter

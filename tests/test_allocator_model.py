@@ -127,7 +127,7 @@ def test_an_empty_request_takes_no_block():
 
 
 def test_a_gpu_plan_s_fragmentation_is_the_modelled_reservation_beyond_the_traced_peak():
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.models.presets import model_config
     from leantune.planning.fake_step import trace_step
     from leantune.planning.plan import plan_from_trace

@@ -21,7 +21,7 @@ def _jsonl(lines):
 
 def _state(world_size: int = 1, budget_cut: bool = False, batches_seen: int = 8, **flags) -> str:
     """A trainer_state.json as a saved run writes it (its tensors are not read before these checks)."""
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
 
     config = {**parse_run_config(["--context_length", "128"]).flat(), **flags}
     return json.dumps({"format_version": 1, "world_size": world_size, "global_step": 4, "config": config,

@@ -192,7 +192,7 @@ def _hf_case(tiny_model_dir, tmp_path):
     bench = _load("benchmarks/memory_budget.py")
     from budget_hf_trainer import HFTrainerCase
 
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
 
     cfg = parse_run_config(["--model_name", str(tiny_model_dir), "--use_peft", "--context_length", "64", "--device",
                             "cpu", "--output_dir", str(tmp_path / "hf")])

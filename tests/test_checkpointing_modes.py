@@ -13,7 +13,7 @@ from leantune.checkpointing import (CheckpointingError, EveryNLayers, FullCheckp
                                     OffloadCheckpointing, SelectiveOps, apply_activation_checkpointing)
 from leantune.checkpointing.modes import (MODES, declared_flags, mode_choices, planned_modes, policy_class,
                                          policy_from_config, recompute_rank)
-from leantune.cli_args import build_parser, parse_run_config
+from leantune.flags import build_parser, parse_run_config
 from leantune.checkpointing.selective import recomputed_linears
 from leantune.loss import ChunkedCrossEntropy
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leantune.checkpointing.recomputed_linear import RecomputedLinear
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.finetuning import run
 from leantune.models import compiling
@@ -102,7 +102,7 @@ def test_offload_is_refused_with_compile_and_left_out_of_autos_candidates():
 
 
 def test_the_plan_says_it_plans_the_eager_step(tiny_model_dir, capsys):
-    from leantune.planning.cli import main as plan_main
+    from leantune.planning.plan_command import main as plan_main
     from leantune.planning.table import COMPILE_NOTE
 
     assert plan_main(["--model_name", str(tiny_model_dir), "--context_length", "128", "--compile"]) == 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.optimizers import ENTRIES as OPTIMIZERS
 
@@ -167,7 +167,7 @@ SAME_AS_DEFAULT = {"peft_method"}  # no other valid value to give
 
 def parser_flags() -> list[str]:
     """Every flag the finetune parser accepts, by its underscore spelling (the dash aliases are the same actions)."""
-    from leantune.cli_args import build_parser
+    from leantune.flags import build_parser
 
     return [action.option_strings[0][2:] for action in build_parser()._actions
             if action.option_strings and action.option_strings[0] != "-h"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.distributed.context import SINGLE_PROCESS
 from leantune.memory.oom import SNAPSHOT_NAME, dump_snapshot
 from leantune.planning.oom_advice import oom_report

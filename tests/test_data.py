@@ -141,7 +141,7 @@ def test_build_datasets_on_the_bundled_data(tokenizer):
 
 
 def test_the_dataset_flag_offers_every_registered_format_and_its_help_names_each():
-    from leantune.cli_args import build_parser
+    from leantune.flags import build_parser
 
     action = next(a for a in build_parser()._actions if "--dataset" in a.option_strings)
     assert tuple(action.choices) == format_choices() == tuple(FORMATS)

@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, DataConfig
 from leantune.data import IGNORE_INDEX, build_datasets
 from leantune.data import cache as cache_module

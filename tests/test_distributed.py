@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.data.batching import RankShard, ShuffledBatchSampler
 from leantune.finetuning import run
 

@@ -89,7 +89,7 @@ def test_tiny_model_is_deterministic(tmp_path):
 
 
 def test_the_default_model_is_built_locally_on_first_use(tmp_path, monkeypatch):
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.finetuning import run
     from leantune.models.tiny import default_model_dir
 

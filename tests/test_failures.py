@@ -10,7 +10,7 @@ import torch
 
 from leantune import finetuning
 from leantune.planning.oom_advice import memory_fixes
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.precision import Precision
 from leantune.training.step import CausalLMLoss, TrainStep
 from leantune.training.loop import Trainer

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from leantune import finetuning
 from leantune.builders.model import build_model
-from leantune.builders.step import loss_model_for
-from leantune.cli_args import parse_run_config
+from leantune.builders.loss_and_optimizer import loss_model_for
+from leantune.flags import parse_run_config
 from leantune.labels import count_targets
 from leantune.loss import IDENTITY
 from leantune.models.facts import run_model_facts

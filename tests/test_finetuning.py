@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import main, run
 
 FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1"]

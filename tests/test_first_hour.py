@@ -80,7 +80,7 @@ def test_a_plain_lora_run_prints_no_third_party_warning_and_names_its_optimizer(
 
 
 def test_help_gives_each_flag_its_own_text_and_its_true_default():
-    from leantune.cli_args import build_parser
+    from leantune.flags import build_parser
 
     text = build_parser().format_help()
     assert "(default: None)" not in text and "(full or LoRA) on one device" not in text

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import main, run
 from test_distributed import DIST_GRAD_NORM_RTOL, DIST_LOSS_TOL, FAST, step_losses, torchrun
 
@@ -164,7 +164,7 @@ def test_a_4bit_base_is_gathered_as_its_packed_bytes_under_bf16_mixed_precision(
     casts floating-point parameters only), byte for byte, or bitsandbytes would read numbers as weights."""
     pytest.importorskip("bitsandbytes")
     from leantune.builders.sharding import start_distributed
-    from leantune.builders.step import loss_model_for
+    from leantune.builders.loss_and_optimizer import loss_model_for
     from leantune.distributed.context import close_distributed
     from leantune.distributed.fsdp import shard_model
     from leantune.models.loading import attach_lora, load_model

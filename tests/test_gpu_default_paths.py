@@ -16,7 +16,7 @@ import torch
 
 import leantune.finetuning as finetuning
 from leantune.builders.model import build_model
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.precision import Precision
 
 CPU = torch.device("cpu")

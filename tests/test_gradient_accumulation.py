@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from helpers import make_batch
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.builders.model import build_model, loss_function
 from leantune.labels import count_targets
 from leantune.precision import choose_precision
-from leantune.builders.step import build_train_step
+from leantune.builders.loss_and_optimizer import build_train_step
 from leantune.training.step import CausalLMLoss, TrainStep
 
 SEQ = 64

@@ -9,8 +9,8 @@ import torch
 from helpers import make_batch
 
 from leantune.builders.model import build_model
-from leantune.builders.step import loss_model_for
-from leantune.cli_args import parse_run_config
+from leantune.builders.loss_and_optimizer import loss_model_for
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.facts import run_model_facts
 from leantune.model_structure import unwrap_model

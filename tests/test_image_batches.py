@@ -13,7 +13,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from leantune.builders.model import loss_function
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.formats.records import DatasetError
 from leantune.labels import count_targets

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.data.image_chat import ImageChatCollator, image_chat_rows
 from leantune.formats.records import DatasetError
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leantune.builders.model import build_model
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.facts import run_model_facts
 from leantune.precision import choose_precision
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.tiny_vision import build_tiny_image_text
 from leantune.use import generate, merge
 

@@ -22,12 +22,12 @@ MAX_MODULE_LINES = 400
 # Layers, top first: a module may import its own layer (without a cycle) and the layers below it.
 LAYERS = (
     ("entry", ("leantune.__main__", "leantune.cli", "leantune.finetuning", "leantune.preflight",
-               "leantune.planning.cli", "leantune.use")),
+               "leantune.planning.plan_command", "leantune.use")),
     ("planning", ("leantune.planning",)),
     ("builders", ("leantune.builders",)),
     ("training", ("leantune.training",)),
     ("components", ("leantune.data", "leantune.distributed", "leantune.memory", "leantune.models",
-                    "leantune.report", "leantune.loss", "leantune.precision", "leantune.io", "leantune.cli_args")),
+                    "leantune.report", "leantune.loss", "leantune.precision", "leantune.io", "leantune.flags")),
     ("config", ("leantune.config",)),
     # The registry of checkpointing modes and their policies: the config's mode choices and checks are
     # read from it, so it sits below the config (and knows no flag type: it reads a section by name).
@@ -205,7 +205,7 @@ def test_a_registry_module_imports_the_registry_not_its_package(package):
 # ``RunConfig`` (or a ``MemoryPlan``, which carries one); config/ itself is exempt (a check across sections
 # belongs to the config).
 WHOLE_RUN_READERS = ("leantune.finetuning", "leantune.preflight", "leantune.planning", "leantune.builders",
-                     "leantune.config", "leantune.cli_args")
+                     "leantune.config", "leantune.flags")
 WHOLE_RUN_TYPES = ("RunConfig", "MemoryPlan")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.optimizers import ENTRIES, build, optimizer_entry
@@ -409,7 +409,7 @@ def test_the_leanest_rung_trains_under_bf16_autocast(tiny_model_dir, tmp_path, m
 
 def test_adamw_for_a_gpu_is_torchs_fused_kernel():
     """What a CUDA run builds, stepped on CPU tensors (the fused kernel runs there too): AdamW's numbers."""
-    from leantune.training.optim import build_optimizer
+    from leantune.training.optimizer_setup import build_optimizer
 
     tc = parse_run_config([]).training
     torch.manual_seed(0)
@@ -572,7 +572,7 @@ def test_a_state_saved_before_a_flag_existed_resumes_only_with_that_flags_defaul
 @pytest.mark.parametrize("decay", [0.0, 0.1])
 def test_every_optimizer_takes_the_weight_decay_asked_for(optimizer, decay):
     """bitsandbytes' own default is 0.01: an 8-bit AdamW not given --weight_decay would decay when 0 is asked."""
-    from leantune.training.optim import build_optimizer
+    from leantune.training.optimizer_setup import build_optimizer
 
     cfg = parse_run_config(["--optimizer", optimizer, "--weight_decay", str(decay)])
     built = build_optimizer(cfg.training, torch.nn.Linear(64, 64), "cpu")

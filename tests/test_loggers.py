@@ -7,7 +7,7 @@ import sys
 import types
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 
 
 def _argv(tiny_model_dir, out, *flags):

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.attention import resolve_attention, traceable_attention
 from leantune.models.facts import check_context_length, extend_positions, position_limit
@@ -19,7 +19,7 @@ from leantune.models.presets import model_config
 from leantune.models.tiled_mlp import tile_mlps, tile_tokens, tiled_tokens, untile_mlps
 from leantune.data.segments import Segments, segments_of
 from leantune.models.varlen_attention import SEGMENTS
-from leantune.planning import cli as plan_cli
+from leantune.planning import plan_command as plan_cli
 from leantune.planning.fake_step import prepare_step
 from leantune.planning.max_context import CONTEXT_STEP, find_max_context, with_levers
 from leantune.planning.plan import plan_modes

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from leantune.builders.model import loss_function
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.labels import count_targets
 from leantune.loss import ChunkedCrossEntropy, LogitTransform, PlainCrossEntropy, auto_chunk_size, causal_lm_loss_sum
 from leantune.memory.meter import ActivationMeter

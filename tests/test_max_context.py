@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.planning import max_context

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from leantune.checkpointing.recomputed_linear import RecomputedLinear
 from leantune.checkpointing import (FullCheckpointing, SelectiveOps, apply_activation_checkpointing,
                                     inspect_checkpointing, remove_activation_checkpointing)
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.loading import attach_lora
 from leantune.planning.choose import MemoryPlan
 from leantune.planning.measured_choice import TIMED_STEPS, choose_by_timing

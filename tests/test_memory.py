@@ -266,7 +266,7 @@ def test_return_host_memory_is_on_for_long_cpu_rows_only_unless_asked():
 def test_a_run_applies_return_host_memory_and_says_so(tiny_model_dir, tmp_path, monkeypatch):
     """The run's start-up applies the setting (stood in here: the real one would stay in this test process)."""
     from leantune.finetuning import run
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.memory import host_allocator
 
     applied = []

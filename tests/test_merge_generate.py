@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.models.merging import MergeRefused
 from leantune.use import generate, merge
 from leantune.use.merge import merge_run

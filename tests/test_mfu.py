@@ -11,8 +11,8 @@ from helpers import llama_training_flops
 from torch.utils.flop_counter import FlopCounterMode, addmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 from leantune.builders.model import build_model
-from leantune.builders.step import loss_model_for
-from leantune.cli_args import parse_run_config
+from leantune.builders.loss_and_optimizer import loss_model_for
+from leantune.flags import parse_run_config
 from leantune.finetuning import run
 from leantune.models.presets import model_config
 from leantune.model_structure import unwrap_model

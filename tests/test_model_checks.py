@@ -21,9 +21,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import leantune.builders.model as builders_model
 import leantune.models.facts as facts_module
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, TrainingConfig
-from leantune.planning import cli as plan_cli
+from leantune.planning import plan_command as plan_cli
 from leantune.planning.fake_step import trace_step
 from leantune.models.facts import run_model_facts
 from leantune.models.tiny import FAMILIES

@@ -17,8 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from leantune import finetuning
 from leantune.builders.model import build_model
 from leantune.builders.own_loss import OwnLossMismatch, check_own_loss
-from leantune.builders.step import loss_model_for
-from leantune.cli_args import parse_run_config
+from leantune.builders.loss_and_optimizer import loss_model_for
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, TrainingConfig
 from leantune.labels import count_targets
 from leantune.models.facts import ModelFacts, run_model_facts

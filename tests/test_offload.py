@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from leantune.checkpointing import OffloadCheckpointing, apply_activation_checkpointing, policy_from_config
 from leantune.checkpointing.offload import ActivationOffloader, _Saved, default_max_pinned_bytes
 from leantune.checkpointing.pinned_pool import PinnedBufferPool
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 
 from conftest import TEST_SHAPE
@@ -432,7 +432,7 @@ def test_the_trace_keeps_each_stage_s_moments_by_the_layer_inputs_alive(kind):
     all to none. Offload's backward is no lower than its moments with nothing to move (small preset, full
     fine-tuning at 24 x 512: 3,581 MiB with two inputs left against 3,611 at the start, where taking full's
     peak alone and shedding six inputs said 3,323)."""
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.models.presets import model_config
     from leantune.planning.fake_step import trace_step
     from leantune.planning.plan import offload_trace

@@ -16,7 +16,7 @@ import torch
 
 from leantune.checkpointing import CheckpointPolicy, ModeFlag, MODES, policy_from_config
 from leantune.checkpointing.modes import mode_choices, planned_modes
-from leantune.cli_args import build_parser, parse_run_config
+from leantune.flags import build_parser, parse_run_config
 from leantune.config import ConfigError
 from leantune.finetuning import run
 from leantune.models.presets import model_config
@@ -116,7 +116,7 @@ def test_the_mode_is_planned_with_its_flag(last_layers, count):
 
 
 def test_leantune_plan_lists_it_among_the_modes(last_layers, capsys):
-    from leantune.planning.cli import main
+    from leantune.planning.plan_command import main
 
     assert main([*TINY_PLAN, "--use_peft", "--memory_budget_gb", "0.03", "--json"]) == 0
     assert [r["mode"] for r in json.loads(capsys.readouterr().out)] == ["none", "full", "every_n", "selective_ops",

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from leantune import finetuning
-from leantune.cli_args import build_parser, parse_run_config
-from leantune.memory.oom import memory_fixes
+from leantune.flags import build_parser, parse_run_config
+from leantune.planning.oom_advice import memory_fixes
 from leantune.models.facts import meta_model
 from leantune.models.presets import model_config
 from leantune.optimizers import Advice, OptimizerEntry, Rung, ladder, optimizer_choices, register, unregister

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.presets import model_config
 from leantune.planning.fake_step import trace_step

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, DataConfig
 from leantune.data import IGNORE_INDEX, build_datasets, make_dataloader, make_rows
 from leantune.data.packing import best_fit_rows, fit_to_context, full_rows_batch

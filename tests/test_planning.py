@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.memory.tracker import StorageTracker, persistent_bytes
 from leantune.models.presets import (HUB_IDS, MOE_PRESETS, PRESETS, VISION_PRESETS, ModelShapeError, model_config,
@@ -327,7 +327,7 @@ def test_presets_and_hub_ids_resolve_offline():
     (["--target_global_batch_size", "10", "--batch_size_training", "4"], "not a multiple"),
 ])
 def test_plan_command_errors_name_the_flag(argv, message, capsys):
-    from leantune.planning.cli import main
+    from leantune.planning.plan_command import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -335,7 +335,7 @@ def test_plan_command_errors_name_the_flag(argv, message, capsys):
 
 
 def test_plan_command_json_and_table(capsys):
-    from leantune.planning.cli import main
+    from leantune.planning.plan_command import main
 
     assert main([*TINY, "--use_peft", "--memory_budget_gb", "0.03", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
@@ -421,7 +421,7 @@ def test_step_two_is_checked_against_the_plan_where_an_allocator_measures():
 
 
 def test_per_rank_plan_under_fsdp_splits_the_model_state(capsys):
-    from leantune.planning.cli import main
+    from leantune.planning.plan_command import main
     from leantune.planning.per_rank import per_rank, sharding_shapes
 
     cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",
@@ -584,7 +584,7 @@ def test_auto_under_fsdp_chooses_by_one_ranks_plan():
 
 def test_one_gpu_fsdp_cpu_offload_plans_the_device_and_the_host(capsys):
     """World 1 with --fsdp_cpu_offload: the device holds what is gathered and in flight, the host the rest."""
-    from leantune.planning.cli import main
+    from leantune.planning.plan_command import main
     from leantune.planning.per_rank import per_rank, sharding_shapes
 
     cfg = parse_run_config(["--model_name", "small", "--batch_size_training", "1", "--context_length", "128",

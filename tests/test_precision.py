@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.precision import choose_precision
 

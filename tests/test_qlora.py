@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from leantune import finetuning
 from leantune.builders.model import build_model
 from leantune.checkpointing import FullCheckpointing, apply_activation_checkpointing
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.memory import custom_ops
 from leantune.planning.oom_advice import memory_fixes
@@ -367,7 +367,7 @@ def test_a_4bit_plan_of_biased_linear_layers_equals_the_measured_step(family_dir
     """Qwen2's q, k and v have biases: the measured model's converted layers keep them (they were left on meta)."""
     import torch
 
-    from leantune.cli_args import parse_run_config
+    from leantune.flags import parse_run_config
     from leantune.models.facts import run_model_facts
     from leantune.planning.fake_step import trace_step
 

@@ -6,7 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_quickstart_flags_parse():
 
 
 def test_readme_plan_command_parses():
-    from leantune.planning.cli import modes_to_plan, plan_target
+    from leantune.planning.plan_command import modes_to_plan, plan_target
 
     blocks = [b for b in _bash_blocks() if b.strip().startswith("leantune plan")]
     (block,) = [b for b in blocks if "--max_context" not in b]

@@ -10,7 +10,7 @@ import pytest
 from helpers import llama_training_flops
 
 from leantune import cli
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import run
 from leantune.report.plots import ReportError, _pyplot
 

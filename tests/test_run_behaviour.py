@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantune import finetuning
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.report import loggers
 
 

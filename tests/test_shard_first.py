@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import one_rank_group
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.distributed.shard_first import join_padded, scale_counts, shard_rows
 from leantune.models.quantized_slices import covering_elements, owned_blocks, quant_state, quantize_bytes
 
@@ -117,7 +117,7 @@ def test_the_skeleton_makes_loras_weights_and_buffers_as_a_whole_load_and_holds_
 # other 4-bit format without the double quantization
 @pytest.mark.parametrize("weights", [[], ["--pure_bf16"], ["--quant_type", "fp4", "--no_use_double_quant"]])
 def test_a_shard_first_load_fills_the_shards_a_whole_load_makes(weights, tiny_model_dir):
-    from leantune.builders.step import loss_model_for
+    from leantune.builders.loss_and_optimizer import loss_model_for
     from leantune.distributed.context import DistContext
     from leantune.distributed.fsdp import shard_model
     from leantune.distributed.shard_first import ShardFirstLoad

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from helpers import one_rank_group
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.optimizers import build, layout_note
 from leantune.optimizers.bitsandbytes_8bit import EightBitAdamWStandIn, bitsandbytes_adamw

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.memory.step_peak import StepPeakMeter
 
 MIB = 2**20

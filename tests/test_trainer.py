@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.finetuning import build_trainer
 from leantune.loss import causal_lm_loss_sum
 from leantune.precision import choose_precision

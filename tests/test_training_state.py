@@ -6,7 +6,7 @@ import torch
 
 from leantune.memory.oom import is_out_of_memory
 from leantune.planning.oom_advice import memory_fixes
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.training.state import STATE_FILE, recover_replaced, saved_states, set_aside_newer
 
 

@@ -20,15 +20,15 @@ class Command(NamedTuple):
 COMMANDS = {
     "finetune": Command("leantune.finetuning",
                         "fine-tune a model (the same flags as python -m leantune.finetuning)"),
-    "plan": Command("leantune.planning.cli", "predict a run's peak memory per checkpointing mode, without "
+    "plan": Command("leantune.planning.plan_command", "predict a run's peak memory per checkpointing mode, without "
                                              "allocating it (same flags as finetune)"),
-    "make-tiny-model": Command("leantune.models.tiny_cli",
+    "make-tiny-model": Command("leantune.models.tiny_command",
                                "build the tiny local Llama and its tokenizer in DIR (no download)"),
     "merge": Command("leantune.use.merge", "fold a LoRA run's adapter into its base: leantune merge RUN_DIR OUT_DIR "
                                            "[--model_name BASE] [--dtype D]"),
     "generate": Command("leantune.use.generate", "try a model, a merged model or a LoRA run: leantune generate "
                                                  "--model_name DIR [--prompt TEXT | --chat]"),
-    "report": Command("leantune.report.cli",
+    "report": Command("leantune.report.report_command",
                       "plot and summarise runs: leantune report OUTPUT_DIR [OUTPUT_DIR ...] [--out DIR]"),
 }
 

@@ -21,9 +21,9 @@ from leantune.builders.loaders import RunData, image_batches
 from leantune.builders.model import build_model, describe_loss
 from leantune.builders.monitor import build_monitor
 from leantune.builders.sharding import device_peak_bytes, shard, shard_first_checkpoint, start_distributed
-from leantune.builders.step import build_train_step, loss_model_for
+from leantune.builders.loss_and_optimizer import build_train_step, loss_model_for
 from leantune.checkpointing import CheckpointingError
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, DataConfig, MemoryConfig, RunConfig, TrainingConfig
 from leantune.data import DatasetError
 from leantune.distributed.context import SINGLE_PROCESS, DistContext, close_distributed, tell_the_launcher
@@ -42,7 +42,7 @@ from leantune.report.flops import device_peak_tflops
 from leantune.report.loggers import MetricLoggers
 from leantune.training.checkpoint_files import unpickler_warning
 from leantune.training.loop import Trainer, TrainingParts
-from leantune.training.optim import build_scheduler, describe_optimizer
+from leantune.training.optimizer_setup import build_scheduler, describe_optimizer
 from leantune.training.packing_check import check_examples_kept_apart
 from leantune.training.resume_checks import check_compatible
 from leantune.training.state import TrainingStateStore, load_weights, read_state

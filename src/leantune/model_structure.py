@@ -10,19 +10,19 @@ from __future__ import annotations
 import torch
 
 
-def text_config(config):
+def text_config(model_config):
     """The language model's part of a Hugging Face ``config`` (``config`` itself unless it is a composite, multimodal
     one)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
-def is_image_text(config) -> bool:
+def is_image_text(model_config) -> bool:
     """Whether ``config`` is an image-and-text model's (a vision config beside its text one, a class transformers
     loads for image-text-to-text)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return (getattr(config, "vision_config", None) is not None
-            and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return (getattr(model_config, "vision_config", None) is not None
+            and getattr(model_config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
 def image_text_base(model: torch.nn.Module):
@@ -63,12 +63,12 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def model_class(config):
+def model_class(model_config):
     """The transformers auto class that builds ``config``'s model: the image-and-text one for a model with a vision
     tower (Llama 3.2 Vision's causal-LM class would drop it), else the causal LM's."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_image_text(model_config) else AutoModelForCausalLM
 
 
 def outside_the_language_model(model: torch.nn.Module) -> list[str]:

@@ -147,8 +147,8 @@ def build_model(cfg: RunConfig, precision: Precision, log=print, facts: Optional
                    else functools.partial(experts_quantized_as_loaded, cfg.quant))
         quantized = run_bnb_config(cfg.quant, precision, facts.config, cfg.peft.freeze_LLM_only)
         loaded = load_model(cfg.model, precision.weight_dtype, facts.attention, quantized, loads_on,
-                            config=(facts.config if cfg.model.rope_scaling_factor or cfg.model.output_router_logits
-                                    else None),
+                            model_config=(facts.config if cfg.model.rope_scaling_factor
+                                          or cfg.model.output_router_logits else None),
                             experts=experts)
         model, report = prepare_model(loaded, cfg, precision)
     trainable, total = count_parameters(model)

@@ -138,9 +138,9 @@ class StandInOutput(ModelOutput):
         raise AttributeError(f"the decoder's output has no {name!r} leantune can stand in for")
 
 
-def small_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
+def small_vocabulary(model_config: PretrainedConfig) -> PretrainedConfig:
     """``config`` with a ``VOCAB``-token vocabulary (special token ids beyond it moved to its last); the rest kept."""
-    small = copy.deepcopy(config)
+    small = copy.deepcopy(model_config)
     for part in {id(small): small, id(text_config(small)): text_config(small)}.values():
         if hasattr(part, "vocab_size"):
             part.vocab_size = VOCAB
@@ -161,21 +161,21 @@ def _replace(model: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module)
                 setattr(module, child_name, new)
 
 
-def stand_in_model(config: PretrainedConfig, generator: torch.Generator, images: bool = False) -> torch.nn.Module:
+def stand_in_model(model_config: PretrainedConfig, generator: torch.Generator, images: bool = False) -> torch.nn.Module:
     """The model's own class on the meta device, with a real stand-in decoder and a small random LM head;
     ``images``: an image-and-text model's base stood in for (its image batches run it), not its decoder."""
     try:
-        return _stand_in_model(config, generator, images)
+        return _stand_in_model(model_config, generator, images)
     except OwnLossMismatch:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to build means the loss cannot be checked
-        raise OwnLossMismatch(f"cannot build {type(config).__name__}'s model to check that leantune reproduces its "
-                              f"loss ({type(err).__name__}: {str(err)[:300]}); leantune refuses a model whose loss "
-                              "it cannot check") from None
+        raise OwnLossMismatch(f"cannot build {type(model_config).__name__}'s model to check that leantune "
+                              f"reproduces its loss ({type(err).__name__}: {str(err)[:300]}); leantune refuses a "
+                              "model whose loss it cannot check") from None
 
 
-def _stand_in_model(config: PretrainedConfig, generator: torch.Generator, images: bool) -> torch.nn.Module:
-    model = meta_model(small_vocabulary(config), torch.float32)
+def _stand_in_model(model_config: PretrainedConfig, generator: torch.Generator, images: bool) -> torch.nn.Module:
+    model = meta_model(small_vocabulary(model_config), torch.float32)
     # image batches: the base (vision encoder, projector, language model) is what leantune's step runs
     base = image_text_base(model) if images else None
     decoder, head = base or decoder_of(model), model.get_output_embeddings()
@@ -188,7 +188,7 @@ def _stand_in_model(config: PretrainedConfig, generator: torch.Generator, images
         small_head.weight.copy_(torch.randn(VOCAB, WIDTH, generator=generator) / WIDTH ** 0.5 * 10)
         if small_head.bias is not None:
             small_head.bias.copy_(torch.randn(VOCAB, generator=generator))
-    stand_in = StandInDecoder(generator, expert_count(text_config(config)))
+    stand_in = StandInDecoder(generator, expert_count(text_config(model_config)))
     stand_in.takes_labels = base_takes_labels(base)  # its class hands them on, and so does leantune's step
     for name, value in vars(decoder).items():  # its plain numbers (Falcon-H1's lm_head_multiplier) stay readable
         if not name.startswith("_") and isinstance(value, (bool, int, float)) and not hasattr(stand_in, name):

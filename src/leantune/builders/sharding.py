@@ -40,7 +40,7 @@ def check_offload_device(dc: DistributedConfig, device_type: str, fix: str = "Dr
                           f"they are there already. {fix}")
 
 
-def shard_first_checkpoint(mc: ModelConfig, quant: QuantizationConfig, dc: DistributedConfig, config,
+def shard_first_checkpoint(mc: ModelConfig, quant: QuantizationConfig, dc: DistributedConfig, model_config,
                            weight_dtype: torch.dtype, log=print) -> Optional[CheckpointSlices]:
     """The checkpoint a 4-bit base under FSDP is read from shard-first (``distributed.shard_first``), or None:
     not such a run, or a model or checkpoint that cannot be read so (said in a note: each rank then loads the
@@ -49,7 +49,7 @@ def shard_first_checkpoint(mc: ModelConfig, quant: QuantizationConfig, dc: Distr
         return None
     checkpoint, why = CheckpointSlices.find(local_checkpoint_dir(resolve_model_path(mc.model_name)))
     if checkpoint is not None:
-        why = why_not_in_slices(checkpoint, meta_model(config, weight_dtype, cpu_stand_in=False), weight_dtype)
+        why = why_not_in_slices(checkpoint, meta_model(model_config, weight_dtype, cpu_stand_in=False), weight_dtype)
     if why:
         log(f"note: each rank loads the whole 4-bit base in host memory, then keeps its shard: {why}")
         return None

@@ -2,7 +2,7 @@
 
 Each section is a dataclass whose fields are command-line flags (names and meanings follow
 llama-cookbook's ``train_config`` where it has them). ``RunConfig`` joins the sections and checks
-what spans several of them. ``leantune.cli_args`` turns flags and config files into a ``RunConfig``.
+what spans several of them. ``leantune.flags`` turns flags and config files into a ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class TrainingConfig:
     lr: float = field(default=1e-4, metadata=flag_help("The optimizer's learning rate."))
     weight_decay: float = field(default=0.0, metadata=flag_help("The optimizer's decoupled weight decay."))
     # a name the registry holds when the section is built (not a Literal fixed at import: an entry registered
-    # later, from a test, is a choice too); ``cli_args`` gives --optimizer the registry's choices and help
+    # later, from a test, is a choice too); ``flags`` gives --optimizer the registry's choices and help
     optimizer: str = field(default="adamw", metadata=flag_help(optimizer_help()))
     optimizer_in_backward: bool = field(default=False, metadata=flag_help(
         "Step each weight as soon as its gradient is complete in backward and free that gradient, so the "
@@ -191,7 +191,7 @@ SECTIONS = (ModelConfig, DataConfig, TrainingConfig, PeftSettings, QuantizationC
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every section of a run; built by ``leantune.cli_args.parse_run_config``."""
+    """Every section of a run; built by ``leantune.flags.parse_run_config``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

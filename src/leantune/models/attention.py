@@ -37,44 +37,45 @@ SINK_FAMILIES = ("gpt_oss",)
 CHOICES = (AUTO, *_SUPPORT, SINKS)
 
 
-def causal_lm_class(config: PretrainedConfig) -> type:
+def causal_lm_class(model_config: PretrainedConfig) -> type:
     """The transformers class ``AutoModelForCausalLM`` builds for ``config`` (``AutoModelForImageTextToText`` for an
     image-and-text model; ``ModelLoadError`` if none)."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     try:
-        if is_image_text(config):
-            return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        if is_image_text(model_config):
+            return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(model_config)]
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
     except KeyError:
-        raise ModelLoadError(f"{type(config).__name__} (model_type {config.model_type!r}) is not a causal language "
-                             "model transformers can build: leantune trains decoder-only causal LMs") from None
+        raise ModelLoadError(f"{type(model_config).__name__} (model_type {model_config.model_type!r}) is not a "
+                             "causal language model transformers can build: leantune trains decoder-only causal "
+                             "LMs") from None
 
 
-def supported(config: PretrainedConfig) -> list[str]:
+def supported(model_config: PretrainedConfig) -> list[str]:
     """The implementations ``config``'s model class supports, best first."""
-    cls = causal_lm_class(config)
-    sinks = [SINKS] if getattr(config, "model_type", None) in SINK_FAMILIES else []
+    cls = causal_lm_class(model_config)
+    sinks = [SINKS] if getattr(model_config, "model_type", None) in SINK_FAMILIES else []
     return sinks + [name for name, flag in _SUPPORT.items() if flag is None or getattr(cls, flag, False)]
 
 
-def resolve_attention(config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True,
+def resolve_attention(model_config: PretrainedConfig, requested: str, device_type: str, installed_here: bool = True,
                       compiled: bool = False) -> str:
     """The implementation a run on ``device_type`` uses for ``--attn_implementation requested`` (``ConfigError``
     naming the architecture and what it supports when it cannot). ``installed_here`` False: a plan for
     another machine, which need not have flash-attn installed. ``compiled`` (``--compile``): ``auto`` takes
     sdpa, since varlen's spans (Python numbers per batch) would recompile the layers at every new packing."""
-    usable = supported(config)
-    name = causal_lm_class(config).__name__
+    usable = supported(model_config)
+    name = causal_lm_class(model_config).__name__
     if requested == AUTO:
         if SINKS in usable:
             return SINKS
         if "sdpa" not in usable:
             return "eager"
         # an image-and-text model's batches go through its base with their attention mask: no spans for varlen
-        return "sdpa" if compiled or whole_context_not_attended(config) or is_image_text(config) else VARLEN
-    if requested == VARLEN and is_image_text(config):
+        return "sdpa" if compiled or whole_context_not_attended(model_config) or is_image_text(model_config) else VARLEN
+    if requested == VARLEN and is_image_text(model_config):
         raise ConfigError(f"--attn_implementation {VARLEN}: {name} is an image-and-text model, whose vision encoder "
                           "attends both ways (varlen attends causally) and whose batches carry no spans; use sdpa")
     if requested == VARLEN and compiled:
@@ -92,26 +93,26 @@ def resolve_attention(config: PretrainedConfig, requested: str, device_type: str
     if requested == "flash_attention_2" and installed_here and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("--attn_implementation flash_attention_2: the flash-attn package is not installed "
                           "(pip install flash-attn); or use sdpa, which PyTorch runs with its own flash kernel")
-    limit = whole_context_not_attended(config)
+    limit = whole_context_not_attended(model_config)
     if requested == VARLEN and limit:
         raise ConfigError(f"--attn_implementation {VARLEN}: {name} {limit}, which varlen attention does not model; "
                           "use sdpa (or auto)")
     return requested
 
 
-def whole_context_not_attended(config: PretrainedConfig) -> str | None:
+def whole_context_not_attended(model_config: PretrainedConfig) -> str | None:
     """Why ``config``'s attention is not plain causal attention over the whole context (a sliding window,
     soft-capped scores), or None when it is."""
-    config = text_config(config)  # a composite (image and text) config: its language model's fields
-    if getattr(config, "attn_logit_softcapping", None):
+    model_config = text_config(model_config)  # a composite (image and text) config: its language model's fields
+    if getattr(model_config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores"
-    if getattr(config, "attention_chunk_size", None) or "chunked_attention" in (getattr(config, "layer_types", None)
-                                                                                or []):
+    if getattr(model_config, "attention_chunk_size", None) or "chunked_attention" in (
+            getattr(model_config, "layer_types", None) or []):
         return "attends within chunks of the context"
-    window = getattr(config, "sliding_window", None)
-    sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
-    if window and getattr(config, "use_sliding_window", True) and sliding_layers and \
-            window < (getattr(config, "max_position_embeddings", None) or window + 1):
+    window = getattr(model_config, "sliding_window", None)
+    sliding_layers = "sliding_attention" in (getattr(model_config, "layer_types", None) or ["sliding_attention"])
+    if window and getattr(model_config, "use_sliding_window", True) and sliding_layers and \
+            window < (getattr(model_config, "max_position_embeddings", None) or window + 1):
         return f"attends within a sliding window of {window} tokens"
     return None
 
@@ -122,9 +123,9 @@ _PACKED_EXAMPLES_MEET = {
 }
 
 
-def packed_examples_meet(config: PretrainedConfig) -> str | None:
+def packed_examples_meet(model_config: PretrainedConfig) -> str | None:
     """Why ``config``'s model would let examples packed in a row see each other whatever the attention, or None."""
-    return _PACKED_EXAMPLES_MEET.get(getattr(config, "model_type", None))
+    return _PACKED_EXAMPLES_MEET.get(getattr(model_config, "model_type", None))
 
 
 def describe_attention(attention: str) -> str:
@@ -138,7 +139,7 @@ def describe_attention(attention: str) -> str:
     return f"{attention} attention"
 
 
-def traceable_attention(config: PretrainedConfig, attention: str) -> str:
+def traceable_attention(model_config: PretrainedConfig, attention: str) -> str:
     """What the planner and the loss self-check build in place of ``attention``, on the CPU.
 
     flex_attention and flash_attention_2 have no CPU kernels (and no fake-tensor ones), so a model
@@ -149,5 +150,5 @@ def traceable_attention(config: PretrainedConfig, attention: str) -> str:
     """
     if attention in ("sdpa", "eager", VARLEN, SINKS):
         return attention
-    return VARLEN if "sdpa" in supported(config) and not whole_context_not_attended(config) else (
-        "sdpa" if "sdpa" in supported(config) else "eager")
+    return VARLEN if "sdpa" in supported(model_config) and not whole_context_not_attended(model_config) else (
+        "sdpa" if "sdpa" in supported(model_config) else "eager")

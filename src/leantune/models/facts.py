@@ -35,9 +35,9 @@ LOGIT_SOFTCAP = "final_logit_softcapping"
 MULTIPLIES_BY_LOGITS_SCALING = ("hyperclovax",)
 
 
-def logit_transform(config: PretrainedConfig) -> LogitTransform:
+def logit_transform(model_config: PretrainedConfig) -> LogitTransform:
     """What ``config``'s model does to its logits after the LM head, from the fields known to do it."""
-    text = text_config(config)
+    text = text_config(model_config)
     scale, sources = 1.0, []
     for field, divides in LOGIT_SCALES:
         divides = divides and text.model_type not in MULTIPLIES_BY_LOGITS_SCALING
@@ -51,46 +51,46 @@ def logit_transform(config: PretrainedConfig) -> LogitTransform:
     return LogitTransform(float(scale), float(softcap) if softcap is not None else None, ", ".join(sources))
 
 
-def attention_of(config: PretrainedConfig) -> str:
+def attention_of(model_config: PretrainedConfig) -> str:
     """The attention implementation ``config`` carries (``with_attention``), else what ``auto`` takes."""
-    return getattr(config, "_attn_implementation", None) or resolve_attention(config, AUTO, "cpu")
+    return getattr(model_config, "_attn_implementation", None) or resolve_attention(model_config, AUTO, "cpu")
 
 
-def with_attention(config: PretrainedConfig, attention: str) -> PretrainedConfig:
+def with_attention(model_config: PretrainedConfig, attention: str) -> PretrainedConfig:
     """A copy of ``config`` that builds its model with ``attention``."""
-    config = copy.deepcopy(config)
-    config._attn_implementation = attention
-    return config
+    model_config = copy.deepcopy(model_config)
+    model_config._attn_implementation = attention
+    return model_config
 
 
-def model_from_config(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
+def model_from_config(model_config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
     """A causal LM of ``config``'s shape in ``dtype``, randomly initialised on the current default device,
     built with its attention (``cpu_stand_in``: that attention's CPU stand-in, as the planner and the loss
     check build it) and no KV cache; ``config`` itself is left as it was."""
-    attention = attention_of(config)
-    attention = traceable_attention(config, attention) if cpu_stand_in else attention
-    config = copy.deepcopy(config)
-    config.use_cache = False
-    model = model_class(config).from_config(config, dtype=dtype, attn_implementation=attention)
+    attention = attention_of(model_config)
+    attention = traceable_attention(model_config, attention) if cpu_stand_in else attention
+    model_config = copy.deepcopy(model_config)
+    model_config.use_cache = False
+    model = model_class(model_config).from_config(model_config, dtype=dtype, attn_implementation=attention)
     model.config.use_cache = False
     return model
 
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
+def meta_model(model_config: PretrainedConfig, dtype: torch.dtype, cpu_stand_in: bool = True) -> torch.nn.Module:
     """A causal LM of ``config``'s shape on the ``meta`` device, in ``dtype`` (no memory, no weight read, no KV
     cache); ``cpu_stand_in`` as for ``model_from_config`` (False: a model that will train)."""
     with torch.device("meta"):
-        return model_from_config(config, dtype, cpu_stand_in)
+        return model_from_config(model_config, dtype, cpu_stand_in)
 
 
-def position_limit(config: PretrainedConfig) -> int:
+def position_limit(model_config: PretrainedConfig) -> int:
     """The most positions the model attends over (``max_position_embeddings``; very many when it names none)."""
-    return int(getattr(text_config(config), "max_position_embeddings", None) or 1 << 30)
+    return int(getattr(text_config(model_config), "max_position_embeddings", None) or 1 << 30)
 
 
-def check_context_length(config: PretrainedConfig, context_length: int) -> None:
+def check_context_length(model_config: PretrainedConfig, context_length: int) -> None:
     """``--context_length`` within the model's positions (``ConfigError`` naming the flag otherwise)."""
-    limit = position_limit(config)
+    limit = position_limit(model_config)
     if context_length > limit:
         factor = math.ceil(context_length / limit)
         raise ConfigError(f"--context_length {context_length}: the model handles at most {limit:,} positions "
@@ -99,25 +99,25 @@ def check_context_length(config: PretrainedConfig, context_length: int) -> None:
                           "interpolation, which the model then needs to be trained at that length to use)")
 
 
-def extend_positions(config: PretrainedConfig, factor: float) -> PretrainedConfig:
+def extend_positions(model_config: PretrainedConfig, factor: float) -> PretrainedConfig:
     """A copy of ``config`` whose RoPE is interpolated ``factor`` times further (``--rope_scaling_factor``):
     ``max_position_embeddings`` and the scaling's ``factor`` multiplied (a model without scaling takes linear
     scaling). Refused for scalings with per-dimension factors (longrope), which one number cannot extend."""
-    config = copy.deepcopy(config)
-    text = text_config(config)
+    model_config = copy.deepcopy(model_config)
+    text = text_config(model_config)
     rope = dict(getattr(text, "rope_parameters", None) or {})
     per_layer_type = rope and all(isinstance(value, dict) for value in rope.values())  # Gemma 3: one per kind
-    text.rope_parameters = ({kind: _extended_rope(dict(value), factor, config) for kind, value in rope.items()}
-                            if per_layer_type else _extended_rope(rope, factor, config))
-    text.max_position_embeddings = int(position_limit(config) * factor)
-    return config
+    text.rope_parameters = ({kind: _extended_rope(dict(value), factor, model_config) for kind, value in rope.items()}
+                            if per_layer_type else _extended_rope(rope, factor, model_config))
+    text.max_position_embeddings = int(position_limit(model_config) * factor)
+    return model_config
 
 
-def _extended_rope(rope: dict, factor: float, config: PretrainedConfig) -> dict:
+def _extended_rope(rope: dict, factor: float, model_config: PretrainedConfig) -> dict:
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
-        raise ConfigError(f"--rope_scaling_factor: {type(config).__name__}'s RoPE scaling is {kind!r}, which leantune "
-                          "cannot extend by one factor; drop the flag")
+        raise ConfigError(f"--rope_scaling_factor: {type(model_config).__name__}'s RoPE scaling is {kind!r}, which "
+                          "leantune cannot extend by one factor; drop the flag")
     rope["factor"] = float(rope.get("factor", 1.0) if kind != "default" else 1.0) * factor
     rope["rope_type"] = "linear" if kind == "default" else kind
     return rope
@@ -129,8 +129,8 @@ class ModelFacts:
     The module names the checks need come from one model built on the ``meta`` device, once.
     """
 
-    def __init__(self, config: PretrainedConfig):
-        self.config = config
+    def __init__(self, model_config: PretrainedConfig):
+        self.config = model_config
 
     @property
     def attention(self) -> str:
@@ -162,18 +162,18 @@ class ModelFacts:
                 "checkpointing asked for. Drop the flag, or use a model whose layers transformers can checkpoint")
 
 
-def run_model_config(config: PretrainedConfig, mc: ModelConfig) -> PretrainedConfig:
+def run_model_config(model_config: PretrainedConfig, mc: ModelConfig) -> PretrainedConfig:
     """``config`` as the run changes it: positions extended (``--rope_scaling_factor``), the router's loss on
     (``--output_router_logits``, which a dense model has no use for and refuses)."""
     if mc.rope_scaling_factor:
-        config = extend_positions(config, mc.rope_scaling_factor)
+        model_config = extend_positions(model_config, mc.rope_scaling_factor)
     if mc.output_router_logits:
-        if expert_count(text_config(config)) is None:
-            raise ConfigError(f"--output_router_logits: {type(config).__name__} is not a mixture of experts (no "
+        if expert_count(text_config(model_config)) is None:
+            raise ConfigError(f"--output_router_logits: {type(model_config).__name__} is not a mixture of experts (no "
                               "num_local_experts or num_experts in its config); drop the flag")
-        config = copy.deepcopy(config)
-        text_config(config).output_router_logits = True
-    return config
+        model_config = copy.deepcopy(model_config)
+        text_config(model_config).output_router_logits = True
+    return model_config
 
 
 # Checkpoints already quantized in a form leantune cannot train from or re-quantize, and what to use instead.
@@ -182,8 +182,8 @@ _PREQUANTIZED = {"mxfp4": "gpt-oss's published experts are MXFP4; transformers d
                           "4bit quantizes it again, as NF4)"}
 
 
-def _refuse_a_quantization_leantune_cannot_train(config: PretrainedConfig, name: str) -> None:
-    quantized = getattr(config, "quantization_config", None)
+def _refuse_a_quantization_leantune_cannot_train(model_config: PretrainedConfig, name: str) -> None:
+    quantized = getattr(model_config, "quantization_config", None)
     method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
     method = getattr(method, "value", method)
     if method in _PREQUANTIZED:

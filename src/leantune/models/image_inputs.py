@@ -39,20 +39,20 @@ class PlannedImage:
     make: Callable[[int, torch.Tensor], dict]
 
 
-def planned_image(config) -> Optional[PlannedImage]:
+def planned_image(model_config) -> Optional[PlannedImage]:
     """The image a plan assumes a row of ``config``'s model holds (None for a text model); ``ConfigError`` for an
     image-and-text family whose images leantune does not plan."""
-    if not is_image_text(config):
+    if not is_image_text(model_config):
         return None
-    maker = _FAMILIES.get(config.model_type)
+    maker = _FAMILIES.get(model_config.model_type)
     if maker is None:
-        raise ConfigError(f"{type(config).__name__}: leantune plans the images of {', '.join(_FAMILIES)} models, not "
-                          f"of {config.model_type} ones yet; name the checkpointing mode and the batch instead of "
-                          "planning them")
-    return maker(config)
+        raise ConfigError(f"{type(model_config).__name__}: leantune plans the images of {', '.join(_FAMILIES)} "
+                          f"models, not of {model_config.model_type} ones yet; name the checkpointing mode and the "
+                          "batch instead of planning them")
+    return maker(model_config)
 
 
-def with_planned_images(batch: dict, config, image: PlannedImage) -> dict:
+def with_planned_images(batch: dict, model_config, image: PlannedImage) -> dict:
     """``batch`` (full rows of random text, ``full_rows_batch``) with each row's image: its tokens first, no
     other image token in the text, labels off the image, and the image inputs beside."""
     ids = batch["input_ids"].clone()
@@ -61,7 +61,7 @@ def with_planned_images(batch: dict, config, image: PlannedImage) -> dict:
         raise ConfigError(f"--context_length {context}: a plan puts one image in each row ({image.description}), "
                           f"which takes {image.tokens} tokens; give a longer context")
     first = torch.tensor(image.first_tokens(), dtype=ids.dtype)
-    special = min(_image_token_ids(config))
+    special = min(_image_token_ids(model_config))
     ids = ids % special  # the random text holds no image token of its own
     ids[:, :len(first)] = first
     labels = ids.clone()
@@ -69,19 +69,19 @@ def with_planned_images(batch: dict, config, image: PlannedImage) -> dict:
     return {**batch, "input_ids": ids, "labels": labels, **image.make(rows, ids)}
 
 
-def _image_token_ids(config) -> list[int]:
+def _image_token_ids(model_config) -> list[int]:
     names = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id", "vision_end_token_id",
              "boi_token_index", "eoi_token_index")
-    return [value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)]
+    return [value for value in (getattr(model_config, name, None) for name in names) if isinstance(value, int)]
 
 
-def _image_token(config) -> int:
-    value = getattr(config, "image_token_id", None)
-    return value if isinstance(value, int) else config.image_token_index
+def _image_token(model_config) -> int:
+    value = getattr(model_config, "image_token_id", None)
+    return value if isinstance(value, int) else model_config.image_token_index
 
 
-def _mllama(config) -> PlannedImage:
-    vision = config.vision_config
+def _mllama(model_config) -> PlannedImage:
+    vision = model_config.vision_config
     side, tiles = vision.image_size, vision.max_num_tiles
 
     def make(rows: int, ids: torch.Tensor) -> dict:
@@ -93,32 +93,33 @@ def _mllama(config) -> PlannedImage:
                 "aspect_ratio_ids": torch.ones(rows, 1, dtype=torch.long), "aspect_ratio_mask": ratio_mask,
                 "cross_attention_mask": cross}
     return PlannedImage(f"one {side}x{side} image a row (one tile; the encoder runs all {tiles} tile slots), "
-                        "1 image token", 1, lambda: [_image_token(config)], make)
+                        "1 image token", 1, lambda: [_image_token(model_config)], make)
 
 
-def _llava(config) -> PlannedImage:
-    vision = config.vision_config
+def _llava(model_config) -> PlannedImage:
+    vision = model_config.vision_config
     side, patch = vision.image_size, vision.patch_size
-    tokens = (side // patch) ** 2 + (getattr(config, "vision_feature_select_strategy", "default") == "full")
+    tokens = (side // patch) ** 2 + (getattr(model_config, "vision_feature_select_strategy", "default") == "full")
 
     def make(rows: int, ids: torch.Tensor) -> dict:
         return {"pixel_values": torch.zeros(rows, 3, side, side)}
     return PlannedImage(f"one {side}x{side} image a row, {tokens} image tokens", tokens,
-                        lambda: [_image_token(config)] * tokens, make)
+                        lambda: [_image_token(model_config)] * tokens, make)
 
 
-def _gemma3(config) -> PlannedImage:
-    side, tokens = config.vision_config.image_size, config.mm_tokens_per_image
-    image_id = _image_token(config)
+def _gemma3(model_config) -> PlannedImage:
+    side, tokens = model_config.vision_config.image_size, model_config.mm_tokens_per_image
+    image_id = _image_token(model_config)
 
     def make(rows: int, ids: torch.Tensor) -> dict:
         return {"pixel_values": torch.zeros(rows, 3, side, side), "token_type_ids": (ids == image_id).long()}
     return PlannedImage(f"one {side}x{side} image a row, {tokens} image tokens", tokens + 2,
-                        lambda: [config.boi_token_index, *[image_id] * tokens, config.eoi_token_index], make)
+                        lambda: [model_config.boi_token_index, *[image_id] * tokens, model_config.eoi_token_index],
+                        make)
 
 
-def _qwen2_vl(config) -> PlannedImage:
-    vision = config.vision_config
+def _qwen2_vl(model_config) -> PlannedImage:
+    vision = model_config.vision_config
     patch, merge, frames = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
     grid = QWEN_SIDE // patch
     tokens = grid * grid // merge ** 2
@@ -126,10 +127,10 @@ def _qwen2_vl(config) -> PlannedImage:
     def make(rows: int, ids: torch.Tensor) -> dict:
         return {"pixel_values": torch.zeros(rows * grid * grid, 3 * frames * patch * patch),
                 "image_grid_thw": torch.tensor([[1, grid, grid]] * rows),
-                "mm_token_type_ids": (ids == config.image_token_id).int()}
+                "mm_token_type_ids": (ids == model_config.image_token_id).int()}
     return PlannedImage(f"one {QWEN_SIDE}x{QWEN_SIDE} image a row, {tokens} image tokens", tokens + 2,
-                        lambda: [config.vision_start_token_id, *[config.image_token_id] * tokens,
-                                 config.vision_end_token_id], make)
+                        lambda: [model_config.vision_start_token_id, *[model_config.image_token_id] * tokens,
+                                 model_config.vision_end_token_id], make)
 
 
 _FAMILIES = {"mllama": _mllama, "llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl}

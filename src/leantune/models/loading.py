@@ -111,7 +111,7 @@ def with_pad_token(tokenizer):
 
 
 def load_model(mc: ModelConfig, dtype: torch.dtype, attention: str, quantized=None,
-               device: Optional[torch.device] = None, config=None, experts=contextlib.nullcontext):
+               device: Optional[torch.device] = None, model_config=None, experts=contextlib.nullcontext):
     """The model's weights in ``dtype``, built with the ``attention`` implementation (resolved from
     ``--attn_implementation`` by ``models.facts.run_model_facts``).
 
@@ -126,10 +126,10 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, attention: str, quantized=No
     source = resolve_model_path(mc.model_name)
     hf_logging.disable_progress_bar()  # leantune prints one line about the model instead
     placement = {} if quantized is None else {"quantization_config": quantized, "device_map": {"": str(device)}}
-    if config is not None:
-        placement["config"] = config
+    if model_config is not None:
+        placement["config"] = model_config
     try:
-        auto_class = model_class(config if config is not None else AutoConfig.from_pretrained(source))
+        auto_class = model_class(model_config if model_config is not None else AutoConfig.from_pretrained(source))
         with experts():
             model = auto_class.from_pretrained(source, dtype=dtype, attn_implementation=attention, **placement)
     except (OSError, ValueError) as err:

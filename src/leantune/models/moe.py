@@ -26,17 +26,17 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token")
 
 
-def _first(config: PretrainedConfig, names: Sequence[str]) -> Optional[int]:
+def _first(model_config: PretrainedConfig, names: Sequence[str]) -> Optional[int]:
     for name in names:
-        value = getattr(config, name, None)
+        value = getattr(model_config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
 
 
-def expert_count(config: PretrainedConfig) -> Optional[int]:
+def expert_count(model_config: PretrainedConfig) -> Optional[int]:
     """The experts of a layer, or None for a dense model."""
-    return _first(config, _EXPERT_COUNTS)
+    return _first(model_config, _EXPERT_COUNTS)
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ class RouterLoss:
                 "real tokens only)")
 
 
-def router_loss_of(config: PretrainedConfig) -> Optional[RouterLoss]:
+def router_loss_of(model_config: PretrainedConfig) -> Optional[RouterLoss]:
     """The router's loss ``config``'s model adds to its training loss (``output_router_logits`` on), or None."""
-    config = text_config(config)
-    if not getattr(config, "output_router_logits", False):
+    model_config = text_config(model_config)
+    if not getattr(model_config, "output_router_logits", False):
         return None
-    experts, top_k = expert_count(config), _first(config, _TOP_K)
+    experts, top_k = expert_count(model_config), _first(model_config, _TOP_K)
     if experts is None or top_k is None:
         return None
-    return RouterLoss(experts, top_k, float(getattr(config, "router_aux_loss_coef", 0.0)))
+    return RouterLoss(experts, top_k, float(getattr(model_config, "router_aux_loss_coef", 0.0)))
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], loss: RouterLoss,

@@ -97,7 +97,7 @@ def kept_unquantized(model_config, fusion_trains: bool = False) -> tuple[str, ..
     return (*outside_the_language_model(shape), *fusion, "lm_head")
 
 
-def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.dtype) -> torch.nn.Module:
+def quantize_linear_layers(model: torch.nn.Module, model_config, weight_dtype: torch.dtype) -> torch.nn.Module:
     """Swap ``model``'s Linear layers for bitsandbytes' as transformers' quantizer does for ``config``
     (a ``BitsAndBytesConfig``), in place: the same layers, the LM head and tied weights left alone.
 
@@ -108,7 +108,7 @@ def quantize_linear_layers(model: torch.nn.Module, config, weight_dtype: torch.d
 
     originals = {name: (module.weight, module.bias) for name, module in model.named_modules()
                  if type(module) is torch.nn.Linear}
-    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer = AutoHfQuantizer.from_config(model_config, pre_quantized=False)
     quantizer.preprocess_model(model, device_map={"": "cpu"})
     for name, module in model.named_modules():
         if name in originals and type(module) is not torch.nn.Linear:

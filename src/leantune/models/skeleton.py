@@ -41,11 +41,11 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
-def quantized_skeleton(config, dtype: torch.dtype, bnb_config) -> torch.nn.Module:
+def quantized_skeleton(model_config, dtype: torch.dtype, bnb_config) -> torch.nn.Module:
     """The causal LM of ``config`` with its Linear layers quantized as ``bnb_config`` (a 4-bit
     ``BitsAndBytesConfig``) quantizes them, in ``dtype``, with no weight in memory (see the module's note)."""
     with parameters_on_meta():
-        model = model_from_config(config, dtype, cpu_stand_in=False)
+        model = model_from_config(model_config, dtype, cpu_stand_in=False)
     quantize_linear_layers(model, bnb_config, dtype)
     for layer in quantized_layers(model):
         layer.weight = _packed_stand_in(layer)

@@ -8,7 +8,7 @@ trains FSDP2's sharded parameters, its rungs on ``--optimizer auto``'s ladder, i
 out-of-memory advice, how its state is saved when it is more than plain tensors, and how a saved
 state loads into it, what it needs around a weight's step in backward, its note on the start-up
 line, the flags it cannot work with, and a switch of its own. The config's choices and help,
-``training.optim``, the planner, preflight's checks, the ladder, the advice and the training state
+``training.optimizer_setup``, the planner, preflight's checks, the ladder, the advice and the training state
 read these, from the entry (``entry_of``), never from attributes of the optimizer object; none of
 them names an optimizer. An entry registered from anywhere (a test) is all of that at once.
 
@@ -78,7 +78,7 @@ class OptimizerEntry:
     restored_state: Optional[Callable[[Any], Any]] = None  # the reverse, after loading
     loading: Optional[Callable[[torch.optim.Optimizer], ContextManager]] = None  # around load_state_dict
     own_state: bool = False  # saved and loaded by its own state_dict, keyed by weight position (one process)
-    switch: str = ""  # a flag of its own that selects it, besides --optimizer NAME (``cli_args`` adds it)
+    switch: str = ""  # a flag of its own that selects it, besides --optimizer NAME (``flags`` adds it)
     conflicts: tuple[tuple[str, str], ...] = ()  # (a training flag it cannot work with when set off its default, why)
     # the gradients its step uses, where backward moved them off the weights' ``.grad`` (to the host)
     held_gradients: Optional[Callable[[torch.optim.Optimizer], list[torch.Tensor]]] = None

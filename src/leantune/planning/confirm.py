@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from leantune.builders.loaders import plans_images
-from leantune.builders.step import loss_model_for
+from leantune.builders.loss_and_optimizer import loss_model_for
 from leantune.config import ConfigError, RunConfig
 from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
@@ -74,7 +74,7 @@ def _drop_gradient(param: torch.nn.Parameter) -> None:
     param.grad = None
 
 
-def confirm_batch(run_plan: MemoryPlan, config, device: torch.device, run_step: Callable[[int], int],
+def confirm_batch(run_plan: MemoryPlan, model_config, device: torch.device, run_step: Callable[[int], int],
                   log=print, traces: Optional[StepTraces] = None) -> MemoryPlan:
     """Run one real step at the chosen batch; if it does not fit, back off once (to 3/4) and say why.
 
@@ -104,7 +104,7 @@ def confirm_batch(run_plan: MemoryPlan, config, device: torch.device, run_step: 
     smaller = with_batch(cfg, candidates[-1])
     log(f"batch size: a real step at {batch} {problem}, over the {format_bytes(budget)} budget (the prediction "
         f"missed what a real step holds); backing off once to {candidates[-1]}")
-    plan = plan_modes(smaller, config, device, [run_mode(smaller.checkpointing)], budget, traces)[0]
+    plan = plan_modes(smaller, model_config, device, [run_mode(smaller.checkpointing)], budget, traces)[0]
     return MemoryPlan(smaller, plan, budget)
 
 

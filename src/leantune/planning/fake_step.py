@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from leantune.builders.loaders import plans_images
 from leantune.builders.model import prepare_model
-from leantune.builders.step import build_train_step, loss_model_for
+from leantune.builders.loss_and_optimizer import build_train_step, loss_model_for
 from leantune.checkpointing.modes import NONE, declared_flags, flag_names, policy_from_config
 from leantune.config import DataConfig, RunConfig
 from leantune.data.packing import full_rows_batch
@@ -103,10 +103,10 @@ def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
                             bf16_supported=True if assumes_bf16(target) else None)
 
 
-def real_model(config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def real_model(model_config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """The same model with random weights on the CPU (for measuring what ``meta_model`` predicts)."""
     torch.manual_seed(seed)
-    return model_from_config(config, dtype)
+    return model_from_config(model_config, dtype)
 
 
 def fake_placer(mode: FakeTensorMode):
@@ -197,7 +197,7 @@ def _device_free_autocast_question():
         torch.is_autocast_enabled = asks
 
 
-def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True,
+def prepare_step(cfg: RunConfig, model_config, target: torch.device, mode: str | None, fake: bool = True,
                  run_on: torch.device = CPU) -> PreparedStep:
     """Build what ``cfg`` would train with ``mode``, for ``target``, on fake (or real, random) tensors.
 
@@ -210,10 +210,10 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     precision = dataclasses.replace(on_target, device=CPU if fake else run_on)
     fakes = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     if fake:
-        model, place = meta_model(config, precision.weight_dtype), fake_placer(fakes)
+        model, place = meta_model(model_config, precision.weight_dtype), fake_placer(fakes)
     else:
-        model, place = real_model(config, precision.weight_dtype), None
-    quantized = run_bnb_config(run_cfg.quant, on_target, config, run_cfg.peft.freeze_LLM_only)
+        model, place = real_model(model_config, precision.weight_dtype), None
+    quantized = run_bnb_config(run_cfg.quant, on_target, model_config, run_cfg.peft.freeze_LLM_only)
     if quantized is not None:  # transformers' quantizer swaps the same layers a run's loading does
         quantize_linear_layers(model, quantized, precision.weight_dtype)
     # on fakes: the pieces of loops sampled, the optimizer's stand-in, no values read; real: as a run does
@@ -227,8 +227,8 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
     _warm_optimizer(train_step.optimizer)
     vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
     tc = run_cfg.training
-    image = planned_image(config) if plans_images(run_cfg.data, config) else None
-    window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes, config, image)
+    image = planned_image(model_config) if plans_images(run_cfg.data, model_config) else None
+    window = [_full_batch(tc.batch_size_training, run_cfg.data, vocab, fakes, model_config, image)
               for _ in range(min(tc.gradient_accumulation_steps, 2))]
     policy = policy_from_config(run_cfg.checkpointing)
     return PreparedStep(train_step, window, report.total_layers, policy.describe() if policy else NONE,
@@ -236,14 +236,14 @@ def prepare_step(cfg: RunConfig, config, target: torch.device, mode: str | None,
                         sampled=sampled)
 
 
-def trace_step(cfg: RunConfig, config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
+def trace_step(cfg: RunConfig, model_config, target: torch.device, mode: str | None, fake: bool = True) -> StepTrace:
     """Trace one step of ``cfg`` with checkpointing ``mode`` for ``target`` (cpu or cuda) on fake tensors.
 
     ``fake=False`` runs the very same step on real tensors (random weights, on the CPU): the
     measurement that a prediction is checked against.
     """
     with torch.random.fork_rng(devices=[]):  # planning must not change the run's random numbers
-        return _trace(prepare_step(cfg, config, target, mode, fake), target)
+        return _trace(prepare_step(cfg, model_config, target, mode, fake), target)
 
 
 class StepTraces:
@@ -266,18 +266,23 @@ class StepTraces:
         """The smallest of every rank's ``nbytes`` (a budget each read from its own device): one choice for all."""
         return int(self._dist.min_max(nbytes, device)[0])
 
-    def get(self, cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
+    def get(self, cfg: RunConfig, model_config, target: torch.device, mode: str | None) -> StepTrace:
         # everything the traced step is made from: the run's flags as that mode sets them, the
         # model's config (its full text, not its identity, and the attention it builds with) and the target's kind
-        key = (repr(run_config_for_mode(cfg, mode)), config.to_json_string(), attention_of(config), target.type)
+        key = (repr(run_config_for_mode(cfg, mode)), model_config.to_json_string(), attention_of(model_config),
+               target.type)
         if key not in self._traces:
-            self._traces[key] = self._dist.from_main(lambda: trace_step(cfg, config, target, mode), what=repr(key))
+            self._traces[key] = self._dist.from_main(lambda: trace_step(cfg, model_config, target, mode),
+                                                     what=repr(key))
         return self._traces[key]
 
 
-def traced(traces: Optional[StepTraces], cfg: RunConfig, config, target: torch.device, mode: str | None) -> StepTrace:
+def traced(traces: Optional[StepTraces], cfg: RunConfig, model_config, target: torch.device,
+           mode: str | None) -> StepTrace:
     """``traces.get(...)``, or a fresh trace when the caller keeps none."""
-    return traces.get(cfg, config, target, mode) if traces is not None else trace_step(cfg, config, target, mode)
+    if traces is None:
+        return trace_step(cfg, model_config, target, mode)
+    return traces.get(cfg, model_config, target, mode)
 
 
 def _optimizer_stage(tracker) -> None:
@@ -354,7 +359,7 @@ def _by_stage(moments: dict) -> dict:
     return stages
 
 
-def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTensorMode] = None, config=None,
+def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTensorMode] = None, model_config=None,
                 image: Optional[PlannedImage] = None) -> dict:
     """A batch of full rows (packing; also padding's longest batch), every position a target, with the position
     ids (and so the attention mask or the spans) of examples packed apart when the run packs them so; an
@@ -366,7 +371,7 @@ def _full_batch(rows: int, data: DataConfig, vocab: int, fakes: Optional[FakeTen
     """
     batch = full_rows_batch(rows, data.context_length, vocab, data.packs_apart)
     if image is not None:
-        batch = with_planned_images(batch, config, image)
+        batch = with_planned_images(batch, model_config, image)
     if fakes is not None:
         # an image-and-text model checks its image tokens against its image features (a count read from the ids):
         # its ids, and what else tells tokens apart, stay real; its pixels are fake

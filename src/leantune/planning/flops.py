@@ -24,7 +24,7 @@ from leantune.planning.plan import run_mode
 from leantune.report.flops import TokenFlops
 
 
-def count_token_flops(cfg: RunConfig, config, device: torch.device,
+def count_token_flops(cfg: RunConfig, model_config, device: torch.device,
                       traces: Optional[StepTraces] = None) -> TokenFlops:
     """Trace ``cfg``'s step without and with its checkpointing; FLOPs per input token of each.
 
@@ -36,10 +36,10 @@ def count_token_flops(cfg: RunConfig, config, device: torch.device,
     traceable = cfg
     if cfg.quant.quantization == "8bit":  # not traceable (data-dependent); its matmuls have the unquantized shapes
         traceable = dataclasses.replace(cfg, quant=QuantizationConfig())
-    without = traced(traces, traceable, config, target, NONE)
+    without = traced(traces, traceable, model_config, target, NONE)
     model = without.flops / without.tokens
     mode = flops_mode(run_mode(cfg.checkpointing))  # offloading moves bytes, not FLOPs
     if mode == NONE:
         return TokenFlops(model=model, hardware=model)
-    recomputed = traced(traces, traceable, config, target, mode)
+    recomputed = traced(traces, traceable, model_config, target, mode)
     return TokenFlops(model=model, hardware=recomputed.flops / recomputed.tokens)

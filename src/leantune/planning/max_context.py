@@ -104,21 +104,21 @@ def with_levers(cfg: RunConfig, levers: dict, context: int) -> RunConfig:
                                data=dataclasses.replace(run.data, context_length=context))
 
 
-def find_max_context(cfg: RunConfig, config, target: torch.device, budget: int,
+def find_max_context(cfg: RunConfig, model_config, target: torch.device, budget: int,
                      traces: Optional[StepTraces] = None, log: Callable[[str], None] = lambda _line: None
                      ) -> ContextSearch:
     """The longest context (a multiple of ``CONTEXT_STEP``) of ``cfg``'s batch whose plan fits ``budget``."""
     started = time.perf_counter()
     traces = traces if traces is not None else StepTraces()
-    limit = position_limit(config)
+    limit = position_limit(model_config)
     results = []
     for levers in lever_choices(cfg.checkpointing, cfg.training, target):
-        result = _longest(cfg, config, target, budget, traces, levers, limit)
+        result = _longest(cfg, model_config, target, budget, traces, levers, limit)
         log(f"  {describe_levers(levers, result.plan)}: {result.max_context:,} tokens"
             + (f" ({result.plan.peak_bytes / GIB:.2f} GiB)" if result.plan else ""))
         results.append(result)
     best = best_of(results)
-    untiled = _without_tiling(cfg, config, target, budget, traces, best)
+    untiled = _without_tiling(cfg, model_config, target, budget, traces, best)
     if untiled is not None:
         log(f"  {describe_levers(untiled.levers, untiled.plan)}: fits {untiled.max_context:,} tokens too, "
             "with less compute")
@@ -144,33 +144,34 @@ def describe_levers(levers: dict, plan: Optional[ModePlan] = None) -> str:
     return text + (" with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" if levers["expandable_segments"] else "")
 
 
-def _without_tiling(cfg: RunConfig, config, target, budget, traces, best: ContextResult) -> Optional[ContextResult]:
+def _without_tiling(cfg: RunConfig, model_config, target, budget, traces,
+                    best: ContextResult) -> Optional[ContextResult]:
     """The winner with ``--tiled_mlp off``, when ``auto`` tiled at its context and it fits untiled too."""
     if best.plan is None or best.levers["tiled_mlp"] != "auto" or not tile_tokens(
-            "auto", best.max_context, text_config(config).hidden_size):
+            "auto", best.max_context, text_config(model_config).hidden_size):
         return None
     levers = dict(best.levers, tiled_mlp="off")
-    plan = _plan(cfg, config, target, budget, traces, levers, best.max_context)
+    plan = _plan(cfg, model_config, target, budget, traces, levers, best.max_context)
     return ContextResult(levers, best.max_context, plan, best.memory_allows, 1) if plan.fits else None
 
 
-def _plan(cfg: RunConfig, config, target, budget, traces, levers: dict, context: int) -> ModePlan:
+def _plan(cfg: RunConfig, model_config, target, budget, traces, levers: dict, context: int) -> ModePlan:
     run = with_levers(cfg, levers, context)
-    return plan_modes(run, config, target, [levers["activation_checkpointing_mode"]], budget, traces,
+    return plan_modes(run, model_config, target, [levers["activation_checkpointing_mode"]], budget, traces,
                       expandable=levers["expandable_segments"])[0]
 
 
-def _longest(cfg: RunConfig, config, target, budget, traces, levers, limit) -> ContextResult:
+def _longest(cfg: RunConfig, model_config, target, budget, traces, levers, limit) -> ContextResult:
     step = CONTEXT_STEP if limit >= 16 * CONTEXT_STEP else 128
     top = limit // step * step
     plans: dict[int, ModePlan] = {}
 
     def plan_at(context: int) -> ModePlan:
         if context not in plans:
-            plans[context] = _plan(cfg, config, target, budget, traces, levers, context)
+            plans[context] = _plan(cfg, model_config, target, budget, traces, levers, context)
         return plans[context]
 
-    hidden = text_config(config).hidden_size
+    hidden = text_config(model_config).hidden_size
     first = min(top, max(4 * step, _round_up(4 * hidden, step)))  # past where --tiled_mlp auto starts tiling
     second = min(top, 2 * first)
     line = _line(plan_at(first), plan_at(second)) if second > first else None

@@ -55,7 +55,7 @@ def with_rung(cfg: RunConfig, rung: Rung) -> RunConfig:
     return dataclasses.replace(cfg, training=training)
 
 
-def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, log,
+def choose_optimizer(cfg: RunConfig, model_config, device: torch.device, budget: int, log,
                      traces: Optional[StepTraces] = None) -> RunConfig:
     """``cfg`` with the first rung whose least-memory checkpointing mode fits ``budget``.
 
@@ -68,7 +68,7 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
     probe = with_batch(cfg, batch_candidates(cfg.memory)[0]) if cfg.memory.auto_batch_size else cfg
     tried: list[tuple[Rung, ModePlan]] = []
     for rung in rungs_for(cfg, device):
-        least = min(plan_modes(with_rung(probe, rung), config, device, modes, traces=traces),
+        least = min(plan_modes(with_rung(probe, rung), model_config, device, modes, traces=traces),
                     key=lambda plan: plan.peak_bytes)
         tried.append((rung, least))
         if least.peak_bytes <= budget and least.host_bytes <= host_memory_available():  # a rung stepping on the host
@@ -82,13 +82,13 @@ def choose_optimizer(cfg: RunConfig, config, device: torch.device, budget: int, 
     raise ConfigError(f"--optimizer auto: no optimizer fits --memory_budget_gb ({format_bytes(budget)}) at batch "
                       f"{probe.training.batch_size_training} x {cfg.data.context_length}; the leanest needs "
                       f"{format_bytes(leanest)}. Shorten --context_length, lower --batch_size_training, "
-                      f"use --use_peft{_host_offload_hint(probe, config, device, budget, traces)}")
+                      f"use --use_peft{_host_offload_hint(probe, model_config, device, budget, traces)}")
 
 
-def _host_offload_hint(cfg: RunConfig, config, device: torch.device, budget: int,
+def _host_offload_hint(cfg: RunConfig, model_config, device: torch.device, budget: int,
                        traces: Optional[StepTraces]) -> str:
     """The one lever left for a full fine-tune on one GPU: its state in host memory, with its plan."""
-    offloaded = host_offload_alternative(cfg, config, device, traces)
+    offloaded = host_offload_alternative(cfg, model_config, device, traces)
     if offloaded is None:
         return ""
     verdict = "fits" if offloaded.peak_bytes <= budget else "does not fit either"

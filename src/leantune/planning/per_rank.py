@@ -103,17 +103,17 @@ class _Sizes:
         return sum(pinned_size(n) for n in shards + grads)
 
 
-def sharding_shapes(cfg: RunConfig, config, target: torch.device, world_size: int,
+def sharding_shapes(cfg: RunConfig, model_config, target: torch.device, world_size: int,
                     cpu_offload: bool = False) -> ShardingShapes:
     precision = target_precision(cfg, target)
     # building the stand-in draws from the CPU generator (LoRA's initialisation): a run's own draws stay as they were
     with torch.random.fork_rng(devices=[]):
-        model = meta_model(config, precision.weight_dtype)
-        quantized = run_bnb_config(cfg.quant, precision, config, cfg.peft.freeze_LLM_only)
+        model = meta_model(model_config, precision.weight_dtype)
+        quantized = run_bnb_config(cfg.quant, precision, model_config, cfg.peft.freeze_LLM_only)
         if quantized is not None:
             quantize_linear_layers(model, quantized, precision.weight_dtype)
         if cfg.peft.use_peft:
-            kept_off = lora_kept_off(model, cfg.peft.lora_parts, image_batches(cfg.data, config))
+            kept_off = lora_kept_off(model, cfg.peft.lora_parts, image_batches(cfg.data, model_config))
             model = attach_lora(model, cfg.peft, kept_off)
         if quantized is not None:  # the packed weights and their state as bitsandbytes makes them, on fake tensors
             fake_placer(FakeTensorMode(allow_non_fake_inputs=True))(model)
@@ -235,7 +235,7 @@ class RankShare:
         return per_rank(plan, self.world_size, self._made, self.cpu_offload)
 
 
-def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
+def host_offload_alternative(cfg: RunConfig, model_config, target: torch.device,
                              traces: Optional[StepTraces] = None) -> Optional[ModePlan]:
     """``cfg``'s full fine-tune on one GPU with ``--enable_fsdp --fsdp_cpu_offload`` (AdamW, full
     checkpointing), planned: the lever named when nothing else fits. None where it cannot run
@@ -253,8 +253,8 @@ def host_offload_alternative(cfg: RunConfig, config, target: torch.device,
             distributed=DistributedConfig(enable_fsdp=True, fsdp_cpu_offload=True))
     except ConfigError:  # a flag FSDP refuses: the lever is not there to name (the caller's error stands)
         return None
-    (plan,) = plan_modes(offloaded, config, target, ["full"], traces=traces)
-    return per_rank(plan, 1, sharding_shapes(offloaded, config, target, 1, cpu_offload=True), cpu_offload=True)
+    (plan,) = plan_modes(offloaded, model_config, target, ["full"], traces=traces)
+    return per_rank(plan, 1, sharding_shapes(offloaded, model_config, target, 1, cpu_offload=True), cpu_offload=True)
 
 
 def describe_host_offload(plan: ModePlan) -> str:

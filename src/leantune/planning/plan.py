@@ -216,14 +216,14 @@ def offload_cap_bytes(ac: CheckpointingConfig) -> int:
     return int(gb * GIB) if gb is not None else default_max_pinned_bytes()
 
 
-def check_plan_inputs(context_length: int, config, budget_bytes: Optional[int]) -> None:
+def check_plan_inputs(context_length: int, model_config, budget_bytes: Optional[int]) -> None:
     """Refuse what cannot be planned, naming the flag: a context beyond the model's, a negative budget."""
-    check_context_length(config, context_length)
+    check_context_length(model_config, context_length)
     if budget_bytes is not None and budget_bytes <= 0:
         raise ConfigError("--memory_budget_gb: must be a positive number of GiB")
 
 
-def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str],
+def plan_modes(cfg: RunConfig, model_config, target: torch.device, modes: Sequence[str],
                budget_bytes: Optional[int] = None, traces: Optional[StepTraces] = None,
                expandable: bool = False) -> list[ModePlan]:
     """One plan per mode (``offload`` only for a GPU target), each compared with the budget when given.
@@ -232,7 +232,7 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     FSDP its ``share`` makes each plan one rank's before the budget is compared.
     ``expandable``: the allocator's segments as with ``expandable_segments:True``, whatever the settings say.
     """
-    check_plan_inputs(cfg.data.context_length, config, budget_bytes)
+    check_plan_inputs(cfg.data.context_length, model_config, budget_bytes)
     if OFFLOAD in modes and target.type != "cuda":
         raise ConfigError(f"--activation_checkpointing_mode {OFFLOAD}: moves activations off a GPU; plan it for one "
                           "with --device cuda")
@@ -241,17 +241,17 @@ def plan_modes(cfg: RunConfig, config, target: torch.device, modes: Sequence[str
     batch_and_context = (cfg.training.batch_size_training, cfg.data.context_length)
     for mode in modes:
         if mode != OFFLOAD:
-            found[mode] = traced(traces, cfg, config, target, mode)
+            found[mode] = traced(traces, cfg, model_config, target, mode)
             _check_budget_above_parameters(share(plan_from_trace(mode, found[mode], *batch_and_context, target)),
                                            budget_bytes)
     pinned = 0
     if OFFLOAD in modes:
-        full = found.get("full") or traced(traces, cfg, config, target, "full")
+        full = found.get("full") or traced(traces, cfg, model_config, target, "full")
         found[OFFLOAD] = offload_trace(full, offload_cap_bytes(cfg.checkpointing))
         pinned = offload_pinned_bytes(full, offload_cap_bytes(cfg.checkpointing))
     plans = {mode: share(plan_from_trace(mode, trace, *batch_and_context, target, expandable))
              for mode, trace in found.items()}
-    image = planned_image(config) if plans_images(cfg.data, config) else None
+    image = planned_image(model_config) if plans_images(cfg.data, model_config) else None
     for plan in plans.values():
         plan.images = image.description if image is not None else ""
     if pinned:  # beside any optimizer state on the host
@@ -298,7 +298,7 @@ def flops_per_token(plan: ModePlan) -> float:
     return plan.flops / plan.traced_tokens if plan.traced_tokens else float("inf")
 
 
-def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: int,
+def find_layer_mix(cfg: RunConfig, model_config, target: torch.device, budget_bytes: int,
                    traces: Optional[StepTraces] = None) -> Optional[tuple[str, ModePlan]]:
     """The fewest fully recomputed layers, the rest ``selective_ops``, whose predicted peak fits the budget.
 
@@ -306,12 +306,12 @@ def find_layer_mix(cfg: RunConfig, config, target: torch.device, budget_bytes: i
     selective to full, so bisection over that count needs about log2(layers) traces. Returns the
     ``--activation_checkpointing_layers`` value and its plan, or None when only ``full`` itself fits.
     """
-    layers = text_config(config).num_hidden_layers
+    layers = text_config(model_config).num_hidden_layers
 
     def plan_with(full_layers: int) -> tuple[str, ModePlan]:
         mix = format_layer_mix(("full",) * full_layers + ("selective_ops",) * (layers - full_layers))
         mixed = run_config_for_mode(cfg, "layer_mix", mix)
-        return mix, plan_modes(mixed, config, target, ["layer_mix"], budget_bytes, traces)[0]
+        return mix, plan_modes(mixed, model_config, target, ["layer_mix"], budget_bytes, traces)[0]
 
     low, high, best = 0, layers, None  # all selective does not fit, all full does
     while high - low > 1:
@@ -338,7 +338,7 @@ def batch_candidates(memory: MemoryConfig, limit: int = 1024) -> list[int]:
     return [d for d in range(1, target + 1) if target % d == 0] if target else list(range(1, limit + 1))
 
 
-def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budget_bytes: int,
+def largest_batch(cfg: RunConfig, model_config, target: torch.device, mode: str, budget_bytes: int,
                   traces: Optional[StepTraces] = None) -> tuple[int, Optional[ModePlan]]:
     """The largest batch size whose predicted peak fits ``budget_bytes`` (0 and None when not even 1 fits).
 
@@ -349,7 +349,7 @@ def largest_batch(cfg: RunConfig, config, target: torch.device, mode: str, budge
     candidates = batch_candidates(cfg.memory)
 
     def plan_at(index: int) -> ModePlan:
-        return plan_modes(with_batch(cfg, candidates[index]), config, target, [mode], budget_bytes, traces)[0]
+        return plan_modes(with_batch(cfg, candidates[index]), model_config, target, [mode], budget_bytes, traces)[0]
 
     good, good_plan, bad, index = -1, None, len(candidates), 0
     while index < len(candidates):

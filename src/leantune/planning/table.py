@@ -52,7 +52,7 @@ def format_table(plans: list[ModePlan], budget: Optional[int], marked: Optional[
     return "\n".join(f"{label:<24}" + "".join(f"{cell:>{width}}" for cell in cells) for label, cells in rows)
 
 
-def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
+def describe_run(cfg: RunConfig, model_config, target: torch.device) -> str:
     kind = (f"LoRA r{cfg.peft.lora_r} on {', '.join(cfg.peft.lora_target_modules)}" if cfg.peft.use_peft
             else "full fine-tuning")
     quant = cfg.quant
@@ -63,8 +63,8 @@ def describe_run(cfg: RunConfig, config, target: torch.device) -> str:
     if kept:
         kind += f", {' and '.join(kept)} in host memory"
     precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
-    text = text_config(config)  # a composite (image and text) config: its language model's
-    image = planned_image(config) if plans_images(cfg.data, config) else None
+    text = text_config(model_config)  # a composite (image and text) config: its language model's
+    image = planned_image(model_config) if plans_images(cfg.data, model_config) else None
     images = f"; {image.description} (its tokens within the context)" if image is not None else ""
     accumulation = cfg.training.gradient_accumulation_steps
     return (f"plan: {cfg.model.model_name} ({text.num_hidden_layers} layers, hidden {text.hidden_size}), {kind}, "
@@ -79,9 +79,9 @@ COMPILE_NOTE = ("note: --compile: planned as the eager step (compiled graphs are
                 "measured")
 
 
-def print_plan(cfg: RunConfig, config, target: torch.device, plans: list[ModePlan], budget: Optional[int],
+def print_plan(cfg: RunConfig, model_config, target: torch.device, plans: list[ModePlan], budget: Optional[int],
                log=print) -> None:
-    log(describe_run(cfg, config, target))
+    log(describe_run(cfg, model_config, target))
     log(format_table(plans, budget, marked=run_mode(cfg.checkpointing)))
     log("predicted: one training step with the optimizer state present, traced on fake tensors by leantune's own "
         "training code; bytes by what they hold at the moment of the peak.")

@@ -33,7 +33,7 @@ class OptimizerInBackward:
         for group in optimizer.param_groups:
             if len(group["params"]) != 1:
                 raise ValueError("optimizer in backward needs one parameter group per weight "
-                                 "(training.optim.build_optimizer makes them with --optimizer_in_backward)")
+                                 "(training.optimizer_setup.build_optimizer makes them with --optimizer_in_backward)")
             self._group_of[group["params"][0]] = group
         self._squares: Optional[torch.Tensor] = None
         self._sharded = False  # FSDP2: each rank's squares are of its shards, summed over the ranks at the end

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from leantune.checkpointing import CheckpointingError
-from leantune.cli_args import parse_run_config
+from leantune.flags import parse_run_config
 from leantune.config import ConfigError, ModelConfig, RunConfig
 from leantune.builders.loaders import plans_images
 from leantune.builders.own_loss import check_own_loss
@@ -54,32 +54,33 @@ def _take_world_size(argv: list[str]) -> tuple[int | None, list[str]]:
     return int(value), argv[:at] + argv[at + 2:]
 
 
-def _plans(cfg: RunConfig, config, target: torch.device, world_size: int | None, budget: int | None) -> list:
+def _plans(cfg: RunConfig, model_config, target: torch.device, world_size: int | None, budget: int | None) -> list:
     """Each mode's plan: one process's, or one rank's of ``world_size`` under FSDP (derived from it)."""
-    plans = plan_modes(cfg, config, target, modes_to_plan(cfg.checkpointing, target, compiled=cfg.training.compile),
-                       None if world_size else budget)
+    modes = modes_to_plan(cfg.checkpointing, target, compiled=cfg.training.compile)
+    plans = plan_modes(cfg, model_config, target, modes, None if world_size else budget)
     if world_size:
         offload = cfg.distributed.fsdp_cpu_offload
-        shapes = sharding_shapes(cfg, config, target, world_size, offload)
+        shapes = sharding_shapes(cfg, model_config, target, world_size, offload)
         plans = [per_rank(p, world_size, shapes, offload) for p in plans]
         for p in plans:
             p.fits = None if budget is None else p.peak_bytes <= budget
     return plans
 
 
-def _search(cfg: RunConfig, config, target: torch.device, budget: int | None, as_json: bool) -> int:
+def _search(cfg: RunConfig, model_config, target: torch.device, budget: int | None, as_json: bool) -> int:
     """``--max_context``: the longest context that fits, printed (or as one JSON object)."""
     budget = check_search_flags(cfg.checkpointing, budget)
     out = sys.stderr if as_json else sys.stdout
     print(f"longest context within {budget / GIB:.2f} GiB, batch {cfg.training.batch_size_training}, each lever "
           "combination the flags allow:", file=out)
-    search = find_max_context(cfg, config, target, budget, log=lambda line: print(line, file=out))
+    search = find_max_context(cfg, model_config, target, budget, log=lambda line: print(line, file=out))
     if as_json:
         print(json.dumps(search.as_json(), indent=2))
         return 0
     print_search(search)
     if search.best.plan is not None:
-        print_plan(with_levers(cfg, search.best.levers, search.max_context), config, target, [search.best.plan], budget)
+        print_plan(with_levers(cfg, search.best.levers, search.max_context), model_config, target, [search.best.plan],
+                   budget)
     return 0
 
 

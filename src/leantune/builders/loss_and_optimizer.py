@@ -13,7 +13,7 @@ from leantune.loss import Pieces, every_piece
 from leantune.optimizers import build
 from leantune.precision import Precision
 from leantune.training.in_backward import OptimizerInBackward
-from leantune.training.optim import MakeOptimizer, build_optimizer
+from leantune.training.optimizer_setup import MakeOptimizer, build_optimizer
 from leantune.training.step import CausalLMLoss, NonFiniteCheck, ReadFloats, TrainStep, host_floats
 
 
