@@ -35,7 +35,7 @@ def measure_activations(cfg, batch: int, seq: int) -> tuple[int, int]:
     The model, LoRA, checkpointing and loss are built by leantune from ``cfg``, on the CPU (the
     meter counts tensors, so the bytes are those of any device), and the step is the trainer's.
     """
-    precision = choose_precision(cfg, torch.device("cpu"))
+    precision = choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu"))
     model, _ = build_model(cfg, precision, log=lambda _line: None)
     lm_head = unwrap_model(model).get_output_embeddings()
     loss_fn = loss_function(model, cfg.training.loss_chunk_size, sharded=False)

@@ -575,7 +575,7 @@ def test_auto_under_fsdp_chooses_by_one_ranks_plan():
                             "--memory_budget_gb", "2"])
     config = model_config("small")
     with pytest.raises(ConfigError, match="no mode fits"):
-        Planner.for_run(cfg, config, CPU, log=lambda *_: None).choose(cfg)  # one process's plan (no world given)
+        Planner(config, CPU, run_budget(cfg, CPU), None, lambda *_: None).choose(cfg)  # one process's plan: no share
     traces = StepTraces(share=RankShare(lambda: sharding_shapes(cfg, config, CPU, 4), 4, False))
     memory = Planner(config, CPU, run_budget(cfg, CPU), traces, lambda *_: None).choose(cfg)
     assert memory.cfg.checkpointing.mode is None and memory.plan.mode == "none"
