@@ -53,7 +53,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed training steps per kind")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
-    records = [measure(args.preset, kind, args.batch_size, args.context_length, args.steps) for kind in ("full", "lora")]
+    records = [measure(args.preset, kind, args.batch_size, args.context_length, args.steps)
+               for kind in ("full", "lora")]
     print(f"{'kind':<6}{'tensors':>9}{'step (s)':>11}{'breakdown (ms)':>16}{'share':>9}")
     for r in records:
         print(f"{r['kind']:<6}{r['parameters']:>9}{r['step_s']:>11.3f}{r['breakdown_s'] * 1e3:>16.3f}"

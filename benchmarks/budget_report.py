@@ -14,7 +14,8 @@ def _ratio(value) -> str:
 
 
 def _measured(record: dict) -> str:
-    return ", ".join(f"{b}: {v if v == 'oom' else f'{v / MIB:,.0f}'}" for b, v in record.get("measured_bytes", {}).items())
+    return ", ".join(f"{b}: {v if v == 'oom' else f'{v / MIB:,.0f}'}"
+                     for b, v in record.get("measured_bytes", {}).items())
 
 
 def print_table(records: list[dict], args) -> None:
@@ -60,7 +61,8 @@ def check_targets(records: list[dict]) -> list[str]:
     if none:
         ratio = best["tokens_per_s"] / none["tokens_per_s"]
         lines = [f"{_verdict(ratio >= TARGET_SPEEDUP)}  leantune best ({best['mode']}, batch {best['batch_size']}) "
-                 f"{ratio:.2f}x no checkpointing at its largest batch ({none['batch_size']}); target >= {TARGET_SPEEDUP}"]
+                 f"{ratio:.2f}x no checkpointing at its largest batch ({none['batch_size']}); "
+                 f"target >= {TARGET_SPEEDUP}"]
     else:
         lines = ["n/a   leantune best against no checkpointing: no checkpointing does not fit one row"]
     hf = [r for r in records if r["tool"] == "hf_trainer" and r["tokens_per_s"]]

@@ -1,4 +1,5 @@
-"""One rank's planned peak under FSDP2 against a two-rank step measured on the CPU, for LoRA, QLoRA and full fine-tuning.
+"""One rank's planned peak under FSDP2 against a two-rank step measured on the CPU, for LoRA, QLoRA and full
+fine-tuning.
 
     python benchmarks/fsdp_plan_check.py --json docs/results/fsdp_plan_check.json
 

@@ -40,7 +40,8 @@ def run_ranks(model: Path, ranks: int, kind: str, args, out: Path) -> dict:
     flags = ["--model_name", str(model), "--context_length", str(args.context_length), "--num_workers_dataloader",
              "0", "--num_epochs", "1", "--max_train_step", str(args.steps * ranks), "--batch_size_training",
              str(args.batch_size), "--enable_memory_monitoring", "--save_metrics", "true", "--save_model", "false",
-             "--run_validation", "false", "--enable_fsdp", "--enable_activation_checkpointing", "--output_dir", str(out)]
+             "--run_validation", "false", "--enable_fsdp", "--enable_activation_checkpointing",
+             "--output_dir", str(out)]
     flags += ["--use_peft"] if kind == "lora" else []
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m",
@@ -80,7 +81,8 @@ def main() -> None:
         records = [run_ranks(model, n, kind, args, Path(tmp) / f"{kind}-{n}") for kind in kinds for n in ranks]
     print(f"{'kind':<6}{'ranks':>6}{'peak per rank (MiB, max)':>26}{'tokens/s':>11}   measure")
     for r in records:
-        print(f"{r['kind']:<6}{r['ranks']:>6}{r['max_peak_mib']:>26,.0f}{r['tokens_per_s']:>11,.0f}   {r['peak_measure']}")
+        print(f"{r['kind']:<6}{r['ranks']:>6}{r['max_peak_mib']:>26,.0f}{r['tokens_per_s']:>11,.0f}   "
+              f"{r['peak_measure']}")
     for kind in kinds:
         peaks = [r["max_peak_mib"] for r in records if r["kind"] == kind]
         falls = all(b < a for a, b in zip(peaks, peaks[1:]))

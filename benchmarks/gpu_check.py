@@ -219,9 +219,11 @@ def summary_rows(parts: dict) -> list[str]:
         for run in part.get("runs", []):
             ended = "ok" if run["rc"] == 0 else "stopped" if isinstance(run["rc"], str) else f"rc {run['rc']}"
             rows.append(f"  {run['run']:<32} {ended:>9} "
-                        f"{number(run.get('seconds'), '.0f'):>6} {number(run.get('max_peak_allocated_mib'), ',.0f'):>9} "
+                        f"{number(run.get('seconds'), '.0f'):>6} "
+                        f"{number(run.get('max_peak_allocated_mib'), ',.0f'):>9} "
                         f"{number(run.get('median_step_time_s'), '.3f'):>7} "
-                        f"{number(run.get('median_tokens_per_s'), ',.0f'):>9} {number(run.get('median_mfu'), '.0%'):>5} "
+                        f"{number(run.get('median_tokens_per_s'), ',.0f'):>9} "
+                        f"{number(run.get('median_mfu'), '.0%'):>5} "
                         f"{number(run.get('plan_error_at_step_2'), '+.1%'):>7} "
                         f"{number(run.get('reserved_plan_error_at_step_2'), '+.1%'):>7}")
     return rows

@@ -147,8 +147,8 @@ def read_run(out_dir: Path) -> dict:
         if step_two and step_two.get("peak_allocated_mib") and summary.get("predicted_peak_mib"):
             figures["plan_error_at_step_2"] = summary["predicted_peak_mib"] / step_two["peak_allocated_mib"] - 1
         if step_two and step_two.get("peak_reserved_mib") and summary.get("predicted_reserved_mib"):
-            figures["reserved_plan_error_at_step_2"] = (summary["predicted_reserved_mib"] / step_two["peak_reserved_mib"]
-                                                        - 1)
+            figures["reserved_plan_error_at_step_2"] = (summary["predicted_reserved_mib"]
+                                                        / step_two["peak_reserved_mib"] - 1)
     memory_path = out_dir / "memory.jsonl"
     if memory_path.is_file():
         rows = [json.loads(line) for line in memory_path.read_text().splitlines() if line.strip()]

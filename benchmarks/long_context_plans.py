@@ -39,7 +39,8 @@ ROWS = [
     ("Llama-3.1-8B QLoRA, 24 GB", ["--model_name", "Llama-3.1-8B", *LORA, "--quantization", "4bit"], 23.5, 131_072,
      "Unsloth 78,475; HF Trainer + FA2 5,789"),
     ("Llama-3.1-8B QLoRA, 80 GB", ["--model_name", "Llama-3.1-8B", *LORA, "--quantization", "4bit",
-                                   "--rope_scaling_factor", "4"], 79, 500_000, "Unsloth 342,733; HF Trainer + FA2 28,454"),
+                                   "--rope_scaling_factor", "4"], 79, 500_000,
+     "Unsloth 342,733; HF Trainer + FA2 28,454"),
     ("Llama-3.2-1B LoRA, 24 GB", ["--model_name", "Llama-3.2-1B", *LORA, "--rope_scaling_factor", "4"], 23.5, 262_144,
      "none published"),
     ("Llama-3.1-8B full fine-tuning, 80 GB", ["--model_name", "Llama-3.1-8B", *LEANEST, "--rope_scaling_factor", "4"],
@@ -89,7 +90,8 @@ def main() -> int:
            "planned_gib": single[0]["peak_bytes"] / 2**30, "met": seconds < 60 and peak_gib < 3}
     print(f"{one['case']}: {seconds:.1f} s, {peak_gib:.2f} GiB host (target: under 60 s and 3 GiB)")
     records.append(one)
-    print(f"\n{'case':<40} {'max context':>12} {'target':>9} {'planned GiB':>12} {'search s':>9} {'host GiB':>9}  published")
+    print(f"\n{'case':<40} {'max context':>12} {'target':>9} {'planned GiB':>12} {'search s':>9} "
+          f"{'host GiB':>9}  published")
     for r in records[:-1]:
         print(f"{r['case']:<40} {r['max_context']:>12,} {r['target'] or '-':>9} {r['planned_gib']:>12.2f} "
               f"{r['search_seconds']:>9.0f} {r['search_host_gib']:>9.2f}  {r['published']}")

@@ -210,10 +210,12 @@ def planned_batch(cfg: RunConfig, mode: str, args, device: torch.device) -> int:
 def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: list[dict], device) -> tuple:
     """Build one configuration and find its batch; returns (case, record)."""
     tool, mode = spec
-    cfg = parse_run_config(run_flags(args, model_dir, mode if tool == "leantune" else "none", workdir / f"{tool}-{mode}"))
+    cfg = parse_run_config(run_flags(args, model_dir, mode if tool == "leantune" else "none",
+                                     workdir / f"{tool}-{mode}"))
     record = {"tool": tool, "mode": mode}
     if tool == "hf_trainer":
-        case = HFTrainerCase(str(model_dir), cfg, choose_precision(cfg.model, cfg.training, cfg.peft, device), rows, checkpointing=mode == "full")
+        case = HFTrainerCase(str(model_dir), cfg, choose_precision(cfg.model, cfg.training, cfg.peft, device), rows,
+                             checkpointing=mode == "full")
         record.update(checkpointing=mode, **search(case, args, 1))
     elif mode == "auto":
         try:
@@ -226,7 +228,8 @@ def set_up(spec: tuple[str, str], args, model_dir: Path, workdir: Path, rows: li
         fits = peak <= args.budget_mib * MIB
         record.update(checkpointing=case.checkpointing, batch_size=case.chosen_batch if fits else 0,
                       peak_bytes=None if peak >= DOESNT_FIT else peak,
-                      auto_lines=[line for line in case.lines if "auto chose" in line or line.startswith("batch size:")])
+                      auto_lines=[line for line in case.lines
+                                  if "auto chose" in line or line.startswith("batch size:")])
     else:
         case = LeantuneCase(mode, cfg, rows)
         record.update(checkpointing=mode, **search(case, args, planned_batch(cfg, mode, args, device)))
@@ -257,7 +260,7 @@ def time_steps(pairs: list[tuple], args) -> None:
                 continue
             if index >= args.warmup:
                 record["step_times_s"].append(seconds)
-    for case, record in running:
+    for _case, record in running:
         record["step_time_s"] = statistics.median(record["step_times_s"])
         record["tokens_per_s"] = record["batch_size"] * args.context_length / record["step_time_s"]
 
@@ -301,7 +304,8 @@ def complete(records: list[dict], args, device: torch.device, precision_note: st
         r.setdefault("tokens_per_s", 0.0)
         r.update(preset=args.preset, kind=args.kind, context_length=args.context_length, device=str(device),
                  precision=precision_note, budget_bytes=args.budget_mib * MIB,
-                 fits=bool(r["batch_size"]) and r["peak_bytes"] is not None and r["peak_bytes"] <= args.budget_mib * MIB,
+                 fits=(bool(r["batch_size"]) and r["peak_bytes"] is not None
+                       and r["peak_bytes"] <= args.budget_mib * MIB),
                  x_leantune_none=r["tokens_per_s"] / none["tokens_per_s"] if none.get("tokens_per_s") else None,
                  x_hf_trainer_best=r["tokens_per_s"] / hf_best if hf_best else None)
 

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
               "meets_target": measured["peak_bytes"] <= limit}
     mib = 2**20
     print(f"{len(shards)} shards, largest {largest / mib:.1f} MiB; adapter {adapter / mib:.1f} MiB")
-    print(f"baseline {measured['baseline_bytes'] / mib:.1f} MiB, peak {measured['peak_bytes'] / mib:.1f} MiB: the merge "
+    print(f"baseline {measured['baseline_bytes'] / mib:.1f} MiB, "
+          f"peak {measured['peak_bytes'] / mib:.1f} MiB: the merge "
           f"added {used / mib:.1f} MiB; limit {limit / mib:.1f} MiB "
           f"({'met' if record['meets_target'] else 'MISSED'})")
     if args.json:

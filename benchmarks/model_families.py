@@ -69,9 +69,11 @@ def main() -> None:
     print(f"{'family':8} {'architecture':20} {'attention':9} {'q/v':3} {'loss':>7} {'grads':>7} {'s':>5}  transform")
     for r in families:
         print(f"{r['family']:8} {r['architecture']:20} {r['attention']:9} {r['default_lora_targets']:3} "
-              f"{r['loss_difference']:7.0e} {r['gradient_difference']:7.0e} {r['check_seconds']:5.2f}  {r['transform']}")
+              f"{r['loss_difference']:7.0e} {r['gradient_difference']:7.0e} {r['check_seconds']:5.2f}  "
+              f"{r['transform']}")
     for r in presets:
-        print(f"{r['preset']:29} check {r['check_seconds']:.2f} s (with reading the shape {r['with_reading_seconds']:.2f} s), "
+        print(f"{r['preset']:29} check {r['check_seconds']:.2f} s "
+              f"(with reading the shape {r['with_reading_seconds']:.2f} s), "
               f"loss {r['loss_difference']:.0e}, gradients {r['gradient_difference']:.0e}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(dict(families=families, presets=presets), indent=2) + "\n")

@@ -44,7 +44,8 @@ def _step_seconds(cfg) -> float:
     from leantune.builders.loss_and_optimizer import loss_model_for
     from leantune.precision import choose_precision
 
-    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")), log=lambda _line: None)
+    model, _ = build_model(cfg, choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")),
+                           log=lambda _line: None)
     loss_model = loss_model_for(model, cfg.training, sharded=False)
     ids = torch.randint(3, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
     times = []

@@ -8,7 +8,8 @@ Full fine-tuning of the default tiny Llama (no download) on the bundled data, on
 float32 weights (bfloat16 moments), anyprecision with ``--pure_bf16`` (bfloat16 weights, the
 compensated update), plain AdamW with ``--pure_bf16`` (bfloat16 weights, no compensation: the
 case compensation exists for), AdamW stepped in backward, bitsandbytes' 8-bit AdamW, and the
-leanest combinations (8-bit or anyprecision, bfloat16 weights, stepped in backward), at a large learning rate and at one whose updates are smaller
+leanest combinations (8-bit or anyprecision, bfloat16 weights, stepped in backward), at a large
+learning rate and at one whose updates are smaller
 than bfloat16 can resolve in the weights. A second float32 AdamW run from another seed shows how
 far two equally good runs land apart. Each run reports its final training loss (mean of the last
 20 steps) and validation loss, their difference from the reference, and its plan's peak and

@@ -154,7 +154,8 @@ def run_gpu(args) -> list[dict]:
             errors = (f"{r['allocated_error']:+.2%} {r['reserved_error']:+.2%}" if "allocated_error" in r
                       else r["measured"])
             print(f"Llama-3.2-1B/{kind}/{mode} {args.batch_size}x{args.context_length}: predicted allocated "
-                  f"{r['predicted_allocated_bytes'] / MIB:,.0f} MiB, reserved {r['predicted_reserved_bytes'] / MIB:,.0f}"
+                  f"{r['predicted_allocated_bytes'] / MIB:,.0f} MiB, "
+                  f"reserved {r['predicted_reserved_bytes'] / MIB:,.0f}"
                   f" MiB; error allocated, reserved: {errors}", flush=True)
     return records
 

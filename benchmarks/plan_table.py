@@ -241,7 +241,8 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
                     if (model, kind, b, s) in by_key or f"{model}:{kind}:{b}x{s}" in skipped]
             if not rows:
                 continue
-            first = next((by_key[(model, kind) + r] for r in rows if "plans" in by_key.get((model, kind) + r, {})), None)
+            first = next((by_key[(model, kind) + r] for r in rows if "plans" in by_key.get((model, kind) + r, {})),
+                         None)
             out += [f"### {model}, {KIND_TITLES[kind]}", ""]
             if first:
                 p = first["plans"][0]
@@ -250,7 +251,8 @@ def render(records: list[dict], skipped: list[str], reference: str, meta: dict) 
                         f"{p['optimizer_state_bytes'] / GIB:,.2f} GiB stay through the step: with the CUDA context, "
                         f"{floor_bytes(p) / GIB:,.2f} GiB that no mode or batch size changes."
                         + (f" The optimizer step itself (every gradient, AdamW's update and its temporaries) peaks "
-                           f"at {step / GIB:,.2f} GiB whatever the batch, before the allocator's segments." if step else ""), ""]
+                           f"at {step / GIB:,.2f} GiB whatever the batch, before the allocator's segments."
+                           if step else ""), ""]
             out += ["| batch x context | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
             for b, s in rows:
                 record = by_key.get((model, kind, b, s), {"error": "skipped"})
@@ -370,12 +372,13 @@ def main(argv=None) -> int:
     meta = dict(commit=commit, commit_note=commit_note, torch=torch.__version__, transformers=transformers.__version__,
                 machine=f"{platform.machine()} CPU, {os.cpu_count()} cores", jobs=max(1, args.jobs),
                 grid_seconds=grid_seconds, reference_seconds=reference_seconds,
-                grid_args=grid_args(args), offload_pinned_gb=args.offload_pinned_gb or None, total_seconds=time.perf_counter() - start)
+                grid_args=grid_args(args), offload_pinned_gb=args.offload_pinned_gb or None,
+                total_seconds=time.perf_counter() - start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(records, skipped, reference, meta))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(meta=meta, gpus=[dict(label=l, marker=m, bytes=b) for l, m, b in GPUS],
+        args.json.write_text(json.dumps(dict(meta=meta, gpus=[dict(label=g, marker=m, bytes=b) for g, m, b in GPUS],
                                              skipped=skipped, reference_command=["leantune", "plan", *REFERENCE],
                                              reference_output=reference, records=records), indent=2))
     print(f"grid: {len(cases)} cases in {grid_seconds / 60:.1f} min ({max(1, args.jobs)} processes); "

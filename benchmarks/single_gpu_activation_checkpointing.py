@@ -1,6 +1,7 @@
 """The example ``examples/single_gpu_activation_checkpointing.py``, for full fine-tuning and LoRA, as JSON.
 
-    python benchmarks/single_gpu_activation_checkpointing.py --json docs/results/single_gpu_activation_checkpointing_tiny.json
+    python benchmarks/single_gpu_activation_checkpointing.py \
+        --json docs/results/single_gpu_activation_checkpointing_tiny.json
 
 The example prints its comparison and writes nothing; this runs its ``main`` unchanged (once without
 ``--use_peft``, once with it, the same ``--steps``, ``--batch_size`` and ``--context_length``) and

@@ -44,7 +44,8 @@ COMMON = ["--device", "cuda", "--batch_size_training", "1", "--context_length", 
           "--enable_activation_checkpointing", "--activation_checkpointing_mode", "full"]
 QLORA = ["--use_peft", "--quantization", "4bit"]
 FROZEN = ["--freeze_LLM_only", "--model_dtype", "bfloat16", "--offload_embedding"]
-RUNGS = [["--optimizer", "adamw_8bit", "--optimizer_in_backward"], ["--optimizer", "adamw_4bit", "--optimizer_in_backward"],
+RUNGS = [["--optimizer", "adamw_8bit", "--optimizer_in_backward"],
+         ["--optimizer", "adamw_4bit", "--optimizer_in_backward"],
          ["--optimizer", "adamw_cpu_offload"], ["--offload_gradients"]]
 # PyTorch's allocator setting (an environment variable, which the plan reads): pages in place of fixed segments
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -58,7 +59,8 @@ ROWS = [  # (what, hub id, flag sets tried (the leanest counts), target GiB or N
      "llama-cookbook: under 24 GB"),
     ("encoder + fusion, decoder frozen in 4 bits", LLAMA_11B,
      [[*FROZEN, "--quantization", "4bit", *rung] for rung in RUNGS + LEANEST], 14.0, "-"),
-    ("QLoRA", "Qwen/Qwen2.5-VL-7B-Instruct", [QLORA, [*QLORA, "--offload_embedding"]], 8.0, "Unsloth: a 16 GB T4 (Qwen2-VL)"),
+    ("QLoRA", "Qwen/Qwen2.5-VL-7B-Instruct", [QLORA, [*QLORA, "--offload_embedding"]], 8.0,
+     "Unsloth: a 16 GB T4 (Qwen2-VL)"),
     ("QLoRA", "google/gemma-3-12b-it", [QLORA], None, "-"),  # its embedding is tied to its head: on the GPU
     ("QLoRA", "meta-llama/Llama-3.2-90B-Vision-Instruct", [[*QLORA, "--offload_embedding"]], None, "-"),
 ]
@@ -90,7 +92,8 @@ def row(what: str, model: str, tries: list[list[str]], target, published: str) -
     flags, leanest = min(plans, key=lambda pair: pair[1]["peak_bytes"])
     gib = leanest["peak_bytes"] / 2**30
     settings, flags = split_environment(flags)
-    return {"what": what, "model": model, "environment": settings, "flags": [*COMMON, *flags], "image": leanest["images"],
+    return {"what": what, "model": model, "environment": settings, "flags": [*COMMON, *flags],
+            "image": leanest["images"],
             "peak_gib": round(gib, 2), "tried": {" ".join(f): round(p["peak_bytes"] / 2**30, 2) for f, p in plans},
             "parts_gib": {k: round(leanest[k] / 2**30, 2) for k in PARTS}, "target_gib": target,
             "meets_target": None if target is None else gib <= target, "published": published,

@@ -822,6 +822,13 @@ BREAKAGES = [
       "_plus(host_state_bytes(optimizer), _host_kept(model, on_gpu))",
       '_plus(getattr(optimizer, "host_state_bytes", lambda: (0, 0))(), _host_kept(model, on_gpu))',
       ("tests/test_one_file_registry_optimizer.py", "-k", "plan")),
+    B("oom_explained_as_typed", "an out-of-memory error in training is explained for the flags as typed, not the run "
+      "auto planned", "src/leantune/finetuning.py", "failure = explain_out_of_memory(err, planned)",
+      "failure = explain_out_of_memory(err, cfg)", ("tests/test_failures.py", "-k", "as_planned")),
+    B("oom_allocator_read_late", "the allocator's summary in an out-of-memory report is read after the failed step's "
+      "tensors are freed", "src/leantune/training/loop.py",
+      "        allocator = allocator_state(self.device, self.output.output_dir)",
+      "        allocator = None", ("tests/test_failures.py", "-k", "as_planned")),
 ]
 
 

@@ -13,6 +13,7 @@ from leantune.planning.oom_advice import memory_fixes
 from leantune.flags import parse_run_config
 from leantune.precision import Precision
 from leantune.training.step import CausalLMLoss, TrainStep
+from leantune.training import loop
 from leantune.training.loop import Trainer
 
 FAST = ["--context_length", "128", "--num_workers_dataloader", "0", "--num_epochs", "1", "--val_fraction", "0.99",
@@ -68,6 +69,22 @@ def test_out_of_memory_is_explained_with_fixes_in_order_and_no_half_written_file
     assert [s["step"] for s in json.loads((out / "metrics.json").read_text())["train_steps"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "memory.jsonl", "metrics.json",
                                                      "report.md", "report.png"]  # the report of the steps done
+
+
+def test_out_of_memory_in_training_is_explained_for_the_run_as_planned(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The loop only recognises the error; the entry point explains it for the run auto chose (here no
+    checkpointing: everything fits), not for the flags as typed (``auto``)."""
+    fail_at(monkeypatch, "train_step", 2, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    # the allocator's state is read in the loop's handler, while the failed step's tensors are alive (a GPU's)
+    monkeypatch.setattr(loop, "allocator_state", lambda device, output_dir: ("SUMMARY AT THE ERROR", None))
+    code = finetuning.main(["--model_name", str(tiny_model_dir), *FAST, "--output_dir", str(tmp_path / "run"),
+                            "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
+                            "--memory_budget_gb", "64"])
+    err = capsys.readouterr().err
+    assert code == 1 and "leantune: error: out of memory on cpu at step " in err  # in the loop, not outside it
+    fixes = err[err.index("to fit, try in this order:"):].splitlines()
+    assert fixes[1] == "  1. recompute activations instead of keeping them: --enable_activation_checkpointing"
+    assert "allocator summary:\nSUMMARY AT THE ERROR" in err
 
 
 def test_fixes_follow_the_run_they_are_for():

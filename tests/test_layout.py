@@ -197,22 +197,24 @@ def test_a_registry_module_imports_the_registry_not_its_package(package):
     assert back == []
 
 
-# Rule 3: where the whole run is read. The entry point parses it, preflight checks it against the model, the builders
-# turn it into objects and the planner traces variants of it (each trace builds the model, adapter, quantization,
-# loss, optimizer and data of a run): those modules may take the whole ``RunConfig``. Everything else (the training
-# loop, the data, the models, the memory meters, the optimizers) takes the sections it reads, so a reader sees
-# what a function depends on from its signature. A parameter counts when it is named ``cfg`` or annotated with
-# ``RunConfig`` (or a ``MemoryPlan``, which carries one); config/ itself is exempt (a check across sections
-# belongs to the config).
-WHOLE_RUN_READERS = ("leantune.finetuning", "leantune.preflight", "leantune.planning", "leantune.builders",
+# Rule 3: where the whole run is read. The entry point parses it, preflight checks it against the model, the model's
+# builder (``builders.model``: the one path the planner's traces and the run share) turns it into the model, and the
+# planner traces variants of it (each trace builds the model, adapter, quantization, loss, optimizer and data of a
+# run): those modules may take the whole ``RunConfig``. Everything else (the other builders, the training loop, the
+# data, the models, the memory meters, the optimizers) takes the sections it reads, so a reader sees what a function
+# depends on from its signature. A parameter counts when it is named ``cfg``, ``run_cfg`` or ``run_config``, or
+# annotated with ``RunConfig`` (or a ``MemoryPlan``, which carries one); config/ itself is exempt (a check across
+# sections belongs to the config).
+WHOLE_RUN_READERS = ("leantune.finetuning", "leantune.preflight", "leantune.planning", "leantune.builders.model",
                      "leantune.config", "leantune.flags")
+WHOLE_RUN_NAMES = ("cfg", "run_cfg", "run_config")
 WHOLE_RUN_TYPES = ("RunConfig", "MemoryPlan")
 
 
 def _whole_run_parameters(tree: ast.AST) -> list[tuple[ast.FunctionDef, ast.arg]]:
     return [(node, arg) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-            if arg.arg == "cfg" or (arg.annotation is not None
+            if arg.arg in WHOLE_RUN_NAMES or (arg.annotation is not None
                                     and any(name in ast.unparse(arg.annotation) for name in WHOLE_RUN_TYPES))]
 
 
@@ -234,7 +236,7 @@ def test_the_run_config_and_its_sections_are_frozen():
     import leantune.config as config
 
     classes = [config.RunConfig, *config.SECTIONS]
-    assert {f.type for f in fields(config.RunConfig)} >= {cls.__name__ for cls in config.SECTIONS}
+    assert {f.type for f in fields(config.RunConfig)} == {cls.__name__ for cls in config.SECTIONS}
     thawed = [cls.__name__ for cls in classes if not (is_dataclass(cls) and cls.__dataclass_params__.frozen)]
     assert thawed == []
 
@@ -253,8 +255,8 @@ def test_no_function_rebinds_its_config():
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             configs = {arg.arg for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                       if arg.arg == "cfg" or (arg.annotation is not None and ast.unparse(arg.annotation).strip("'\"")
-                                               in SECTION_TYPES)}
+                       if arg.arg in WHOLE_RUN_NAMES or (arg.annotation is not None
+                                                         and ast.unparse(arg.annotation).strip("'\"") in SECTION_TYPES)}
             for inner in ast.walk(node):
                 targets = (inner.targets if isinstance(inner, ast.Assign) else [inner.target]
                            if isinstance(inner, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) else [])
@@ -301,3 +303,12 @@ def test_no_runtime_module_asks_whether_it_runs_on_fake_tensors():
             elif isinstance(node, ast.keyword) and node.arg == "planned":
                 found.append(f"{name}:{node.lineno}: planned= passed")
     assert found == [], "pass what the planner needs in from planning/, or declare it on the optimizer's entry"
+
+
+def test_outside_the_planner_only_its_package_entry_is_imported():
+    """The entry point reaches the planner through ``leantune.planning`` (``Planner``, ``MemoryPlan``,
+    ``explain_out_of_memory``) alone: no module outside planning/ imports one of its modules."""
+    reached = [f"{module} imports {target}" for module, targets in GRAPH.items()
+               if not module.startswith("leantune.planning") for target in targets
+               if target.startswith("leantune.planning.")]
+    assert reached == []

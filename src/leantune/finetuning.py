@@ -57,7 +57,14 @@ REFUSALS = USER_ERRORS[:4]  # bad input, refused before training: a directory th
 
 def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
                   stop=NoStopRequest()) -> Trainer:  # noqa: B008 - stateless, safe to share
-    """Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
+    """The trainer of ``build_run``."""
+    return build_run(cfg, stack, log, dist, stop)[0]
+
+
+def build_run(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: DistContext = SINGLE_PROCESS,
+              stop=NoStopRequest()) -> tuple[Trainer, RunConfig]:  # noqa: B008 - stateless, safe to share
+    """The trainer and the run it trains (auto mode and batch resolved, what an out-of-memory error is explained
+    for). Everything the run needs, cheapest checks first: flags, files and the data before any weight loads.
 
     The model's config is read once (``preflight``), the saved state once, the data tokenized once, and each step
     the planner traces is traced once (``Planner``), whichever of the plan, the batch check and the FLOP count
@@ -104,7 +111,7 @@ def build_trainer(cfg: RunConfig, stack: contextlib.ExitStack, log=print, dist: 
                       stop=stop)
     if resume is not None:
         trainer.resume(resume)  # last: building the model drew from the RNG the saved state now replaces
-    return trainer
+    return trainer, run_cfg
 
 
 def _parts(planner: Planner, plan: MemoryPlan, built: tuple, precision: Precision, run: tuple,
@@ -122,7 +129,7 @@ def _parts(planner: Planner, plan: MemoryPlan, built: tuple, precision: Precisio
                          state_store=TrainingStateStore(output.output_dir, output.save_total_limit, log),
                          loggers=loggers, token_flops=planner.token_flops(run_cfg, peak_tflops),
                          peak_tflops=peak_tflops, predicted_peak_bytes=predicted, predicted_reserved_bytes=reserved,
-                         outputs=RunOutputs(output, run_cfg.flat(), dist, log),
+                         outputs=RunOutputs(output, run_cfg.quant, run_cfg.peft.use_peft, run_cfg.flat(), dist, log),
                          snapshot=MemorySnapshot(run_cfg.memory.memory_snapshot, device, output.output_dir, dist, log))
 
 
@@ -209,10 +216,10 @@ def run(cfg: RunConfig, log=print) -> dict:
     """Build, train and save; returns the trainer's results (logs from rank 0 only)."""
     dist = start_distributed(cfg.distributed, cfg.model)
     output_dir = Path(cfg.output.output_dir)
-    made_here, built = dist.is_main and not output_dir.exists(), False
+    made_here, built, planned = dist.is_main and not output_dir.exists(), False, cfg
     try:
         with StopRequest() as stop, contextlib.ExitStack() as stack:
-            trainer = build_trainer(cfg, stack, dist.logger(log), dist, stop)
+            trainer, planned = build_run(cfg, stack, dist.logger(log), dist, stop)
             built = True
             stack.push(lambda failed, *_: trainer.close(failed=failed is not None))
             if cfg.output.overwrite_output_dir and dist.is_main:
@@ -220,7 +227,7 @@ def run(cfg: RunConfig, log=print) -> dict:
             results = trainer.train()
             trainer.save()
     except BaseException as err:
-        failure = explain_out_of_memory(err, cfg)
+        failure = explain_out_of_memory(err, planned)  # the run as planned once it is (auto's mode and batch)
         if made_here and not built and isinstance(err, REFUSALS):  # refused before training: nothing to keep
             with contextlib.suppress(OSError):  # only while empty: another run may have started writing there
                 output_dir.rmdir()

@@ -98,8 +98,8 @@ class CheckpointingConfig:
         return self.activation_checkpointing_mode or DEFAULT
 
     def flag_values(self) -> dict:
-        """Every flag of the section with its value: the fields, then each registered mode's own flag (what
-        ``RunConfig.flat`` lists, as it did when the modes' flags were fields)."""
+        """Every flag of the section with its value: the fields, then each registered mode's own flag in the
+        registry's order (what ``RunConfig.flat`` lists; a saved state's flags are compared by name)."""
         shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mode_flags"}
         return {**shared, **{name: getattr(self, name) for name in declared_flags()}}
 

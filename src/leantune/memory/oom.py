@@ -37,3 +37,11 @@ def dump_snapshot(device: torch.device, output_dir: str | Path, name: str = SNAP
         partial.unlink(missing_ok=True)
         return None
     return path
+
+
+def allocator_state(device: torch.device, output_dir: str | Path) -> tuple[Optional[str], Optional[Path]]:
+    """On CUDA, the allocator's summary and its snapshot (written to ``output_dir``); read where the error is caught,
+    while the failed step's tensors still hold what filled the device. (None, None) elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, None
+    return torch.cuda.memory_summary(device, abbreviated=True), dump_snapshot(device, output_dir)

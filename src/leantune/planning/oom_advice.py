@@ -8,6 +8,7 @@ and hands it, with where it happened, to the entry point, which asks here.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from leantune.checkpointing import FullCheckpointing, OffloadCheckpointing
 from leantune.checkpointing.modes import MODES
 from leantune.config import ConfigError, DistributedConfig, RunConfig, optimizer_conflicts
-from leantune.memory.oom import dump_snapshot, is_out_of_memory
+from leantune.memory.oom import allocator_state, is_out_of_memory
 from leantune.optimizers import AUTO, ENTRIES, SHARDED, optimizer_entry
 from leantune.precision import choose_device, pure_bf16_allowed
 from leantune.training.stopping import OutOfMemory, OutOfMemoryInTraining
@@ -91,10 +92,12 @@ def _optimizer_fixes(cfg: RunConfig, device: torch.device) -> list[str]:
 
 def oom_report(err: BaseException, cfg: RunConfig, device: torch.device,
                where: str = "outside the training loop (loading, checking or saving)",
-               last_record: Optional[dict] = None, predicted_peak_bytes: Optional[int] = None) -> str:
+               last_record: Optional[dict] = None, predicted_peak_bytes: Optional[int] = None,
+               allocator: Optional[tuple[Optional[str], Optional[Path]]] = None) -> str:
     """The message printed when a run runs out of memory (the fixes numbered, in the order to try them).
 
-    ``where``: what was running ("at step 3", "in validation after step 4", ...).
+    ``where``: what was running ("at step 3", "in validation after step 4", ...). ``allocator``: the allocator's
+    summary and snapshot as read where the error was caught (``memory.oom.allocator_state``); read now if not given.
     """
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     lines = [f"out of memory on {device} {where}: {first_line}"]
@@ -104,11 +107,11 @@ def oom_report(err: BaseException, cfg: RunConfig, device: torch.device,
                      ", ".join(f"{k.removesuffix('_mib')} {v:,.1f} MiB" for k, v in shown.items()))
     if predicted_peak_bytes:
         lines.append(f"the plan predicted a peak of {predicted_peak_bytes / 2**20:,.1f} MiB allocated per step")
-    if device.type == "cuda" and torch.cuda.is_available():
-        lines.append("allocator summary:\n" + torch.cuda.memory_summary(device, abbreviated=True))
-        snapshot = dump_snapshot(device, cfg.output.output_dir)
-        if snapshot:
-            lines.append(f"memory snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)")
+    summary, snapshot = allocator if allocator is not None else allocator_state(device, cfg.output.output_dir)
+    if summary is not None:
+        lines.append("allocator summary:\n" + summary)
+    if snapshot:
+        lines.append(f"memory snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)")
     lines.append("to fit, try in this order:")
     fixes = memory_fixes(cfg, device, in_validation=where.startswith("in validation"))
     lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, start=1)]
@@ -123,7 +126,8 @@ def explain_out_of_memory(err: BaseException, cfg: RunConfig) -> Optional[OutOfM
     batch check, saving), explained with the fixes for ``cfg``; None for any other error."""
     device = choose_device(cfg.model)
     if isinstance(err, OutOfMemoryInTraining):
-        return OutOfMemory(oom_report(err, cfg, device, err.where, err.last_record, err.predicted_peak_bytes))
+        return OutOfMemory(oom_report(err, cfg, device, err.where, err.last_record, err.predicted_peak_bytes,
+                                      err.allocator))
     if isinstance(err, Exception) and is_out_of_memory(err):
         return OutOfMemory(oom_report(err, cfg, device))
     return None

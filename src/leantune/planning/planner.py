@@ -28,8 +28,8 @@ from leantune.report.flops import TokenFlops
 @dataclasses.dataclass(frozen=True)
 class Planner(PlanContext):
     """``PlanContext`` with the entry point's questions: what to run (``choose``), whether it fits once loaded
-    (``confirm_batch``), what the step should measure (``predicted_peak``), its FLOPs (``token_flops``) and
-    what to advise when memory runs out (``out_of_memory_report``)."""
+    (``confirm_batch``), what the step should measure (``predicted_peak``) and its FLOPs (``token_flops``); what
+    to advise when memory runs out is ``explain_out_of_memory``, exported beside it (it needs no traced step)."""
 
     @classmethod
     def for_run(cls, cfg: RunConfig, model_config, target: torch.device, dist: DistContext = SINGLE_PROCESS,

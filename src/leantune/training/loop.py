@@ -31,7 +31,7 @@ from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import reshard
 from leantune.labels import count_targets
 from leantune.memory.monitor import MemoryLog
-from leantune.memory.oom import is_out_of_memory
+from leantune.memory.oom import allocator_state, is_out_of_memory
 from leantune.memory.tracker import persistent_bytes
 from leantune.models.compiling import compile_line
 from leantune.precision import Precision
@@ -61,13 +61,13 @@ class TrainingParts:
     monitor: MemoryLog  # a MemoryMonitor, or a CurrentMemoryProbe that logs nothing
     step: TrainStep  # the loss model, the optimizer and the GradScaler are its
     scheduler: LRScheduler
+    outputs: RunOutputs  # what the run writes to --output_dir, and whether it trains an adapter
     state_store: Optional[TrainingStateStore] = None  # where training states go (None: they are not saved)
     loggers: MetricLoggers = field(default_factory=MetricLoggers)
     token_flops: Optional[TokenFlops] = None  # with peak_tflops: MFU and HFU per step
     peak_tflops: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None  # the plan's, printed next to step 2's measured peak
     predicted_reserved_bytes: Optional[int] = None  # the plan's reservation (its allocator model), beside it
-    outputs: Optional[RunOutputs] = None  # what the run writes to --output_dir (None: nothing, the flags unknown)
     snapshot: Optional[MemorySnapshot] = None  # --memory_snapshot's recorder (None: off)
 
 
@@ -88,7 +88,7 @@ class Trainer:
         self.progress = Progress()
         self.resumed_from: Optional[str] = None
         self._steps_at_start = 0  # steps already in the metrics when this process started (resumed)
-        self.outputs = parts.outputs or RunOutputs(output, {}, dist, log)
+        self.outputs = parts.outputs
         self.snapshot = parts.snapshot or MemorySnapshot(False, self.device, output.output_dir, dist, log)
         self.activity = "before the first step"  # what an out-of-memory report says was running
 
@@ -316,7 +316,7 @@ class Trainer:
                          warm_up_steps=(1, self._steps_at_start + 1, *self.snapshot.covered))
 
     def state_parts(self) -> StateParts:
-        return StateParts(self.model, self.outputs.flags.get("use_peft", False), self.parts.tokenizer, self.optimizer,
+        return StateParts(self.model, self.outputs.use_peft, self.parts.tokenizer, self.optimizer,
                           self.parts.scheduler, self.step.scaler, self.step.loss_model, self.dist, self.device,
                           self.step.in_backward)
 
@@ -351,8 +351,9 @@ class Trainer:
 
     def _out_of_memory(self, err: BaseException) -> OutOfMemoryInTraining:
         last = self.monitor.rows[-1] if self.monitor.rows else None
+        allocator = allocator_state(self.device, self.output.output_dir)  # now, while the failed step's tensors live
         return OutOfMemoryInTraining(str(err).strip() or type(err).__name__, self.activity, last,
-                                     self.parts.predicted_peak_bytes)
+                                     self.parts.predicted_peak_bytes, allocator)
 
     def write_metrics(self) -> Optional[Path]:
         return self.outputs.write_metrics(self.results(), self.steps, self.epochs)

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from leantune.config import OutputConfig
+from leantune.config import OutputConfig, QuantizationConfig
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.distributed.fsdp import full_state_dict
 from leantune.io import atomic_write_json, staged_directory
@@ -65,11 +65,12 @@ class RunOutputs:
 
     try_line: Optional[str] = None  # how to try the saved model: the run's last line
 
-    def __init__(self, output: OutputConfig, flags: dict, dist: DistContext = SINGLE_PROCESS,
-                 log: Callable[[str], None] = print):
-        """``flags``: the run's, as planned (``RunConfig.flat()``): written with the metrics and the report, and
-        whether it trained an adapter, and on which base, written with the model."""
-        self.output, self.flags, self.dist, self.log = output, flags, dist, log
+    def __init__(self, output: OutputConfig, quant: QuantizationConfig, use_peft: bool, flags: dict,
+                 dist: DistContext = SINGLE_PROCESS, log: Callable[[str], None] = print):
+        """``use_peft``: the run trains an adapter (saved alone, with ``quant``'s base described beside it); ``flags``:
+        the run's, as planned (``RunConfig.flat()``), written with the metrics and the report."""
+        self.output, self.quant, self.use_peft, self.flags = output, quant, use_peft, flags
+        self.dist, self.log = dist, log
         self.output_dir = Path(output.output_dir)
 
     def write_metrics(self, summary: dict, steps: list[dict], epochs: list[dict]) -> Optional[Path]:
@@ -83,7 +84,7 @@ class RunOutputs:
         """Save the adapter (LoRA) or the full model, plus the tokenizer, to ``output_dir``."""
         if not self.output.save_model:
             return None
-        is_peft = self.flags["use_peft"]
+        is_peft = self.use_peft
         to_save = model if is_peft else unwrap_model(model)
         state_dict = None
         if self.dist.sharded:  # gathered from every rank's shards, written by rank 0 alone
@@ -95,8 +96,8 @@ class RunOutputs:
             tokenizer.save_pretrained(staging)
             if is_peft:  # what `leantune merge` checks the base against, and whether to say it was a 4-bit base
                 atomic_write_json(staging / RUN_FACTS, {
-                    "model_type": unwrap_model(model).config.model_type, "quantization": self.flags["quantization"],
-                    "quant_type": self.flags["quant_type"]})
+                    "model_type": unwrap_model(model).config.model_type, "quantization": self.quant.quantization,
+                    "quant_type": self.quant.quant_type})
         self.log(f"saved the {'LoRA adapter' if is_peft else 'model'} and tokenizer to {self.output_dir}")
         out = shlex.quote(str(self.output_dir))
         merge = f"; fold the adapter into its base: leantune merge {out} {out}-merged" if is_peft else ""

@@ -52,9 +52,13 @@ class OutOfMemoryInTraining(Exception):
     memory record, the plan's predicted peak. The advice is the planner's (``leantune.planning.oom_advice``); the
     loop only recognises the error."""
 
-    def __init__(self, message: str, where: str, last_record: Optional[dict], predicted_peak_bytes: Optional[int]):
+    def __init__(self, message: str, where: str, last_record: Optional[dict], predicted_peak_bytes: Optional[int],
+                 allocator: tuple = (None, None)):
+        """``allocator``: the CUDA allocator's summary and snapshot path, read in the handler while the failed
+        step's tensors were alive (``memory.oom.allocator_state``)."""
         super().__init__(message)
         self.where, self.last_record, self.predicted_peak_bytes = where, last_record, predicted_peak_bytes
+        self.allocator = allocator
 
 
 class StopRequest:
