@@ -238,3 +238,14 @@ def test_offload_counts_the_flops_of_full_and_ties_go_to_the_mode_that_recompute
                                                                                       "selective_ops")]
     assert choose_mode(tied).mode == "selective_ops"
     assert choose_mode([p for p in tied if p.mode != "selective_ops"]).mode == "every_n"
+
+
+def test_the_reentrant_flag_reaches_the_policy_built_from_the_config():
+    from leantune.checkpointing import policy_from_config
+    from leantune.flags import parse_run_config
+
+    def policy(*extra):
+        return policy_from_config(parse_run_config(["--enable_activation_checkpointing", *extra]).checkpointing)
+
+    assert policy("--activation_checkpointing_use_reentrant").use_reentrant is True
+    assert policy().use_reentrant is False

@@ -756,3 +756,43 @@ def test_grouped_heads_are_counted_as_the_querys_heads_by_a_formula_that_refuses
     expected = 2 * 2 * 8 * 16 * 16 * 16
     assert formulas[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v) == expected
     assert formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward](q, q, k, v) == expected
+
+
+def test_the_planner_reads_the_budget_once_agreed_by_every_rank_and_shares_a_rank_plan_under_fsdp():
+    """``Planner.for_run``: the budget every rank agrees on (the least), only when something is chosen; under FSDP
+    its traces make every plan one rank's share."""
+    from types import SimpleNamespace
+
+    from leantune.planning.per_rank import RankShare
+
+    ranks = SimpleNamespace(world_size=2, min_max=lambda value, device: (value // 2, value))  # the other rank's half
+    auto = flags("--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto", "--memory_budget_gb",
+                 "1", "--enable_fsdp", "--use_peft")
+    planner = Planner.for_run(auto, model_config("tiny"), CPU, ranks)
+    assert planner.budget == 2**30 // 2 and planner.model_config.model_type == "llama" and planner.target == CPU
+    assert isinstance(planner.traces.share, RankShare) and planner.traces.share.world_size == 2
+    assert Planner.for_run(flags(), model_config("tiny"), CPU, ranks).budget is None  # nothing to choose: not read
+    assert Planner.for_run(flags(), model_config("tiny"), CPU).traces.share is None  # one process: whole plans
+
+
+def test_the_planners_flop_count_says_what_checkpointing_recomputes_and_never_stops_a_run(monkeypatch):
+    from leantune.planning import planner as planner_module
+    from leantune.planning.flops import count_token_flops
+
+    cfg = flags("--enable_activation_checkpointing")
+    config, lines = model_config("tiny"), []
+    planner = Planner.for_run(cfg, config, CPU, log=lines.append)
+    assert planner.token_flops(cfg, None) is None and lines == []  # no peak: nothing to measure against
+    flops = planner.token_flops(cfg, 100.0)
+    assert flops == count_token_flops(cfg, config, CPU)
+    recompute = flops.hardware / flops.model - 1
+    assert recompute > 0 and lines == [
+        f"mfu: against 100.0 TFLOP/s peak; {flops.model / 1e9:,.3f} GFLOPs per token (+{recompute:.0%} recomputed by "
+        "checkpointing, counted in HFU only)"]
+
+    def untraceable(*_args):
+        raise ValueError("the tracer cannot follow it\nsecond line")
+
+    monkeypatch.setattr(planner_module, "count_token_flops", untraceable)
+    assert planner.token_flops(cfg, 100.0) is None
+    assert lines[-1] == "mfu: not reported (ValueError: the tracer cannot follow it)"
