@@ -11,6 +11,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from helpers import assert_near
+
 from leantune.flags import parse_run_config
 from leantune.config import ConfigError
 from leantune.models.attention import resolve_attention, traceable_attention
@@ -47,7 +49,10 @@ def hidden_and_grads(model, ids, positions=None, segments=None):
     kwargs = {SEGMENTS: segments} if segments is not None else {}
     decoder = model.get_decoder()
     hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **kwargs).last_hidden_state
-    hidden.pow(2).mean().backward()
+    # A fixed random direction, not hidden.pow(2).mean(): after the final RMSNorm that mean is nearly constant, so
+    # its gradients are what is left of cancelling terms, float32 noise that no tolerance can judge.
+    direction = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(11)).to(hidden)
+    hidden.mul(direction).sum().backward()
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -64,9 +69,9 @@ def assert_varlen_matches_masked_sdpa(positions: torch.Tensor, seed: int) -> Non
     ids = torch.randint(0, 101, tuple(positions.shape), generator=torch.Generator().manual_seed(seed))
     dense, dense_grads = hidden_and_grads(sdpa, ids, positions)
     ours, our_grads = hidden_and_grads(varlen, ids, positions, segments_of(positions, *positions.shape))
-    torch.testing.assert_close(ours, dense, rtol=1e-5, atol=1e-6)
+    assert_near(ours, dense, 1e-5, "hidden")
     for name, grad in dense_grads.items():
-        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6)
+        assert_near(our_grads[name], grad, 1e-5, name)
 
 
 def test_varlen_gives_the_masked_sdpa_results_without_a_mask():
@@ -181,10 +186,10 @@ def test_tiled_mlp_gives_the_untiled_float32_gradients(lora):
     ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(4))
     hidden, grads = hidden_and_grads(plain, ids)
     tiled_hidden, tiled_grads = hidden_and_grads(tiled, ids)
-    torch.testing.assert_close(tiled_hidden, hidden, rtol=1e-6, atol=1e-7)  # a tile's matmuls may block otherwise
+    assert_near(tiled_hidden, hidden, 1e-6, "hidden")  # a tile's matmuls may block otherwise
     assert grads.keys() == tiled_grads.keys()
     for name, grad in grads.items():  # weight gradients summed tile by tile: float32 rounding apart
-        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7)
+        assert_near(tiled_grads[name], grad, 1e-5, name)
     untile_mlps(tiled)
     assert tiled_tokens(tiled) is None
 
@@ -229,7 +234,7 @@ def test_tiled_mlp_composes_with_checkpointing(mode):
     _, grads = hidden_and_grads(plain, ids)
     _, tiled_grads = hidden_and_grads(tiled, ids)
     for name, grad in grads.items():
-        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7)
+        assert_near(tiled_grads[name], grad, 1e-5, name)
 
 
 def test_the_plan_sees_the_tiled_mlp_and_varlen_lower_the_peak():
@@ -714,7 +719,7 @@ def test_a_tiled_mlp_trains_its_weights_from_an_input_without_gradient_and_skips
     assert (2, 30, 64) not in made
     for name, grad in grads[0].items():
         if grad is not None:
-            torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7)
+            assert_near(grads[1][name], grad, 1e-5, name)
 
 
 def test_under_float16_autocast_the_tiles_recompute_in_float16():
@@ -877,6 +882,6 @@ def test_on_a_gpu_a_tiled_bf16_mlp_gives_the_untiled_output_and_gradients():
     tile_mlps(tiled, 16)
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 96), device="cuda")
     (h_plain, g_plain), (h_tiled, g_tiled) = (hidden_and_grads(model, ids) for model in (plain, tiled))
-    torch.testing.assert_close(h_tiled.float(), h_plain.float(), rtol=2e-2, atol=2e-2)
+    assert_near(h_tiled, h_plain, 2e-2, "hidden")
     for name, grad in g_plain.items():
-        torch.testing.assert_close(g_tiled[name].float(), grad.float(), rtol=5e-2, atol=5e-2)
+        assert_near(g_tiled[name], grad, 5e-2, name)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_batch
+from helpers import assert_near, make_batch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from leantune import finetuning
@@ -58,7 +58,7 @@ def test_the_loss_and_gradients_are_the_models_own(moe_dir, family, loss):
     own.backward()
     assert float(ours.detach()) == pytest.approx(float(own.detach()), rel=1e-5)
     for name, param in model.named_parameters():
-        assert torch.allclose(our_grads[name], param.grad, rtol=1e-4, atol=1e-6), name
+        assert_near(our_grads[name], param.grad, 1e-5, name)
     assert any("experts" in n and g.abs().sum() > 0 for n, g in our_grads.items())  # the experts do train
 
 
@@ -77,7 +77,7 @@ def test_the_routers_loss_is_the_models_own_over_real_tokens(moe_dir, family):
     own.loss.backward()
     assert float(ours.detach()) == pytest.approx(float(own.loss.detach()), rel=1e-6, abs=1e-6)
     for name, param in model.named_parameters():
-        assert torch.allclose(our_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+        assert_near(our_grads[name], param.grad, 1e-5, name)
     router = [n for n in our_grads if ".gate." in n or ".router." in n]
     assert router and all(our_grads[n].abs().sum() > 0 for n in router)
     # the term is there and counts real tokens only: without the mask (padding counted) it is another

@@ -19,6 +19,7 @@ from leantune.training.packing_check import check_examples_kept_apart
 from leantune.training.step import CausalLMLoss, forward_hidden
 
 from conftest import FAMILY_SHAPE
+from helpers import assert_near
 
 FLOAT32 = Precision(torch.device("cpu"), torch.float32, None, False, "float32")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "cohere"]
@@ -89,12 +90,15 @@ def test_each_packed_example_has_its_loss_alone(tiny_model_dir, tokenizer, atten
     batch = next(iter(make_dataloader(rows, strategy="packing", batch_size=len(rows), pad_id=0, shuffle=False,
                                       seed=0)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
+    # Each example alone through SDPA, the reference: PyTorch's compiled CPU flex kernel gets a row wrong at some short
+    # lengths on some CPUs (measured: 56 tokens, row 1, off by 1.3 on an AVX2 EPYC); runs refuse flex on a CPU.
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         packed = per_example_losses(model.eval(), batch, positions=True)
         leaked = per_example_losses(model, batch, positions=False)
         by_source = {ex["_source"]: ex for ex in train[:24]}
         order = [by_source[s] for row in rows for s in row["sources"]]
-        alone = alone_losses(model, order)
+        alone = alone_losses(reference.eval(), order)
     padding_spans = len(packed) - len(alone)
     packed = [loss for loss in packed if loss != 0.0]  # each row's padding span carries no loss
     assert len(packed) == len(alone) and padding_spans >= 0
@@ -119,7 +123,7 @@ def test_packed_apart_gradients_equal_the_examples_alone(load_tiny):
     packed = gradients(lambda loss: loss(ids, labels, positions))
     alone = gradients(lambda loss: loss(first, first) + loss(second, second))
     for name, grad in packed.items():
-        assert torch.allclose(grad, alone[name], rtol=1e-4, atol=1e-6), name
+        assert_near(grad, alone[name], 1e-5, name)
 
 
 def test_flash_attention_gets_the_batch_as_one_flat_row():
