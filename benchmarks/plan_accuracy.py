@@ -99,8 +99,9 @@ def measure_case(preset: str, kind: str, mode: str, precision: str, loss: str, c
     started, cpu_started = time.perf_counter(), time.process_time()
     predicted = trace_step(cfg, config, target, mode, fake=True)
     tracked = trace_step(cfg, config, target, mode, fake=False)
+    note = target_precision(cfg.model, cfg.training, cfg.peft, target).note
     record = dict(preset=preset, kind=kind, mode=mode, precision=precision, loss=loss, target=target.type,
-                  precision_note=target_precision(cfg, target).note, checkpointing=predicted.checkpointing,
+                  precision_note=note, checkpointing=predicted.checkpointing,
                   predicted_bytes=predicted.peak_bytes, predicted_breakdown=predicted.breakdown,
                   tracker_bytes=tracked.peak_bytes, tracker_breakdown=tracked.breakdown,
                   **{f"profiler_{k}": v for k, v in profiled_peak_bytes(cfg, config, target, mode).items()})

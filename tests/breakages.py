@@ -809,7 +809,8 @@ BREAKAGES = [
       "src/leantune/training/loop.py", "type(err).__name__, self.activity, last,",
       'type(err).__name__, "in training", last,', ("tests/test_failures.py", "-k", "out_of_memory_is_explained")),
     B("planner_budget_unread", "the planner is made without the run's budget: auto mode has nothing to fit",
-      "src/leantune/planning/planner.py", "        budget = run_budget(cfg, target)\n", "        budget = None\n",
+      "src/leantune/planning/planner.py",
+      "        budget = run_budget(cfg.checkpointing, cfg.memory, cfg.training, target)\n", "        budget = None\n",
       ("tests/test_planning.py", "-k", "auto_mode_takes_the_least")),
     # issue 55: an optimizer is one registry entry (tests/test_one_file_registry_optimizer.py registers its own)
     B("entry_stand_in_ignored", "the planner steps the optimizer itself on fake tensors where its entry declares a "
@@ -836,6 +837,12 @@ BREAKAGES = [
       "src/leantune/data/packing.py",
       '        positions = [p for ex in parts for p in range(len(ex["input_ids"]))]',
       '        positions = list(range(len(ids)))', ("tests/test_packing.py", "-k", "each_packed_example")),
+    B("narrow_function_takes_whole_run", "a planner function that reads three sections takes the whole run config",
+      "src/leantune/planning/fake_step.py",
+      "def target_precision(mc: ModelConfig, tc: TrainingConfig, peft: PeftSettings, target: torch.device) "
+      "-> Precision:",
+      "def target_precision(cfg: RunConfig, target: torch.device) -> Precision:\n"
+      "    mc, tc, peft = cfg.model, cfg.training, cfg.peft", ("tests/test_layout.py", "-k", "three_sections")),
 ]
 
 

@@ -228,6 +228,34 @@ def test_only_the_entry_point_preflight_builders_and_planner_take_the_whole_run_
     assert found == [], "give these the config sections they read (docs/architecture.md, 'Where the config goes')"
 
 
+def _sections_read(function: ast.FunctionDef, param: str) -> set[str] | None:
+    """The sections ``function`` reads off its whole-run parameter (``cfg.training``...); None when it hands the
+    config on whole (to a call, a return, a container), where what it reads is the callee's business."""
+    parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    sections = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id == param:
+            parent = parents.get(node)
+            if not (isinstance(parent, ast.Attribute) and parent.value is node):
+                return None
+            sections.add(parent.attr)
+    return sections
+
+
+def test_a_function_that_reads_three_sections_or_fewer_takes_those_sections():
+    """The planner may take the whole run, but a function among it that reads one to three of its sections and
+    passes the config to nothing takes those sections: its signature then says what it depends on."""
+    narrow = []
+    for name, path in MODULES.items():
+        for node, arg in _whole_run_parameters(ast.parse(path.read_text())):
+            if "MemoryPlan" in ast.unparse(arg.annotation or ""):
+                continue  # a plan, not a config: its fields are no sections
+            sections = _sections_read(node, arg.arg)
+            if sections is not None and len(sections) <= 3:
+                narrow.append(f"{name}.{node.name}({arg.arg}) reads only {sorted(sections)}")
+    assert narrow == []
+
+
 def test_the_run_config_and_its_sections_are_frozen():
     """A section handed to a function is the section every other reader sees: nothing may change it after it is
     built (``dataclasses.replace`` makes a changed copy)."""

@@ -73,14 +73,13 @@ class _SlowOnPurpose:
     def clock(self) -> float:
         return self.now
 
-    def step_for(self, model, cfg, precision, measured=True):
+    def step_for(self, model, tc, data, sharded, precision, measured=True):
         assert not measured  # timed bare: a memory meter would slow the modes with more ops the most
 
         def step(batch: int) -> int:
             report = inspect_checkpointing(model)
-            mode = report.policy.split()[0] if report.enabled else "none"
-            assert mode == (cfg.checkpointing.mode or "none")  # the candidate's checkpointing is what runs
-            self.calls.append((mode, batch))
+            mode = report.policy.split()[0] if report.enabled else "none"  # the checkpointing that runs
+            self.calls.append((mode, batch))  # the tests compare it with each candidate's batch
             if mode in self.out_of_memory:
                 raise torch.OutOfMemoryError("fake")
             first = all(called != mode for called, _ in self.calls[:-1])

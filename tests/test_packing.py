@@ -257,7 +257,8 @@ def test_validation_and_the_batch_check_pass_the_rows_position_ids(tiny_model_di
     assert (True, True) in rows and (False, True) in rows and all(packed for _, packed in rows)
     cfg = parse_run_config(["--context_length", "32"])
     calls.clear()
-    confirm.confirm_step(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, FLOAT32)(2)
+    confirm.confirm_step(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg.training, cfg.data, False,
+                         FLOAT32)(2)
     assert calls == [(True, 32, True)]
 
 

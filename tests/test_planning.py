@@ -156,7 +156,8 @@ def test_gpu_target_traces_the_gpu_precision(monkeypatch):
     traced = trace_step(flags("--use_peft"), model_config("tiny"), CUDA, "full")
     assert traced.layer_input_bytes == block(2 * 128 * 256 * 2) == 131_072
     assert trace_step(flags("--use_peft"), model_config("tiny"), CPU, "full").layer_input_bytes == 2 * 128 * 256 * 4
-    precision = target_precision(flags("--use_peft"), CUDA)
+    lora = flags("--use_peft")
+    precision = target_precision(lora.model, lora.training, lora.peft, CUDA)
     assert (precision.weight_dtype, precision.compute_dtype, precision.loss_scaling) == (torch.bfloat16, torch.bfloat16,
                                                                                           False)
     assert gpu.peak_bytes == (gpu.traced_peak_bytes + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes
@@ -165,7 +166,7 @@ def test_gpu_target_traces_the_gpu_precision(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
-    assert target_precision(flags("--use_peft"), CUDA).compute_dtype is None  # float32: no bf16 on that GPU
+    assert target_precision(lora.model, lora.training, lora.peft, CUDA).compute_dtype is None  # float32: no bf16 there
 
 
 def _tiny_lora_params():
@@ -295,12 +296,12 @@ def test_the_real_confirm_step_leaves_the_run_as_it_was(load_tiny):
     model = load_tiny()
     precision = choose_precision(cfg.model, cfg.training, cfg.peft, CPU)
     state = torch.get_rng_state()
-    peak = confirm_step(model, cfg, precision)(3)
+    peak = confirm_step(model, cfg.training, cfg.data, False, precision)(3)
     assert torch.equal(state, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
     params = sum(p.numel() * 4 for p in model.parameters())
     assert peak > params  # the weights plus what a 3 x 128 step holds
-    assert confirm_step(model, cfg, precision)(6) > peak
+    assert confirm_step(model, cfg.training, cfg.data, False, precision)(6) > peak
 
 
 def test_presets_and_hub_ids_resolve_offline():
@@ -574,10 +575,11 @@ def test_auto_under_fsdp_chooses_by_one_ranks_plan():
                             "--enable_activation_checkpointing", "--activation_checkpointing_mode", "auto",
                             "--memory_budget_gb", "2"])
     config = model_config("small")
+    budget = run_budget(cfg.checkpointing, cfg.memory, cfg.training, CPU)
     with pytest.raises(ConfigError, match="no mode fits"):
-        Planner(config, CPU, run_budget(cfg, CPU), None, lambda *_: None).choose(cfg)  # one process's plan: no share
+        Planner(config, CPU, budget, None, lambda *_: None).choose(cfg)  # one process's plan: no share
     traces = StepTraces(share=RankShare(lambda: sharding_shapes(cfg, config, CPU, 4), 4, False))
-    memory = Planner(config, CPU, run_budget(cfg, CPU), traces, lambda *_: None).choose(cfg)
+    memory = Planner(config, CPU, budget, traces, lambda *_: None).choose(cfg)
     assert memory.cfg.checkpointing.mode is None and memory.plan.mode == "none"
     assert memory.plan.peak_bytes <= 2 * 2**30 and "per rank of 4" in memory.plan.checkpointing
 

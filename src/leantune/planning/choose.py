@@ -41,10 +41,10 @@ def needs_plan(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig
     return ac.activation_checkpointing_mode == AUTO or memory.auto_batch_size or needs_optimizer_choice(tc)
 
 
-def run_budget(cfg: RunConfig, device: torch.device) -> Optional[int]:
+def run_budget(ac: CheckpointingConfig, memory: MemoryConfig, tc: TrainingConfig,
+               device: torch.device) -> Optional[int]:
     """The bytes the run's choices must fit on ``device``, read now (later, the loaded weights would be missing
     from its free memory); None when the run chooses nothing. A choice on the CPU needs --memory_budget_gb."""
-    ac, memory, tc = cfg.checkpointing, cfg.memory, cfg.training
     if not needs_plan(ac, memory, tc):
         return None
     budget = budget_bytes(memory, device)

@@ -14,7 +14,7 @@ import torch
 
 from leantune.builders.loaders import plans_images
 from leantune.builders.loss_and_optimizer import loss_model_for
-from leantune.config import ConfigError, RunConfig
+from leantune.config import ConfigError, DataConfig, TrainingConfig
 from leantune.data.packing import full_rows_batch
 from leantune.memory.step_peak import StepPeakMeter
 from leantune.models.image_inputs import planned_image, with_planned_images
@@ -28,7 +28,7 @@ from leantune.precision import Precision
 from leantune.training.step import image_inputs, loss_and_backward
 
 
-def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
+def confirm_step(model: torch.nn.Module, tc: TrainingConfig, data: DataConfig, sharded: bool, precision: Precision,
                  measured: bool = True) -> Callable[[int], int]:
     """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
 
@@ -38,13 +38,13 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
     (also when it fails), so the run that follows is the one it would have been without it.
     """
     device = precision.device
-    frees = None if cfg.training.optimizer == AUTO else optimizer_entry(cfg.training.optimizer).frees_gradient
+    frees = None if tc.optimizer == AUTO else optimizer_entry(tc.optimizer).frees_gradient
 
     def frees_in_backward(param: torch.nn.Parameter) -> bool:
-        return cfg.training.optimizer_in_backward or (frees is not None and frees(param))
+        return tc.optimizer_in_backward or (frees is not None and frees(param))
 
     def run(batch: int) -> int:
-        loss_model = loss_model_for(model, cfg.training, sharded=cfg.distributed.enable_fsdp)  # the run's own loss
+        loss_model = loss_model_for(model, tc, sharded=sharded)  # the run's own loss
         vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
         # --optimizer_in_backward frees each gradient once its weight has stepped, and an optimizer may free some
         # in backward (--offload_gradients): so does this step (without stepping), or it would hold the gradients
@@ -53,9 +53,9 @@ def confirm_step(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
                  if p.requires_grad and frees_in_backward(p)]
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                rows = full_rows_batch(batch, cfg.data.context_length, vocab, cfg.data.packs_apart, device)
+                rows = full_rows_batch(batch, data.context_length, vocab, data.packs_apart, device)
                 config = unwrap_model(model).config  # an image-and-text model's rows: the planned image in each
-                image = planned_image(config) if plans_images(cfg.data, config) else None
+                image = planned_image(config) if plans_images(data, config) else None
                 rows = rows if image is None else with_planned_images(rows, config, image)
                 with (StepPeakMeter(device, model) if measured else contextlib.nullcontext()) as meter:
                     loss_and_backward(loss_model, rows["input_ids"].to(device), rows["labels"].to(device), precision,
@@ -121,5 +121,6 @@ def confirm_the_batch(planner: PlanContext, run_plan: MemoryPlan, model: torch.n
                     "FSDP no real step confirms it before sharding; the step-2 memory check compares each rank's peak "
                     "on a GPU)")
         return run_plan
-    return confirm_batch(run_plan, planner.model_config, precision.device, confirm_step(model, run_plan.cfg, precision),
-                         planner.log, planner.traces)
+    cfg = run_plan.cfg
+    step = confirm_step(model, cfg.training, cfg.data, cfg.distributed.enable_fsdp, precision)
+    return confirm_batch(run_plan, planner.model_config, precision.device, step, planner.log, planner.traces)

@@ -31,7 +31,7 @@ from leantune.builders.loaders import plans_images
 from leantune.builders.model import prepare_model
 from leantune.builders.loss_and_optimizer import build_train_step, loss_model_for
 from leantune.checkpointing.modes import NONE, declared_flags, flag_names, policy_from_config
-from leantune.config import DataConfig, RunConfig
+from leantune.config import DataConfig, ModelConfig, PeftSettings, RunConfig, TrainingConfig
 from leantune.data.packing import full_rows_batch
 from leantune.distributed.context import SINGLE_PROCESS, DistContext
 from leantune.loss import every_piece
@@ -96,11 +96,10 @@ def assumes_bf16(target: torch.device) -> bool:
     return target.type == "cuda" and not torch.cuda.is_available()
 
 
-def target_precision(cfg: RunConfig, target: torch.device) -> Precision:
+def target_precision(mc: ModelConfig, tc: TrainingConfig, peft: PeftSettings, target: torch.device) -> Precision:
     """The precision a run would use on ``target``: this machine's GPU is asked whether it has bf16;
     a GPU planned from a machine without one is taken to have it (Ampere or later)."""
-    return choose_precision(cfg.model, cfg.training, cfg.peft, target,
-                            bf16_supported=True if assumes_bf16(target) else None)
+    return choose_precision(mc, tc, peft, target, bf16_supported=True if assumes_bf16(target) else None)
 
 
 def real_model(model_config, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -206,7 +205,7 @@ def prepare_step(cfg: RunConfig, model_config, target: torch.device, mode: str |
     the target's (on a GPU target AdamW's fused kernel, as a run there builds it).
     """
     run_cfg = run_config_for_mode(cfg, mode)
-    on_target = target_precision(run_cfg, target)
+    on_target = target_precision(run_cfg.model, run_cfg.training, run_cfg.peft, target)
     precision = dataclasses.replace(on_target, device=CPU if fake else run_on)
     fakes = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     if fake:

@@ -105,7 +105,7 @@ class _Sizes:
 
 def sharding_shapes(cfg: RunConfig, model_config, target: torch.device, world_size: int,
                     cpu_offload: bool = False) -> ShardingShapes:
-    precision = target_precision(cfg, target)
+    precision = target_precision(cfg.model, cfg.training, cfg.peft, target)
     # building the stand-in draws from the CPU generator (LoRA's initialisation): a run's own draws stay as they were
     with torch.random.fork_rng(devices=[]):
         model = meta_model(model_config, precision.weight_dtype)

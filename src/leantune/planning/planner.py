@@ -41,7 +41,7 @@ class Planner(PlanContext):
             world, offload = dist.world_size, cfg.distributed.fsdp_cpu_offload
             share = RankShare(lambda: sharding_shapes(cfg, model_config, target, world, offload), world, offload)
         traces = StepTraces(dist, share)
-        budget = run_budget(cfg, target)
+        budget = run_budget(cfg.checkpointing, cfg.memory, cfg.training, target)
         if budget is not None:
             budget = traces.least(budget, target)
         return cls(model_config, target, budget, traces, log)

@@ -62,7 +62,8 @@ def describe_run(cfg: RunConfig, model_config, target: torch.device) -> str:
                                   (f"{cfg.memory.offload_experts} layers' experts", cfg.memory.offload_experts)) if on]
     if kept:
         kind += f", {' and '.join(kept)} in host memory"
-    precision = target_precision(cfg, target).note + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else "")
+    precision = (target_precision(cfg.model, cfg.training, cfg.peft, target).note
+                 + ("; a bf16-capable GPU assumed" if assumes_bf16(target) else ""))
     text = text_config(model_config)  # a composite (image and text) config: its language model's
     image = planned_image(model_config) if plans_images(cfg.data, model_config) else None
     images = f"; {image.description} (its tokens within the context)" if image is not None else ""
