@@ -59,6 +59,7 @@ def assert_same_gradients(plain, checkpointed) -> None:
 def assert_near(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str = "") -> None:
     """Equal up to `rel` of the tensor's largest value: two summation orders (a tile's matmul, a packed row) round
     an element near zero differently, so element-wise relative tolerances judge float32 noise, not the code."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     scale = expected.abs().max().item()
     worst = (actual.float() - expected.float()).abs().max().item()
     assert worst <= rel * scale, f"{what}: largest difference {worst:.3g} over {rel:g} x the largest value {scale:.3g}"

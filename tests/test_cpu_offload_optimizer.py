@@ -274,7 +274,7 @@ def test_the_batch_check_frees_the_gradients_offload_gradients_frees(load_tiny):
     def peak(*flags):
         cfg = parse_run_config(["--model_name", "tiny", "--batch_size_training", "1", "--context_length", "8",
                                 *flags])
-        return confirm_step(load_tiny(), cfg.training, cfg.data, False,
+        return confirm_step(load_tiny(), cfg.training, cfg.data,
                             choose_precision(cfg.model, cfg.training, cfg.peft, torch.device("cpu")))(1)
 
     assert peak("--offload_gradients") == peak("--optimizer_in_backward") < peak()

@@ -229,16 +229,30 @@ def test_only_the_entry_point_preflight_builders_and_planner_take_the_whole_run_
 
 
 def _sections_read(function: ast.FunctionDef, param: str) -> set[str] | None:
-    """The sections ``function`` reads off its whole-run parameter (``cfg.training``...); None when it hands the
-    config on whole (to a call, a return, a container), where what it reads is the callee's business."""
+    """The sections ``function`` reads off its whole-run parameter (``cfg.training``, ``getattr(cfg, "data")``);
+    None when it uses the config whole: hands it on (a call, a return, another name, a container) or calls one of
+    its methods, which may read every section."""
+    from dataclasses import fields
+
+    from leantune.config import RunConfig
+
+    section_names = {f.name for f in fields(RunConfig)}
     parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
     sections = set()
     for node in ast.walk(function):
-        if isinstance(node, ast.Name) and node.id == param:
-            parent = parents.get(node)
-            if not (isinstance(parent, ast.Attribute) and parent.value is node):
-                return None
+        if not (isinstance(node, ast.Name) and node.id == param):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.value is node and parent.attr in section_names:
             sections.add(parent.attr)
+        elif (isinstance(parent, ast.Call) and ast.unparse(parent.func) == "getattr" and parent.args[0] is node
+              and len(parent.args) > 1 and isinstance(parent.args[1], ast.Constant)
+              and parent.args[1].value in section_names):
+            sections.add(parent.args[1].value)
+        elif isinstance(parent, ast.arguments) or (isinstance(parent, ast.arg)):
+            continue
+        else:
+            return None
     return sections
 
 

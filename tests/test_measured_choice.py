@@ -62,6 +62,11 @@ def test_removed_checkpointing_leaves_the_model_as_it_was_and_can_be_applied_aga
     assert (len(embedding._forward_hooks), embedding(ids).requires_grad) == fresh  # none piled up
 
 
+def _mode_of(model) -> str:
+    report = inspect_checkpointing(model)
+    return report.policy.split()[0] if report.enabled else "none"
+
+
 class _SlowOnPurpose:
     """A fake clock and step: each step costs ``seconds_per_row[mode] x rows``, the mode read from the model."""
 
@@ -69,16 +74,18 @@ class _SlowOnPurpose:
         self.now, self.seconds_per_row, self.out_of_memory = 0.0, seconds_per_row, out_of_memory
         self.first_step_penalty = first_step_penalty  # a candidate's first step is slower (its own warm-up)
         self.calls: list[tuple[str, int]] = []
+        self.given: list[tuple[str, int]] = []  # (the model's checkpointing, the training section's batch) a step got
 
     def clock(self) -> float:
         return self.now
 
-    def step_for(self, model, tc, data, sharded, precision, measured=True):
+    def step_for(self, model, tc, data, precision, sharded=False, measured=True):
         assert not measured  # timed bare: a memory meter would slow the modes with more ops the most
+        assert not sharded  # one process: the candidate is not sharded
+        self.given.append((_mode_of(model), tc.batch_size_training))  # the candidate's checkpointing and batch
 
         def step(batch: int) -> int:
-            report = inspect_checkpointing(model)
-            mode = report.policy.split()[0] if report.enabled else "none"  # the checkpointing that runs
+            mode = _mode_of(model)  # the checkpointing that runs
             self.calls.append((mode, batch))  # the tests compare it with each candidate's batch
             if mode in self.out_of_memory:
                 raise torch.OutOfMemoryError("fake")
@@ -101,6 +108,7 @@ def test_auto_keeps_the_candidate_that_ran_fastest(slow, chosen, tiny_model_dir)
                              lines.append, step_for=fake.step_for, clock=fake.clock)
     # the warm-up at the smallest batch, then each candidate's timed steps
     assert fake.calls == [("none", 2)] + [("none", 2)] * TIMED_STEPS + [("full", 4)] * TIMED_STEPS
+    assert fake.given == [("none", 2), ("full", 4)]  # each candidate's step built from its own sections
     assert (timed.cfg.checkpointing.mode or "none") == chosen and timed.plan is plans[chosen]
     assert timed.cfg.training.batch_size_training == {"none": 2, "full": 4}[chosen]
     assert inspect_checkpointing(model).enabled == (chosen == "full")  # the model trains with the winner's

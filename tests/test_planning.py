@@ -296,12 +296,12 @@ def test_the_real_confirm_step_leaves_the_run_as_it_was(load_tiny):
     model = load_tiny()
     precision = choose_precision(cfg.model, cfg.training, cfg.peft, CPU)
     state = torch.get_rng_state()
-    peak = confirm_step(model, cfg.training, cfg.data, False, precision)(3)
+    peak = confirm_step(model, cfg.training, cfg.data, precision)(3)
     assert torch.equal(state, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
     params = sum(p.numel() * 4 for p in model.parameters())
     assert peak > params  # the weights plus what a 3 x 128 step holds
-    assert confirm_step(model, cfg.training, cfg.data, False, precision)(6) > peak
+    assert confirm_step(model, cfg.training, cfg.data, precision)(6) > peak
 
 
 def test_presets_and_hub_ids_resolve_offline():

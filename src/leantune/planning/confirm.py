@@ -28,8 +28,8 @@ from leantune.precision import Precision
 from leantune.training.step import image_inputs, loss_and_backward
 
 
-def confirm_step(model: torch.nn.Module, tc: TrainingConfig, data: DataConfig, sharded: bool, precision: Precision,
-                 measured: bool = True) -> Callable[[int], int]:
+def confirm_step(model: torch.nn.Module, tc: TrainingConfig, data: DataConfig, precision: Precision, *,
+                 sharded: bool = False, measured: bool = True) -> Callable[[int], int]:
     """``confirm_batch``'s real step: forward and backward of a full-length batch; returns its peak bytes.
 
     Measured by ``StepPeakMeter``: the allocator on a GPU (reserved, plus the CUDA context the
@@ -122,5 +122,5 @@ def confirm_the_batch(planner: PlanContext, run_plan: MemoryPlan, model: torch.n
                     "on a GPU)")
         return run_plan
     cfg = run_plan.cfg
-    step = confirm_step(model, cfg.training, cfg.data, cfg.distributed.enable_fsdp, precision)
+    step = confirm_step(model, cfg.training, cfg.data, precision, sharded=cfg.distributed.enable_fsdp)
     return confirm_batch(run_plan, planner.model_config, precision.device, step, planner.log, planner.traces)

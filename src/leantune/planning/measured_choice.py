@@ -66,8 +66,8 @@ def choose_by_timing(run_plan: MemoryPlan, model: torch.nn.Module, precision: Pr
     plan's first choice kept within ``MARGIN``); ``run_plan`` itself when there is no choice to make
     (fewer than two candidates).
 
-    ``step_for(model, training, data, sharded, precision, measured=False)`` gives the candidate's step (a function of
-    the batch size); ``clock`` reads seconds. A candidate that runs out of memory is left out.
+    ``step_for(model, training, data, precision, sharded=..., measured=False)`` gives the candidate's step (a
+    function of the batch size); ``clock`` reads seconds. A candidate that runs out of memory is left out.
     """
     if len(run_plan.candidates) < 2:
         return run_plan
@@ -78,8 +78,8 @@ def choose_by_timing(run_plan: MemoryPlan, model: torch.nn.Module, precision: Pr
     tokens_per_s: dict[str, Optional[float]] = {}
     for index, (mode, candidate) in enumerate(configs.items()):
         use_checkpointing_of(model, candidate.checkpointing, precision)
-        step = step_for(model, candidate.training, candidate.data, candidate.distributed.enable_fsdp, precision,
-                        measured=False)
+        step = step_for(model, candidate.training, candidate.data, precision,
+                        sharded=candidate.distributed.enable_fsdp, measured=False)
         if index == 0 and _time(step, smallest, cfg.data.context_length, device, clock, steps=1) is None:
             break  # not even the warm-up fits: nothing to time; the batch check backs off
         tokens_per_s[mode] = _time(step, candidate.training.batch_size_training, cfg.data.context_length, device,
