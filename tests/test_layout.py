@@ -249,8 +249,6 @@ def _sections_read(function: ast.FunctionDef, param: str) -> set[str] | None:
               and len(parent.args) > 1 and isinstance(parent.args[1], ast.Constant)
               and parent.args[1].value in section_names):
             sections.add(parent.args[1].value)
-        elif isinstance(parent, ast.arguments) or (isinstance(parent, ast.arg)):
-            continue
         else:
             return None
     return sections

@@ -95,9 +95,8 @@ def test_each_packed_example_has_its_loss_alone(tiny_model_dir, tokenizer, atten
     # a multiple of 16 on some CPUs (measured on an AVX2 EPYC: 8, 24, ..., 120 tokens, one row off by 1.2-2.3; an
     # example alone has any length; the packed rows have the context's). Runs refuse flex on a CPU.
     assert context % 16 == 0
-    alone_attention = "sdpa" if attention == "flex_attention" else attention
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
-                                                     attn_implementation=alone_attention)
+    reference = model if attention != "flex_attention" else AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         packed = per_example_losses(model.eval(), batch, positions=True)
         leaked = per_example_losses(model, batch, positions=False)
