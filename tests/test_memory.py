@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import mmap
+import os
 import subprocess
 import sys
 import re
@@ -44,9 +46,8 @@ def wait_for_samples(sampler: RssSampler, count: int = 2) -> None:
 
 @contextlib.contextmanager
 def collector_paused():
-    """No garbage collection inside: a collection that frees an earlier test's model (a cycle holding
-    hundreds of MiB) while a block is measured would hide the block in RSS (seen once in CI: the
-    monitor's peak equalled the RSS before a 100 MiB block was touched)."""
+    """No garbage collection inside: a collection that frees an earlier test's tensors (cycles holding
+    hundreds of MiB) while a block is measured would move RSS by more than the block's tolerance."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -67,8 +68,16 @@ def _sampler_threads():
     return [t for t in threading.enumerate() if t.name == "leantune-rss-sampler"]
 
 
-def _touch(nbytes: int) -> torch.Tensor:
-    return torch.ones(nbytes // 4, dtype=torch.float32)  # ones(): the pages are really written
+def _touch(nbytes: int) -> mmap.mmap:
+    """``nbytes`` really written, in a mapping of their own, unmapped when the block is dropped.
+
+    Not a torch tensor: late in the suite, glibc may serve even 100 MiB from freed heap memory that
+    earlier tests' training left resident, and RSS does not move at all (CI saw psutil read the same
+    byte count before and after ``torch.ones`` of 100 MiB, with garbage collection paused).
+    """
+    block = mmap.mmap(-1, nbytes)
+    torch.frombuffer(block, dtype=torch.uint8).fill_(1)  # every page written; the view is dropped at once
+    return block
 
 
 def test_memory_stats_on_cpu_reports_rss_and_marks_the_rest_unavailable():
@@ -284,8 +293,10 @@ def test_return_host_memory_gives_freed_tensors_back_to_the_system(tmp_path):
     """32 freed 4 MiB tensors: kept in the heap by glibc's default, returned (128 MiB) with the setting."""
     script = tmp_path / "heap.py"
     script.write_text(HEAP_SCRIPT)
+    # glibc as it comes: a MALLOC_* variable or tunable in the caller's environment changes what is compared.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     returned = {setting: float(subprocess.run([sys.executable, str(script), setting], capture_output=True, text=True,
-                                              check=True).stdout.split()[-1]) for setting in ("off", "on")}
+                                              check=True, env=env).stdout.split()[-1]) for setting in ("off", "on")}
     assert returned["off"] < 16 and returned["on"] >= 127, returned
 
 
