@@ -64,6 +64,11 @@ def _no_collection_during_a_test():
         yield
 
 
+def psutil_rss() -> int:
+    """This process's RSS in bytes, read by psutil: the tests' yardstick, independent of leantune's readings."""
+    return psutil.Process().memory_info().rss
+
+
 def _sampler_threads():
     return [t for t in threading.enumerate() if t.name == "leantune-rss-sampler"]
 
@@ -124,13 +129,13 @@ def test_sampler_sleeps_between_samples():
 def test_sampler_catches_a_peak_that_is_gone_by_the_end():
     with RssSampler(interval=0.01) as sampler:
         sampler.take_peak()
-        before = psutil.Process().memory_info().rss
+        before = psutil_rss()
         block = _touch(200 * MIB)
-        inside = psutil.Process().memory_info().rss
+        inside = psutil_rss()
         wait_for_samples(sampler)  # the thread, not take_peak, has seen the block
         del block
         peak = sampler.take_peak()
-        after = psutil.Process().memory_info().rss
+        after = psutil_rss()
     assert inside - before >= 190 * MIB  # the block was resident
     assert peak >= inside - 16 * MIB and after <= peak - 150 * MIB  # caught, though gone by the end
 
@@ -150,7 +155,7 @@ def finished_trace():
     """A MemoryTrace around a block that briefly holds 300 MiB, with psutil's RSS inside the block."""
     with collector_paused(), MemoryTrace(interval=0.01) as trace:
         block = _touch(300 * MIB)
-        rss_inside = psutil.Process().memory_info().rss
+        rss_inside = psutil_rss()
         wait_for_samples(trace._sampler)
         del block
     return trace, rss_inside
@@ -216,10 +221,10 @@ def test_memory_trace_stops_its_thread_when_the_body_raises():
 
 
 def test_print_stats_has_mib_precision(capsys):
-    before = psutil.Process().memory_info().rss
+    before = psutil_rss()
     with MemoryTrace(interval=0.01) as trace:
         block = _touch(200 * MIB)
-        inside = psutil.Process().memory_info().rss
+        inside = psutil_rss()
         wait_for_samples(trace._sampler)
         del block
     trace.print_stats()
@@ -242,9 +247,9 @@ def test_monitor_writes_one_line_per_step_and_summarises(tmp_path):
     path = tmp_path / "memory.jsonl"
     with MemoryMonitor(path, torch.device("cpu"), interval=0.01) as monitor:
         monitor.record(0, phase="setup")
-        before = psutil.Process().memory_info().rss
+        before = psutil_rss()
         block = _touch(100 * MIB)
-        inside = psutil.Process().memory_info().rss
+        inside = psutil_rss()
         wait_for_samples(monitor._sampler)
         del block  # gone before the line is written: only the sampler saw it
         monitor.record(1)
